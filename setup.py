@@ -1,0 +1,24 @@
+"""horovod_dgc: gradient compression (DGC, Top-k, Gaussian-k, ScaleCom, 1-bit) for Horovod."""
+from setuptools import find_packages, setup
+
+setup(
+    name="horovod_dgc",
+    version="0.1.0",
+    description="Deep Gradient Compression and friends as a drop-in compression= for Horovod",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["horovod_dgc", "horovod_dgc.*"]),
+    python_requires=">=3.9",
+    install_requires=[],
+    extras_require={
+        # Horovod itself is compiled against the framework: see scripts/setup_env.sh.
+        "torch": ["torch>=2.1"],
+        "tensorflow": ["tensorflow-cpu>=2.16", "tf_keras>=2.16"],
+        "test": ["pytest>=8", "hypothesis>=6", "mpi4py>=4"],
+        "examples": ["tqdm>=4.60", "mnist1d>=0.0.2", "matplotlib>=3.7"],
+    },
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)

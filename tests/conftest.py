@@ -1,0 +1,46 @@
+"""Shared fixtures: launching real multi-process Horovod jobs from tests."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import List, Sequence
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKERS = Path(__file__).resolve().parent / "workers"
+BIN = Path(sys.executable).parent
+
+
+def worker_env() -> dict:
+    env = dict(os.environ)
+    env.update(PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1",
+               OMP_NUM_THREADS="1",
+               # OpenMPI refuses root and shared-memory single copy in containers without these.
+               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_btl_vader_single_copy_mechanism="none")
+    return env
+
+
+def _run(cmd: List[str], timeout_s: float) -> str:
+    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-6000:]}")
+    return proc.stdout
+
+
+def horovodrun(script: str, np: int, args: Sequence[str] = (), timeout_s: float = 300) -> str:
+    """Run tests/workers/<script> on ``np`` local ranks with Gloo; return the output."""
+    cmd = [str(BIN / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}", "--gloo",
+           sys.executable, str(WORKERS / script), *args]
+    return _run(cmd, timeout_s)
+
+
+def mpirun(script: str, np: int, args: Sequence[str] = (), timeout_s: float = 300) -> str:
+    """Run tests/workers/<script> on ``np`` local ranks with OpenMPI's mpirun."""
+    cmd = ["mpirun", "--oversubscribe", "-np", str(np), "-x", "PYTHONPATH", "-x",
+           "TF_CPP_MIN_LOG_LEVEL", sys.executable, str(WORKERS / script), *args]
+    return _run(cmd, timeout_s)
