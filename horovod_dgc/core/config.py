@@ -1,0 +1,92 @@
+"""Configuration shared by every sparse method, and the validation helpers of all configs.
+
+Every hyper-parameter has exactly one default, in the frozen dataclass that owns it; the
+framework factories (``Compression.dgc(...)`` and friends) pass keywords straight through.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+VALUE_DTYPES = ("float32", "float16")
+NONFINITE_POLICIES = ("raise", "skip")
+
+
+def require_fraction(name: str, value: float) -> None:
+    """Raise ValueError unless ``0 < value <= 1``."""
+    if not isinstance(value, (int, float)) or not 0.0 < value <= 1.0 or math.isnan(value):
+        raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+
+
+def require_non_negative(name: str, value: float) -> None:
+    if not isinstance(value, (int, float)) or not value >= 0.0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+
+
+def require_positive_int(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def require_choice(name: str, value: str, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    """Settings common to the sparse (index, value) methods.
+
+    Attributes:
+        density: fraction of a tensor's elements sent each step, in (0, 1].
+        value_dtype: wire dtype of the values, ``"float32"`` or ``"float16"``. bfloat16
+            gradients always travel as bfloat16 bits, without loss. Whatever rounding the
+            wire dtype causes stays in the residual.
+        min_numel: tensors with fewer elements are not compressed: they go dense through
+            all-reduce (biases, norm layers).
+        compress_1d: also compress 1-D tensors of at least ``min_numel`` elements (the DGC
+            reference compresses only tensors with more than one dimension).
+        nonfinite: what a NaN or Inf gradient does: ``"raise"`` an error naming the tensor,
+            or ``"skip"`` this rank's contribution for that tensor this step. Either way the
+            residual is left as it was.
+        warmup_epochs: epochs of warm-up sparsity (0: none). The density of epoch e < W is
+            ``max(warmup_factor ** (e + 1), density)``, or ``warmup_densities[e]``; the
+            compressor's ``set_epoch`` tells it the epoch.
+        warmup_factor: ratio between successive warm-up densities (0.25 in the DGC paper).
+        warmup_densities: explicit density per warm-up epoch, instead of the formula.
+    """
+
+    density: float = 0.01
+    value_dtype: str = "float32"
+    min_numel: int = 1024
+    compress_1d: bool = False
+    nonfinite: str = "raise"
+    warmup_epochs: int = 0
+    warmup_factor: float = 0.25
+    warmup_densities: Optional[Tuple[float, ...]] = None
+
+    def __post_init__(self) -> None:
+        self.schedule  # validates the warm-up fields
+        require_choice("value_dtype", self.value_dtype, VALUE_DTYPES)
+        require_positive_int("min_numel", self.min_numel)
+        require_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
+
+    @property
+    def schedule(self) -> "DensitySchedule":
+        """The density schedule these settings describe."""
+        from .warmup import DensitySchedule
+
+        densities = None if self.warmup_densities is None else tuple(self.warmup_densities)
+        return DensitySchedule(self.density, self.warmup_epochs, self.warmup_factor, densities)
+
+    def compresses(self, shape: tuple, dtype: str) -> bool:
+        """Whether a tensor of this shape and dtype is compressed (else it goes dense)."""
+        numel = math.prod(shape)
+        floating = dtype in ("float16", "bfloat16", "float32", "float64")
+        return floating and numel >= self.min_numel and (len(shape) > 1 or self.compress_1d)
+
+
+def optional_positive(name: str, value: Optional[float]) -> None:
+    if value is not None and (not isinstance(value, (int, float)) or not value > 0):
+        raise ValueError(f"{name} must be > 0 or None, got {value!r}")

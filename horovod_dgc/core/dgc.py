@@ -1,0 +1,89 @@
+"""Deep Gradient Compression (Lin et al., ICLR 2018), ALGORITHMS.md section 1.
+
+Momentum correction (momentum accumulated locally, before selection), local gradient
+clipping scaled by 1/sqrt(N), momentum factor masking, warm-up sparsity, and the sampled
+threshold with exact re-selection among the candidates. The optimizer that applies the
+result must be plain SGD: the momentum and weight decay live here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from .config import (SparseConfig, optional_positive, require_fraction, require_non_negative,
+                     require_positive_int)
+from .memory import MomentumCorrectionMemory
+from .ops import Scalar, Tensor, TensorOps
+from .selection import select_sampled
+from .sparse import SparseMethod, StepContext
+from .wire import tensor_id
+
+
+@dataclass(frozen=True)
+class DGCConfig(SparseConfig):
+    """DGC's settings (and :class:`SparseConfig`'s).
+
+    Attributes:
+        density: fraction of each compressed tensor sent per step (0.1% in the paper).
+        momentum: momentum coefficient m of momentum correction, in [0, 1).
+        nesterov: Nesterov momentum (``u = m * (u + g); v = v + u + g``).
+        weight_decay: L2 coefficient folded into the gradient before compression.
+        clip_norm: global gradient-norm bound C; each worker clips each tensor's gradient
+            to ``C / sqrt(N)`` (None: no clipping).
+        sample_ratio: fraction of entries sampled to estimate the threshold, in (0, 1].
+        max_retries: times the threshold is lowered when too few entries reach it.
+        retry_factor: factor the threshold is lowered by, in (0, 1).
+    """
+
+    density: float = 0.001
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    clip_norm: Optional[float] = None
+    sample_ratio: float = 0.01
+    max_retries: int = 4
+    retry_factor: float = 0.8
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.momentum, (int, float)) or not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum!r}")
+        require_non_negative("weight_decay", self.weight_decay)
+        optional_positive("clip_norm", self.clip_norm)
+        require_fraction("sample_ratio", self.sample_ratio)
+        require_positive_int("max_retries", self.max_retries)
+        if not isinstance(self.retry_factor, (int, float)) or not 0.0 < self.retry_factor < 1.0:
+            raise ValueError(f"retry_factor must be in (0, 1), got {self.retry_factor!r}")
+
+
+# Knuth's multiplicative hash spreads successive steps over the sampling offsets.
+_OFFSET_MULTIPLIER = 2654435761
+
+
+class DGC(SparseMethod):
+    method_id = 2
+    config: DGCConfig
+
+    def __init__(self, config: DGCConfig = DGCConfig()):
+        super().__init__(config)
+
+    def make_memory(self) -> MomentumCorrectionMemory:
+        return MomentumCorrectionMemory(self.config.momentum, self.config.nesterov)
+
+    def prepare(self, ops: TensorOps, grad: Tensor, ctx: StepContext) -> Tuple[Tensor, Scalar]:
+        """Weight decay, then local clipping to ``C / sqrt(N)`` (as a scale factor)."""
+        cfg = self.config
+        if cfg.weight_decay > 0.0:
+            if ctx.param is None:
+                raise ValueError(f"weight_decay needs the parameter of tensor {ctx.name!r}")
+            grad = ops.scale_add(ops.copy(grad), 1.0, ctx.param, cfg.weight_decay)
+        if cfg.clip_norm is None:
+            return grad, 1.0
+        bound = cfg.clip_norm / ctx.world_size ** 0.5
+        norm = ops.sqrt(ops.dot(grad, grad))
+        return grad, ops.minimum(bound / ops.maximum(norm, 1e-30), 1.0)
+
+    def select(self, ops: TensorOps, x: Tensor, k: int, ctx: StepContext) -> Tensor:
+        cfg = self.config
+        offset = (ctx.step * _OFFSET_MULTIPLIER + tensor_id(ctx.name)) % 2 ** 31
+        return select_sampled(ops, x, k, cfg.sample_ratio, offset, cfg.max_retries, cfg.retry_factor)

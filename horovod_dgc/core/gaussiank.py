@@ -1,0 +1,38 @@
+"""Gaussian-k (Shi et al., arXiv 1911.08772), ALGORITHMS.md section 3.
+
+Error feedback as Top-k, but the threshold comes from the mean and standard deviation of
+``p = g + e`` instead of a sort, adjusted at most three times towards [2k/3, 4k/3] entries.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import SparseConfig
+from .memory import ResidualMemory
+from .ops import Tensor, TensorOps
+from .selection import gaussian_capacity, select_gaussian
+from .sparse import SparseMethod, StepContext
+
+
+@dataclass(frozen=True)
+class GaussianKConfig(SparseConfig):
+    """Gaussian threshold; see :class:`SparseConfig` for the fields. Messages have room for
+    ``ceil(4k/3)`` entries; the count sent varies from step to step."""
+
+    density: float = 0.001
+
+
+class GaussianK(SparseMethod):
+    method_id = 3
+
+    def __init__(self, config: GaussianKConfig = GaussianKConfig()):
+        super().__init__(config)
+
+    def make_memory(self) -> ResidualMemory:
+        return ResidualMemory()
+
+    def capacity(self, k: int, numel: int) -> int:
+        return gaussian_capacity(k, numel)
+
+    def select(self, ops: TensorOps, x: Tensor, k: int, ctx: StepContext) -> Tensor:
+        return select_gaussian(ops, x, k)

@@ -1,0 +1,80 @@
+"""Error feedback: what a worker keeps of the gradient it has not sent yet.
+
+A memory turns this step's gradient into the tensor selection picks from (``accumulate``),
+then removes what was actually sent (``update``). Both keep the invariant that no gradient
+mass is lost: ``sent + memory`` after the step equals ``memory + gradient`` before it (for the
+plain residual; momentum correction keeps it for the accumulated velocity).
+
+``sent`` is always the value the receivers decode, so rounding to the wire dtype stays here too.
+State is a dict of flat tensors owned by the caller; methods return the new dict.
+"""
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+from .ops import Scalar, Tensor, TensorOps
+
+State = Dict[str, Tensor]
+
+
+class ResidualMemory:
+    """Plain error feedback: ``p = g + e``; after sending ``s``, ``e = p - s``."""
+
+    state_names: Tuple[str, ...] = ("residual",)
+    dense_state_names: Tuple[str, ...] = ()
+
+    def accumulate(self, ops: TensorOps, state: State, grad: Tensor,
+                   grad_scale: Scalar = 1.0) -> Tuple[Tensor, State]:
+        residual = ops.scale_add(state["residual"], 1.0, grad, grad_scale)
+        return residual, {"residual": residual}
+
+    def update(self, ops: TensorOps, state: State, indices: Tensor, sent: Tensor) -> State:
+        return {"residual": ops.scatter_sub(state["residual"], indices, sent)}
+
+    def dense(self, ops: TensorOps, state: State, grad: Tensor,
+              grad_scale: Scalar = 1.0) -> Tuple[Tensor, State]:
+        return grad, state
+
+
+class MomentumCorrectionMemory:
+    """DGC's momentum correction with momentum factor masking (ALGORITHMS.md section 1).
+
+    ``u = m * u + g; v = v + u`` (Nesterov: ``u = m * (u + g); v = v + u + g``); after
+    sending ``v[I]``: ``v[I] -= sent`` and ``u[I] = 0``.
+    """
+
+    state_names: Tuple[str, ...] = ("momentum", "velocity")
+    dense_state_names: Tuple[str, ...] = ("momentum",)
+
+    def __init__(self, momentum: float, nesterov: bool):
+        self.momentum = momentum
+        self.nesterov = nesterov
+
+    def _step_momentum(self, ops: TensorOps, momentum: Tensor, grad: Tensor,
+                       grad_scale: Scalar) -> Tensor:
+        m = self.momentum
+        if self.nesterov:
+            return ops.scale_add(momentum, m, grad, grad_scale * m)
+        return ops.scale_add(momentum, m, grad, grad_scale)
+
+    def accumulate(self, ops: TensorOps, state: State, grad: Tensor,
+                   grad_scale: Scalar = 1.0) -> Tuple[Tensor, State]:
+        momentum = self._step_momentum(ops, state["momentum"], grad, grad_scale)
+        velocity = ops.scale_add(state["velocity"], 1.0, momentum)
+        if self.nesterov:
+            velocity = ops.scale_add(velocity, 1.0, grad, grad_scale)
+        return velocity, {"momentum": momentum, "velocity": velocity}
+
+    def update(self, ops: TensorOps, state: State, indices: Tensor, sent: Tensor) -> State:
+        return {"momentum": ops.scatter_zero(state["momentum"], indices),
+                "velocity": ops.scatter_sub(state["velocity"], indices, sent)}
+
+    def dense(self, ops: TensorOps, state: State, grad: Tensor,
+              grad_scale: Scalar = 1.0) -> Tuple[Tensor, State]:
+        """Momentum for a tensor that is not compressed: send ``u`` (Nesterov: ``u + g``)."""
+        momentum = self._step_momentum(ops, state["momentum"], grad, grad_scale)
+        if self.nesterov:
+            update = ops.scale_add(ops.copy(momentum), 1.0, grad, grad_scale)
+        else:
+            update = ops.copy(momentum)
+        return update, {"momentum": momentum}

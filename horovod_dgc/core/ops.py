@@ -1,0 +1,194 @@
+"""The tensor-operations interface the framework-free core is written against.
+
+Every algorithm in :mod:`horovod_dgc.core` works on flat (1-D) tensors through a
+:class:`TensorOps` object and never imports a framework. ``horovod_dgc.torch.ops`` and
+``horovod_dgc.tensorflow.ops`` implement it.
+
+Conventions:
+
+* Arithmetic methods whose first argument is named ``out`` may overwrite it and return it
+  (PyTorch updates in place) or return a new tensor (TensorFlow, functional); the caller always
+  uses the returned tensor and never reads the old one again.
+* Scalars that depend on data (norms, thresholds, counts) stay tensors, so TensorFlow can build
+  a graph; :meth:`while_loop` and :meth:`cond` are the only control flow the core uses.
+* Dtypes are named by strings: ``"float32"``, ``"float16"``, ``"bfloat16"``, ``"float64"``,
+  ``"int32"``, ``"int64"``, ``"uint8"``.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Callable, Sequence, Tuple
+
+Tensor = Any
+Scalar = Any  # a 0-d tensor or a Python number
+
+
+class TensorOps(ABC):
+    """Operations on flat tensors; one implementation per framework."""
+
+    # -- shape, dtype, construction -------------------------------------------------------
+    @abstractmethod
+    def numel(self, x: Tensor) -> int:
+        """Number of elements, known when the graph is built."""
+
+    @abstractmethod
+    def dtype(self, x: Tensor) -> str:
+        """The dtype name of ``x``."""
+
+    @abstractmethod
+    def cast(self, x: Tensor, dtype: str) -> Tensor:
+        """``x`` converted to ``dtype`` (no copy when it already has it)."""
+
+    @abstractmethod
+    def zeros(self, n: int, dtype: str, like: Tensor) -> Tensor:
+        """A new tensor of ``n`` zeros on the device of ``like``."""
+
+    @abstractmethod
+    def constant(self, values: Sequence[Any], dtype: str, like: Tensor) -> Tensor:
+        """A small 1-D tensor of ``values`` (Python ints or 0-d integer tensors) on the
+        device of ``like``."""
+
+    @abstractmethod
+    def copy(self, x: Tensor) -> Tensor:
+        """A new tensor equal to ``x`` (never aliases it)."""
+
+    @abstractmethod
+    def concat(self, parts: Sequence[Tensor]) -> Tensor:
+        """The 1-D concatenation of ``parts`` (all of one dtype)."""
+
+    @abstractmethod
+    def slice(self, x: Tensor, start: int, length: int) -> Tensor:
+        """``x[start:start + length]`` with static bounds."""
+
+    # -- elementwise arithmetic and reductions ---------------------------------------------
+    @abstractmethod
+    def scale_add(self, out: Tensor, alpha: Scalar, x: Tensor, beta: Scalar = 1.0) -> Tensor:
+        """``out * alpha + x * beta`` (may overwrite ``out``)."""
+
+    @abstractmethod
+    def scale(self, out: Tensor, alpha: Scalar) -> Tensor:
+        """``out * alpha`` (may overwrite ``out``)."""
+
+    @abstractmethod
+    def add(self, x: Tensor, y: Tensor) -> Tensor:
+        """``x + y`` as a new tensor."""
+
+    @abstractmethod
+    def sum(self, x: Tensor) -> Scalar:
+        """Sum of all elements, a 0-d tensor."""
+
+    @abstractmethod
+    def dot(self, x: Tensor, y: Tensor) -> Scalar:
+        """Inner product, a 0-d tensor."""
+
+    @abstractmethod
+    def abs(self, x: Tensor) -> Tensor:
+        """Elementwise absolute value (new tensor)."""
+
+    @abstractmethod
+    def sqrt(self, s: Scalar) -> Scalar:
+        """Square root of a scalar tensor."""
+
+    @abstractmethod
+    def minimum(self, a: Scalar, b: Scalar) -> Scalar:
+        """Elementwise minimum."""
+
+    @abstractmethod
+    def maximum(self, a: Scalar, b: Scalar) -> Scalar:
+        """Elementwise maximum."""
+
+    @abstractmethod
+    def is_finite(self, s: Scalar) -> Scalar:
+        """Whether the scalar ``s`` is finite (a boolean scalar tensor)."""
+
+    @abstractmethod
+    def where(self, pred: Scalar, a: Scalar, b: Scalar) -> Scalar:
+        """``a`` where ``pred`` else ``b``, elementwise."""
+
+    # -- selection -------------------------------------------------------------------------
+    @abstractmethod
+    def topk_abs(self, x: Tensor, k: int) -> Tensor:
+        """Indices (int64) of the ``k`` elements of largest magnitude, exact."""
+
+    @abstractmethod
+    def kth_largest(self, x: Tensor, k: int) -> Scalar:
+        """The ``k``-th largest value of ``x`` (1-based), exact."""
+
+    @abstractmethod
+    def strided_sample(self, x: Tensor, offset: int, stride: int) -> Tensor:
+        """``x[offset::stride]``."""
+
+    @abstractmethod
+    def block_abs_max(self, x: Tensor, block: int) -> Tensor:
+        """Max of ``|x|`` over consecutive blocks of ``block`` elements (last one may be short)."""
+
+    @abstractmethod
+    def gather_blocks(self, x: Tensor, blocks: Tensor, block: int) -> Tensor:
+        """The elements of the listed blocks (int64 block numbers), concatenated: entry
+        ``i * block + j`` is ``x[blocks[i] * block + j]``, NaN past the end of ``x``."""
+
+    @abstractmethod
+    def nonzero(self, mask: Tensor) -> Tensor:
+        """Positions (int64) where the boolean ``mask`` is true, ascending."""
+
+    @abstractmethod
+    def greater_equal(self, x: Tensor, threshold: Scalar) -> Tensor:
+        """Boolean mask ``x >= threshold``."""
+
+    @abstractmethod
+    def count(self, mask: Tensor) -> Scalar:
+        """Number of true entries of a boolean mask (int64 scalar)."""
+
+    @abstractmethod
+    def size(self, x: Tensor) -> Scalar:
+        """Length of a 1-D tensor whose length depends on data (int64 scalar)."""
+
+    @abstractmethod
+    def gather(self, x: Tensor, indices: Tensor) -> Tensor:
+        """``x[indices]``."""
+
+    @abstractmethod
+    def scatter_sub(self, out: Tensor, indices: Tensor, values: Tensor) -> Tensor:
+        """``out[indices] -= values`` for unique indices (may overwrite ``out``)."""
+
+    @abstractmethod
+    def scatter_zero(self, out: Tensor, indices: Tensor) -> Tensor:
+        """``out[indices] = 0`` (may overwrite ``out``)."""
+
+    @abstractmethod
+    def scatter_add(self, out: Tensor, indices: Tensor, values: Tensor) -> Tensor:
+        """``out[indices] += values``; repeated indices are summed (may overwrite ``out``)."""
+
+    @abstractmethod
+    def pad(self, x: Tensor, length: int) -> Tensor:
+        """``x`` followed by zeros up to ``length`` elements (``len(x) <= length``)."""
+
+    # -- bytes on the wire -----------------------------------------------------------------
+    @abstractmethod
+    def to_bytes(self, x: Tensor) -> Tensor:
+        """The raw bytes of ``x`` as a uint8 tensor (bit-exact, native byte order)."""
+
+    @abstractmethod
+    def from_bytes(self, data: Tensor, dtype: str) -> Tensor:
+        """Reinterpret a uint8 tensor as ``dtype`` (its length must be a multiple)."""
+
+    @abstractmethod
+    def inspect(self, x: Tensor, check: Callable[[list], None]) -> None:
+        """Call ``check`` with the values of the small integer tensor ``x`` as Python ints,
+        when the values exist (TensorFlow: at run time, an exception it raises fails the step)."""
+
+    # -- control flow ----------------------------------------------------------------------
+    @abstractmethod
+    def check(self, pred: Scalar, error: Exception) -> None:
+        """Raise ``error`` when the boolean scalar ``pred`` is false (TensorFlow: a graph
+        assertion carrying the error's message)."""
+
+    @abstractmethod
+    def while_loop(self, cond: Callable[..., Scalar], body: Callable[..., Tuple],
+                   loop_vars: Tuple, max_iterations: int) -> Tuple:
+        """Run ``loop_vars = body(*loop_vars)`` while ``cond(*loop_vars)``, at most
+        ``max_iterations`` times."""
+
+    @abstractmethod
+    def cond(self, pred: Scalar, true_fn: Callable[[], Any], false_fn: Callable[[], Any]) -> Any:
+        """``true_fn()`` if ``pred`` else ``false_fn()``; only the branch taken runs."""

@@ -1,0 +1,158 @@
+"""Which entries of a tensor to send: exact top-k, DGC's sampled threshold, Gaussian-k.
+
+Each selector returns the int64 positions of the chosen entries of a flat tensor ``x``.
+
+The sampled and Gaussian selectors never build a full-size temporary: one pass computes the
+maximum of ``|x|`` per small block, and every later step (counting entries above a threshold,
+lowering it, collecting them) looks only inside the blocks whose maximum reaches the
+threshold. A threshold retry therefore costs almost nothing, and the final exact top-k runs
+over a few more than k candidates instead of the whole tensor.
+"""
+from __future__ import annotations
+
+import math
+from statistics import NormalDist
+from typing import Any, Tuple
+
+from .ops import Scalar, Tensor, TensorOps
+
+# Blocks hold about sqrt(1/density) elements. Candidate blocks then hold about k * block
+# elements and there are n / block block maxima: the square root balances the two.
+MIN_BLOCK = 8
+MAX_BLOCK = 1024
+# The sample's threshold is taken a little below its k-th largest value, so that the first
+# try already finds at least k entries in the great majority of steps.
+SAMPLE_MARGIN = 1.15
+# A sample always contains at least this many expected selections, whatever the density.
+MIN_SAMPLED_SELECTIONS = 64
+
+
+def top_count(density: float, numel: int) -> int:
+    """k: how many entries a tensor of ``numel`` elements sends at ``density``."""
+    return min(numel, max(1, math.ceil(density * numel)))
+
+
+def block_size(density: float) -> int:
+    """Block length (a power of two) used to filter candidates at ``density``."""
+    target = (1.0 / density) ** 0.5
+    size = 2 ** max(0, round(math.log2(max(target, 1.0))))
+    return min(MAX_BLOCK, max(MIN_BLOCK, size))
+
+
+def select_exact(ops: TensorOps, x: Tensor, k: int) -> Tensor:
+    """The k entries of largest magnitude, by a full exact top-k."""
+    return ops.topk_abs(x, k)
+
+
+class _BlockFilter:
+    """Entries of ``x`` with ``|x| >= threshold``, found through per-block maxima."""
+
+    def __init__(self, ops: TensorOps, x: Tensor, block: int):
+        self.ops, self.x, self.block = ops, x, block
+        self.block_max = ops.block_abs_max(x, block)
+        self._last: Tuple[Any, Tuple[Tensor, Tensor]] = (None, (None, None))
+
+    def at(self, threshold: Scalar) -> Tuple[Tensor, Tensor]:
+        """(positions, magnitudes) of every entry with ``|x| >= threshold``."""
+        if self._last[0] is threshold:
+            return self._last[1]
+        ops, block = self.ops, self.block
+        blocks = ops.nonzero(ops.greater_equal(self.block_max, threshold))
+        magnitudes = ops.abs(ops.gather_blocks(self.x, blocks, block))
+        keep = ops.nonzero(ops.greater_equal(magnitudes, threshold))
+        positions = ops.gather(blocks, keep // block) * block + keep % block
+        self._last = (threshold, (positions, ops.gather(magnitudes, keep)))
+        return self._last[1]
+
+    def count(self, threshold: Scalar) -> Scalar:
+        return self.ops.size(self.at(threshold)[0])
+
+    def largest(self, threshold: Scalar, k: int) -> Tensor:
+        """Positions of the k largest entries among those at or above ``threshold``
+        (there must be at least k of them)."""
+        positions, magnitudes = self.at(threshold)
+        return self.ops.gather(positions, self.ops.topk_abs(magnitudes, k))
+
+
+def sampled_threshold(ops: TensorOps, x: Tensor, k: int, sample_ratio: float,
+                      offset: int) -> Scalar:
+    """Estimate of the k-th largest ``|x|`` from a strided sample starting at ``offset``.
+
+    The sample holds ``max(sample_ratio * n, MIN_SAMPLED_SELECTIONS * n / k)`` entries.
+    """
+    n = ops.numel(x)
+    sample_size = min(n, max(math.ceil(sample_ratio * n), math.ceil(MIN_SAMPLED_SELECTIONS * n / k)))
+    stride = max(1, n // sample_size)
+    sample = ops.abs(ops.strided_sample(x, offset % stride, stride))
+    m = ops.numel(sample)
+    rank = min(m, max(1, math.ceil(k / n * m * SAMPLE_MARGIN)))
+    return ops.kth_largest(sample, rank)
+
+
+def select_sampled(ops: TensorOps, x: Tensor, k: int, sample_ratio: float, offset: int,
+                   max_retries: int, retry_factor: float) -> Tensor:
+    """DGC's selection: sampled threshold, lowered by ``retry_factor`` up to ``max_retries``
+    times until at least k entries reach it, then exact top-k among those candidates.
+
+    Exactly k positions come back, and they are the true top-k: if the retries still find
+    fewer than k, the k-th largest block maximum (which never exceeds the k-th largest
+    entry) becomes the threshold.
+    """
+    n = ops.numel(x)
+    if k >= n:
+        return ops.topk_abs(x, n)
+    candidates = _BlockFilter(ops, x, block_size(k / n))
+    threshold = sampled_threshold(ops, x, k, sample_ratio, offset)
+
+    def lower(t: Scalar, _count: Scalar) -> Tuple[Scalar, Scalar]:
+        t = t * retry_factor
+        return t, candidates.count(t)
+
+    threshold, count = ops.while_loop(lambda _t, c: c < k, lower,
+                                      (threshold, candidates.count(threshold)), max_retries)
+    threshold = ops.cond(count < k, lambda: ops.kth_largest(candidates.block_max, k),
+                         lambda: threshold)
+    return candidates.largest(threshold, k)
+
+
+def gaussian_threshold(ops: TensorOps, x: Tensor, density: float) -> Scalar:
+    """``|mean| + std * z`` with ``z = Phi^-1(1 - density / 2)``: the magnitude a normal
+    distribution exceeds with probability ``density``."""
+    n = ops.numel(x)
+    mean = ops.sum(x) / n
+    variance = ops.maximum(ops.dot(x, x) / n - mean * mean, 0.0)
+    z = NormalDist().inv_cdf(1.0 - density / 2.0)
+    return ops.abs(mean) + ops.sqrt(variance) * z
+
+
+GAUSSIAN_ADJUSTMENTS = 3
+GAUSSIAN_LOW, GAUSSIAN_HIGH = 2.0 / 3.0, 4.0 / 3.0
+GAUSSIAN_LOWER_BY, GAUSSIAN_RAISE_BY = 0.5, 1.5
+
+
+def gaussian_capacity(k: int, numel: int) -> int:
+    """Most entries Gaussian-k sends for a target of k: the upper end of its accepted range."""
+    return min(numel, math.ceil(GAUSSIAN_HIGH * k))
+
+
+def select_gaussian(ops: TensorOps, x: Tensor, k: int) -> Tensor:
+    """Gaussian-k: threshold from mean and standard deviation, adjusted at most three times
+    (x0.5 below 2k/3 entries, x1.5 above 4k/3); at most ``gaussian_capacity`` positions come
+    back (the largest ones if more reach the final threshold)."""
+    n = ops.numel(x)
+    capacity = gaussian_capacity(k, n)
+    if capacity >= n:
+        return ops.topk_abs(x, n)
+    candidates = _BlockFilter(ops, x, block_size(k / n))
+    low, high = GAUSSIAN_LOW * k, GAUSSIAN_HIGH * k
+
+    def adjust(t: Scalar, count: Scalar) -> Tuple[Scalar, Scalar]:
+        t = t * ops.where(count < low, GAUSSIAN_LOWER_BY, GAUSSIAN_RAISE_BY)
+        return t, candidates.count(t)
+
+    threshold = gaussian_threshold(ops, x, k / n)
+    threshold, count = ops.while_loop(lambda _t, c: (c < low) | (c > high), adjust,
+                                      (threshold, candidates.count(threshold)),
+                                      GAUSSIAN_ADJUSTMENTS)
+    return ops.cond(count > capacity, lambda: candidates.largest(threshold, capacity),
+                    lambda: candidates.at(threshold)[0])

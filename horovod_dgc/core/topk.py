@@ -1,0 +1,33 @@
+"""Top-k sparsification with error feedback (TopK-SGD), ALGORITHMS.md section 2.
+
+``p = g + e; s = topk(p, k); e = p - s``: nothing is lost, only delayed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import SparseConfig
+from .memory import ResidualMemory
+from .ops import Tensor, TensorOps
+from .selection import select_exact
+from .sparse import SparseMethod, StepContext
+
+
+@dataclass(frozen=True)
+class TopKConfig(SparseConfig):
+    """Exact top-k by magnitude, per tensor; see :class:`SparseConfig` for the fields."""
+
+    density: float = 0.01
+
+
+class TopK(SparseMethod):
+    method_id = 1
+
+    def __init__(self, config: TopKConfig = TopKConfig()):
+        super().__init__(config)
+
+    def make_memory(self) -> ResidualMemory:
+        return ResidualMemory()
+
+    def select(self, ops: TensorOps, x: Tensor, k: int, ctx: StepContext) -> Tensor:
+        return select_exact(ops, x, k)

@@ -1,0 +1,145 @@
+"""Per-tensor state and the core calls for PyTorch, shared by both Horovod paths.
+
+An :class:`Engine` knows nothing of Horovod: it turns a named gradient into either a sparse
+message (bytes) or a dense tensor to all-reduce, and turns gathered messages back into the
+averaged dense gradient. ``compression.py`` (stock ``hvd.DistributedOptimizer``) and
+``optimizer.py`` (our own, fused) put the collectives around it.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+from ..core.sparse import SparseMethod, StepContext
+from ..core.stats import CompressionStats, StatsRecorder
+from ..core.wire import MessageLayout
+from .ops import TorchOps, dtype_name
+
+
+@dataclass
+class SparseOutcome:
+    """A compressed tensor: its message, and what decompress needs to rebuild it."""
+
+    name: str
+    message: torch.Tensor
+    layout: MessageLayout
+    step: int
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+class Engine:
+    """Holds a method, the per-tensor memories, the step counters and the statistics."""
+
+    def __init__(self, method: SparseMethod, world_size: int, rank: int):
+        self.method = method
+        self.config = method.config
+        self.ops = TorchOps()
+        self.world_size = world_size
+        self.rank = rank
+        self.epoch = 0.0
+        self._states: Dict[str, dict] = {}
+        self._steps: Dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._stats = StatsRecorder()
+
+    # -- schedule and statistics ------------------------------------------------------------
+    @property
+    def density(self) -> float:
+        """Density in force now (after warm-up)."""
+        return self.config.schedule.density(self.epoch)
+
+    def stats(self) -> CompressionStats:
+        return self._stats.snapshot()
+
+    def reset_stats(self) -> None:
+        self._stats.reset()
+
+    # -- which path -------------------------------------------------------------------------
+    def compresses(self, tensor: torch.Tensor) -> bool:
+        return self.config.compresses(tuple(tensor.shape), dtype_name(tensor.dtype))
+
+    @staticmethod
+    def passes_through(tensor: torch.Tensor) -> bool:
+        """Zero-element and non-floating tensors are handed on untouched."""
+        return tensor.numel() == 0 or not tensor.is_floating_point()
+
+    def _next_step(self, name: str) -> int:
+        with self._lock:
+            step = self._steps.get(name, 0)
+            self._steps[name] = step + 1
+            return step
+
+    def _state(self, name: str, flat: torch.Tensor, compressed: bool) -> dict:
+        with self._lock:
+            if name not in self._states:
+                self._states[name] = self.method.init_state(self.ops, flat, compressed)
+            return self._states[name]
+
+    def _context(self, name: str, step: int, param: Optional[torch.Tensor]) -> StepContext:
+        flat_param = None if param is None else param.detach().reshape(-1)
+        return StepContext(name=name, rank=self.rank, world_size=self.world_size, step=step,
+                           density=self.density, param=flat_param)
+
+    # -- the two paths ------------------------------------------------------------------------
+    def compress(self, name: str, grad: torch.Tensor, param: Optional[torch.Tensor]) -> SparseOutcome:
+        """Sparse message for a tensor that :meth:`compresses`."""
+        started = time.perf_counter()
+        flat = grad.detach().reshape(-1)
+        step = self._next_step(name)
+        ctx = self._context(name, step, param)
+        result = self.method.compress(self.ops, self._state(name, flat, True), flat, ctx)
+        with self._lock:
+            self._states[name] = result.state
+        elapsed = time.perf_counter() - started
+        self._stats.record(step=step, bytes_sent=result.layout.nbytes,
+                           dense_bytes=grad.numel() * grad.element_size(),
+                           elements_sent=int(result.count), elements_compressed=grad.numel(),
+                           selection_time_s=elapsed)
+        return SparseOutcome(name, result.message, result.layout, step, grad.shape, grad.dtype)
+
+    def dense(self, name: str, grad: torch.Tensor, param: Optional[torch.Tensor]) -> torch.Tensor:
+        """What to all-reduce for a tensor that does not compress (a new tensor)."""
+        flat = grad.detach().reshape(-1)
+        step = self._next_step(name)
+        update, state = self.method.dense(self.ops, self._state(name, flat, False), flat,
+                                          self._context(name, step, param))
+        with self._lock:
+            self._states[name] = state
+        update = update.to(grad.dtype).reshape(grad.shape)
+        if update.data_ptr() == grad.data_ptr():
+            update = update.clone()
+        self._stats.record(step=step, bytes_sent=update.numel() * update.element_size(),
+                           dense_bytes=grad.numel() * grad.element_size())
+        return update
+
+    def record_placeholder(self, step: int, nbytes: int) -> None:
+        """Count the bytes of the placeholder Horovod all-reduces beside a sparse message."""
+        self._stats.record(step=step, bytes_sent=nbytes, dense_bytes=0)
+
+    def decompress(self, gathered: torch.Tensor, outcomes: Sequence[SparseOutcome]) -> List[torch.Tensor]:
+        """Averaged dense gradients of ``outcomes`` from the allgather of every rank's
+        messages (concatenated in the same order on every rank)."""
+        layouts = [o.layout for o in outcomes]
+        dtypes = [dtype_name(o.dtype) for o in outcomes]
+        steps = {o.step for o in outcomes}
+        if len(steps) != 1:
+            raise RuntimeError(f"tensors of one fused message are at different steps: {sorted(steps)}")
+        flats = self.method.decompress(self.ops, gathered, layouts, self.world_size, steps.pop(), dtypes)
+        return [flat.reshape(o.shape) for flat, o in zip(flats, outcomes)]
+
+    # -- checkpointing --------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        with self._lock:
+            return {"epoch": self.epoch, "steps": dict(self._steps),
+                    "states": {n: {k: v.clone() for k, v in s.items()} for n, s in self._states.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        with self._lock:
+            self.epoch = state["epoch"]
+            self._steps = dict(state["steps"])
+            self._states = {n: {k: v.clone() for k, v in s.items()} for n, s in state["states"].items()}

@@ -1,0 +1,182 @@
+"""PyTorch implementation of the core's :class:`~horovod_dgc.core.ops.TensorOps`.
+
+Updates happen in place (``out`` arguments are overwritten), and data-dependent control flow
+reads the condition on the host: one synchronisation per loop test, none per element.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence, Tuple
+
+import torch
+
+from ..core.ops import Scalar, TensorOps
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "float64": torch.float64, "int32": torch.int32, "int64": torch.int64,
+          "uint8": torch.uint8, "bool": torch.bool}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+# Rows of a block-maximum chunk: about 1 MiB of float32 at the usual block sizes.
+_CHUNK_ROWS = 4096
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The core's name of a torch dtype (``"other"`` for dtypes the core does not know)."""
+    return DTYPE_NAMES.get(dtype, "other")
+
+
+class TorchOps(TensorOps):
+    def numel(self, x: torch.Tensor) -> int:
+        return x.numel()
+
+    def dtype(self, x: torch.Tensor) -> str:
+        return dtype_name(x.dtype)
+
+    def cast(self, x: torch.Tensor, dtype: str) -> torch.Tensor:
+        return x.to(DTYPES[dtype])
+
+    def zeros(self, n: int, dtype: str, like: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(n, dtype=DTYPES[dtype], device=like.device)
+
+    def constant(self, values: Sequence[Any], dtype: str, like: torch.Tensor) -> torch.Tensor:
+        return torch.tensor([int(v) for v in values], dtype=DTYPES[dtype], device=like.device)
+
+    def copy(self, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    def concat(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(list(parts))
+
+    def slice(self, x: torch.Tensor, start: int, length: int) -> torch.Tensor:
+        return x[start:start + length]
+
+    def scale_add(self, out: torch.Tensor, alpha: Scalar, x: torch.Tensor,
+                  beta: Scalar = 1.0) -> torch.Tensor:
+        if not (isinstance(alpha, (int, float)) and alpha == 1.0):
+            out.mul_(alpha)
+        if isinstance(beta, torch.Tensor):
+            return out.add_(x * beta)
+        return out.add_(x, alpha=beta)
+
+    def scale(self, out: torch.Tensor, alpha: Scalar) -> torch.Tensor:
+        return out.mul_(alpha)
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x + y
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sum()
+
+    def dot(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.dot(x, y)
+
+    def abs(self, x: Any) -> Any:
+        return x.abs() if isinstance(x, torch.Tensor) else abs(x)
+
+    def sqrt(self, s: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(torch.as_tensor(s))
+
+    def minimum(self, a: Scalar, b: Scalar) -> torch.Tensor:
+        return torch.minimum(torch.as_tensor(a), torch.as_tensor(b))
+
+    def maximum(self, a: Scalar, b: Scalar) -> torch.Tensor:
+        return torch.maximum(torch.as_tensor(a), torch.as_tensor(b))
+
+    def is_finite(self, s: torch.Tensor) -> torch.Tensor:
+        return torch.isfinite(s)
+
+    def where(self, pred: Scalar, a: Scalar, b: Scalar) -> torch.Tensor:
+        return torch.where(torch.as_tensor(pred), torch.as_tensor(a), torch.as_tensor(b))
+
+    def topk_abs(self, x: torch.Tensor, k: int) -> torch.Tensor:
+        return torch.topk(x.abs(), k, sorted=False).indices
+
+    def kth_largest(self, x: torch.Tensor, k: int) -> torch.Tensor:
+        return torch.topk(x, k, sorted=False).values.min()
+
+    def strided_sample(self, x: torch.Tensor, offset: int, stride: int) -> torch.Tensor:
+        return x[offset::stride]
+
+    def block_abs_max(self, x: torch.Tensor, block: int) -> torch.Tensor:
+        whole = x.numel() // block
+        rows = x[:whole * block].view(-1, block)
+        maxima = torch.empty(whole + (whole * block < x.numel()), dtype=x.dtype, device=x.device)
+        # |x| of one cache-sized chunk at a time: one pass over memory, no full-size temporary.
+        scratch = torch.empty(min(whole, _CHUNK_ROWS) * block, dtype=x.dtype, device=x.device)
+        for start in range(0, whole, _CHUNK_ROWS):
+            chunk = rows[start:start + _CHUNK_ROWS]
+            magnitudes = torch.abs(chunk, out=scratch[:chunk.numel()].view(-1, block))
+            torch.amax(magnitudes, dim=1, out=maxima[start:start + chunk.shape[0]])
+        if whole < maxima.numel():
+            maxima[-1] = x[whole * block:].abs().amax()
+        return maxima
+
+    def gather_blocks(self, x: torch.Tensor, blocks: torch.Tensor, block: int) -> torch.Tensor:
+        whole = x.numel() // block
+        if whole * block == x.numel():
+            return x.view(-1, block).index_select(0, blocks).reshape(-1)
+        # Padding x itself would copy it; only the short last block is padded.
+        tail = torch.cat([x[whole * block:], x.new_full((block - x.numel() % block,), float("nan"))])
+        if whole == 0:
+            return tail.repeat(blocks.numel())
+        rows = x[:whole * block].view(-1, block).index_select(0, blocks.clamp(max=whole - 1))
+        if blocks.numel() and int(blocks[-1]) == whole:
+            rows[-1] = tail
+        return rows.reshape(-1)
+
+    def nonzero(self, mask: torch.Tensor) -> torch.Tensor:
+        return torch.nonzero(mask).reshape(-1)
+
+    def greater_equal(self, x: torch.Tensor, threshold: Scalar) -> torch.Tensor:
+        return x >= threshold
+
+    def count(self, mask: torch.Tensor) -> torch.Tensor:
+        return mask.sum()
+
+    def size(self, x: torch.Tensor) -> int:
+        return x.numel()
+
+    def gather(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        return x[indices]
+
+    def scatter_sub(self, out: torch.Tensor, indices: torch.Tensor,
+                    values: torch.Tensor) -> torch.Tensor:
+        return out.index_add_(0, indices, values, alpha=-1)
+
+    def scatter_zero(self, out: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        return out.index_fill_(0, indices, 0)
+
+    def scatter_add(self, out: torch.Tensor, indices: torch.Tensor,
+                    values: torch.Tensor) -> torch.Tensor:
+        return out.index_add_(0, indices, values)
+
+    def pad(self, x: torch.Tensor, length: int) -> torch.Tensor:
+        if x.numel() == length:
+            return x
+        return torch.cat([x, x.new_zeros(length - x.numel())])
+
+    def to_bytes(self, x: torch.Tensor) -> torch.Tensor:
+        return x.contiguous().view(torch.uint8)
+
+    def from_bytes(self, data: torch.Tensor, dtype: str) -> torch.Tensor:
+        target = DTYPES[dtype]
+        if data.storage_offset() % torch.empty(0, dtype=target).element_size():
+            data = data.clone()
+        return data.view(target)
+
+    def inspect(self, x: torch.Tensor, check: Callable[[list], None]) -> None:
+        check(x.tolist())
+
+    def check(self, pred: Scalar, error: Exception) -> None:
+        if not bool(pred):
+            raise error
+
+    def while_loop(self, cond: Callable[..., Scalar], body: Callable[..., Tuple],
+                   loop_vars: Tuple, max_iterations: int) -> Tuple:
+        for _ in range(max_iterations):
+            if not bool(cond(*loop_vars)):
+                break
+            loop_vars = body(*loop_vars)
+        return loop_vars
+
+    def cond(self, pred: Scalar, true_fn: Callable[[], Any], false_fn: Callable[[], Any]) -> Any:
+        return true_fn() if bool(pred) else false_fn()
