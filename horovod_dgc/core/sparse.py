@@ -151,10 +151,10 @@ def decode_and_average(ops: TensorOps, gathered: Tensor, layouts: Sequence[wire.
     per_rank = sum(layout.nbytes for layout in layouts)
     total = ops.numel(gathered)
     if total != per_rank * world_size:
-        raise wire.MessageError(
-            f"allgather returned {total} bytes for tensors {[l.name for l in layouts]}, expected "
-            f"{world_size} ranks x {per_rank}: some rank sent a message of another size "
-            f"(different density or tensor set)")
+        sizes = (f"allgather returned {total} bytes, expected {world_size} ranks x {per_rank} "
+                 f"(a different density or tensor set on some rank?)")
+        _check_headers(ops, gathered, layouts, world_size, step, sizes)
+        raise wire.MessageError(f"{sizes} for tensors {[l.name for l in layouts]}")
     sums = [ops.zeros(layout.numel, "float32" if dtype in ("float16", "bfloat16") else dtype,
                       like=gathered) for layout, dtype in zip(layouts, out_dtypes)]
     for rank in range(world_size):
@@ -166,3 +166,19 @@ def decode_and_average(ops: TensorOps, gathered: Tensor, layouts: Sequence[wire.
             sums[i] = ops.scatter_add(sums[i], indices, ops.cast(values, ops.dtype(sums[i])))
             offset += layout.nbytes
     return [ops.cast(ops.scale(s, 1.0 / world_size), dtype) for s, dtype in zip(sums, out_dtypes)]
+
+
+def _check_headers(ops: TensorOps, gathered: Tensor, layouts: Sequence[wire.MessageLayout],
+                   world_size: int, step: int, context: str) -> None:
+    """Check the headers found where they should be, to name the first rank that differs."""
+    total, offset = ops.numel(gathered), 0
+    for rank in range(world_size):
+        for layout in layouts:
+            if offset + wire.HEADER_WORDS * 4 > total:
+                return
+            header = ops.from_bytes(ops.slice(gathered, offset, wire.HEADER_WORDS * 4), "int32")
+            try:
+                ops.inspect(header, lambda words: layout.check(words, rank, step))
+            except wire.MessageError as error:
+                raise wire.MessageError(f"{error}; {context}") from None
+            offset += layout.nbytes

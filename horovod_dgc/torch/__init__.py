@@ -2,5 +2,6 @@
 ``DistributedOptimizer``."""
 from .compression import Compression, SparseCompressor
 from .ops import TorchOps
+from .optimizer import DistributedOptimizer
 
-__all__ = ["Compression", "SparseCompressor", "TorchOps"]
+__all__ = ["Compression", "DistributedOptimizer", "SparseCompressor", "TorchOps"]

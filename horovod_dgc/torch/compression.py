@@ -8,6 +8,7 @@ placeholder; ``decompress`` waits for the allgather and rebuilds the averaged gr
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import threading
 from typing import Dict, Iterable, Optional, Tuple
@@ -66,6 +67,13 @@ class SparseCompressor(Compressor):
             raise ValueError("named_parameters is empty (a generator already consumed? pass a "
                              "fresh model.named_parameters())")
         self._params = dict(params)
+
+    def reconfigure(self, **changes) -> None:
+        """Replace settings of the method's config (validated again); only before training."""
+        self.method = type(self.method)(dataclasses.replace(self.config, **changes))
+        self.config = self.method.config
+        if self._engine is not None:
+            self._engine.method = self.method
 
     @property
     def engine(self) -> Engine:

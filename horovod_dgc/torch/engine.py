@@ -37,7 +37,6 @@ class Engine:
 
     def __init__(self, method: SparseMethod, world_size: int, rank: int):
         self.method = method
-        self.config = method.config
         self.ops = TorchOps()
         self.world_size = world_size
         self.rank = rank
@@ -46,6 +45,10 @@ class Engine:
         self._steps: Dict[str, int] = {}
         self._lock = threading.Lock()
         self._stats = StatsRecorder()
+
+    @property
+    def config(self):
+        return self.method.config
 
     # -- schedule and statistics ------------------------------------------------------------
     @property

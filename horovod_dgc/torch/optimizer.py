@@ -1,0 +1,224 @@
+"""``horovod_dgc.torch.DistributedOptimizer``: the full method, with fused messages.
+
+Same signature as ``hvd.DistributedOptimizer``. Against the stock path it adds:
+
+* the wrapped SGD's momentum, Nesterov flag and weight decay move into a DGC compressor
+  (and out of the optimizer), so momentum is never applied twice;
+* the sparse messages of a step are fused into a few allgathers (buckets of parameters fixed
+  at construction, in reverse registration order, about ``bucket_cap_mb`` of dense gradient
+  each) instead of one allgather plus one placeholder all-reduce per tensor;
+* ``backward_passes_per_step``: gradients accumulate locally and compress once.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import horovod.torch as hvd
+import torch
+
+from ..core import DGCConfig
+from .compression import ALLGATHER_PREFIX, Compression, SparseCompressor, check_optimizer_compatible
+from .engine import Engine, SparseOutcome
+
+DEFAULT_BUCKET_CAP_MB = 25.0
+
+
+class _FusedDistributedOptimizer(torch.optim.Optimizer):
+    """Mixed into a subclass of the wrapped optimizer's class (Horovod's own pattern)."""
+
+    def __init__(self, params, named_parameters: List[Tuple[str, torch.nn.Parameter]],
+                 compression: SparseCompressor, backward_passes_per_step: int,
+                 bucket_cap_mb: float):
+        super(self.__class__, self).__init__(params)
+        self._compression = compression
+        self._names: Dict[torch.nn.Parameter, str] = {p: n for n, p in named_parameters}
+        self._params: List[torch.nn.Parameter] = [p for _, p in named_parameters if p.requires_grad]
+        self.backward_passes_per_step = backward_passes_per_step
+        self._delay = {p: backward_passes_per_step for p in self._params}
+        self._buckets = self._make_buckets(bucket_cap_mb)
+        self._bucket_of = {p: i for i, bucket in enumerate(self._buckets) for p in bucket}
+        self._reset_step()
+        self._synchronized = False
+        self._should_synchronize = True
+        for p in self._params:
+            p.register_post_accumulate_grad_hook(self._hook)
+
+    # -- construction helpers ------------------------------------------------------------------------
+    def _make_buckets(self, cap_mb: float) -> List[List[torch.nn.Parameter]]:
+        """Compressed parameters in reverse registration order (roughly the order backward
+        produces them), cut into buckets of about ``cap_mb`` dense megabytes."""
+        engine = self._compression.engine
+        buckets: List[List[torch.nn.Parameter]] = [[]]
+        size = 0
+        for p in reversed(self._params):
+            if not engine.compresses(p) or Engine.passes_through(p):
+                continue
+            nbytes = p.numel() * p.element_size()
+            if buckets[-1] and size + nbytes > cap_mb * 2 ** 20:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(p)
+            size += nbytes
+        return [b for b in buckets if b]
+
+    def _reset_step(self) -> None:
+        self._outcomes: Dict[torch.nn.Parameter, SparseOutcome] = {}
+        self._bucket_handles: Dict[int, int] = {}
+        self._dense_handles: Dict[torch.nn.Parameter, int] = {}
+
+    # -- per-parameter work as gradients become ready ------------------------------------------------
+    def _hook(self, p: torch.nn.Parameter) -> None:
+        if p not in self._delay:
+            return
+        if self._delay[p] <= 0:
+            raise AssertionError("gradients were computed more than backward_passes_per_step "
+                                 "times before step(); raise backward_passes_per_step")
+        self._delay[p] -= 1
+        if self._delay[p] == 0:
+            self._submit(p)
+
+    def _submit(self, p: torch.nn.Parameter) -> None:
+        engine, name, grad = self._compression.engine, self._names[p], p.grad
+        if Engine.passes_through(grad) or not engine.compresses(grad):
+            update = grad.clone() if Engine.passes_through(grad) else engine.dense(name, grad, p)
+            self._dense_handles[p] = hvd.allreduce_async_(update, name=f"{ALLGATHER_PREFIX}dense.{name}",
+                                                          op=hvd.Average)
+            return
+        self._outcomes[p] = engine.compress(name, grad, p)
+        bucket = self._bucket_of[p]
+        if all(q in self._outcomes for q in self._buckets[bucket]):
+            self._launch(bucket)
+
+    def _launch(self, bucket: int) -> None:
+        message = torch.cat([self._outcomes[p].message for p in self._buckets[bucket]])
+        self._bucket_handles[bucket] = hvd.allgather_async(message, name=f"{ALLGATHER_PREFIX}bucket{bucket}")
+
+    # -- Horovod's optimizer interface -------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Finish every exchange of this step and write the averaged gradients to ``.grad``."""
+        for p in self._params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            if self._delay[p] > 0 and p not in self._outcomes and p not in self._dense_handles:
+                self._delay[p] = 0
+                self._submit(p)
+        engine = self._compression.engine
+        for bucket, handle in self._bucket_handles.items():
+            params = self._buckets[bucket]
+            gathered = hvd.synchronize(handle)
+            for p, grad in zip(params, engine.decompress(gathered, [self._outcomes[p] for p in params])):
+                p.grad.copy_(grad)
+        for p, handle in self._dense_handles.items():
+            p.grad.copy_(hvd.synchronize(handle))
+        for p in self._params:
+            self._delay[p] = self.backward_passes_per_step
+        self._reset_step()
+        self._synchronized = True
+
+    @contextmanager
+    def skip_synchronize(self):
+        """``optimizer.synchronize(); with optimizer.skip_synchronize(): optimizer.step()``."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            self.synchronize()
+        self._synchronized = False
+        return super(self.__class__, self).step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._outcomes or self._dense_handles:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
+                                 "before optimizer.step() or optimizer.synchronize()")
+        return super(self.__class__, self).zero_grad(set_to_none)
+
+    def state_dict(self) -> dict:
+        state = super(self.__class__, self).state_dict()
+        state["horovod_dgc"] = self._compression.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        compression_state = state_dict.pop("horovod_dgc", None)
+        super(self.__class__, self).load_state_dict(state_dict)
+        if compression_state is not None:
+            self._compression.load_state_dict(compression_state)
+
+
+def _move_sgd_hyperparameters(optimizer: torch.optim.Optimizer,
+                              compression: SparseCompressor) -> SparseCompressor:
+    """Make a DGC compressor apply the SGD's momentum, Nesterov and weight decay, which are
+    then zeroed in the optimizer. Other methods and optimizers are checked instead."""
+    config = compression.config
+    if not isinstance(config, DGCConfig) or not isinstance(optimizer, torch.optim.SGD):
+        check_optimizer_compatible(optimizer, config, hvd.Average)
+        return compression
+    values = {key: {g.get(key, 0.0) for g in optimizer.param_groups}
+              for key in ("momentum", "nesterov", "weight_decay")}
+    for key, found in values.items():
+        if len(found) > 1:
+            raise ValueError(f"param_groups disagree on {key} ({sorted(found)}); DGC applies one "
+                             f"{key} to every tensor")
+    momentum, nesterov, weight_decay = (values[k].pop() for k in ("momentum", "nesterov", "weight_decay"))
+    moved = {}
+    if momentum:
+        moved.update(momentum=momentum, nesterov=bool(nesterov))
+    if weight_decay:
+        moved.update(weight_decay=weight_decay)
+    for group in optimizer.param_groups:
+        group.update(momentum=0.0, nesterov=False, weight_decay=0.0)
+    if moved:
+        compression.reconfigure(**moved)
+    return compression
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer,
+                         named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]] = None,
+                         compression=Compression.none, backward_passes_per_step: int = 1,
+                         op=hvd.Average, gradient_predivide_factor: float = 1.0,
+                         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, **horovod_options):
+    """Horovod's ``DistributedOptimizer`` with fused sparse exchange.
+
+    Args are Horovod's; with a sparse ``compression`` (``Compression.dgc()`` and friends)
+    the optimizer returned is this module's, else Horovod's own. ``bucket_cap_mb``: dense
+    megabytes of gradient per fused allgather.
+    """
+    if not isinstance(compression, SparseCompressor):
+        return hvd.DistributedOptimizer(optimizer, named_parameters=named_parameters,
+                                        compression=compression,
+                                        backward_passes_per_step=backward_passes_per_step, op=op,
+                                        gradient_predivide_factor=gradient_predivide_factor,
+                                        **horovod_options)
+    if op != hvd.Average or gradient_predivide_factor != 1.0 or horovod_options:
+        raise ValueError("sparse compression averages the gradients itself: it supports "
+                         "op=hvd.Average, gradient_predivide_factor=1.0 and no other Horovod option "
+                         f"(got op={op}, gradient_predivide_factor={gradient_predivide_factor}, "
+                         f"{sorted(horovod_options)})")
+    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
+    named = _named_parameters(optimizer, named_parameters)
+    compression = _move_sgd_hyperparameters(optimizer, compression)
+    compression.bind(named)
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+               dict(_FusedDistributedOptimizer.__dict__))
+    return cls(optimizer.param_groups, named, compression, backward_passes_per_step, bucket_cap_mb)
+
+
+def _named_parameters(optimizer: torch.optim.Optimizer,
+                      named_parameters) -> List[Tuple[str, torch.nn.Parameter]]:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if named_parameters is None:
+        return [(f"param.{i}", p) for i, p in enumerate(params)]
+    named = list(named_parameters)
+    known = {id(p) for _, p in named}
+    unnamed = [i for i, p in enumerate(params) if id(p) not in known]
+    if unnamed:
+        raise ValueError(f"named_parameters misses {len(unnamed)} parameter(s) of the optimizer "
+                         f"(positions {unnamed[:5]}...)")
+    in_optimizer = {id(p) for p in params}
+    return [(n, p) for n, p in named if id(p) in in_optimizer]

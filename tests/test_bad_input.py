@@ -1,0 +1,110 @@
+"""Bad settings fail at construction; bad messages name the rank and the tensor."""
+import pytest
+import torch
+
+from horovod_dgc.core import DGC, DGCConfig, GaussianKConfig, MessageError, StepContext, TopKConfig
+from horovod_dgc.core.sparse import decode_and_average
+from horovod_dgc.torch import Compression
+from horovod_dgc.torch.ops import TorchOps
+
+ops = TorchOps()
+
+
+@pytest.mark.parametrize("factory", [Compression.dgc, Compression.topk, Compression.gaussiank])
+@pytest.mark.parametrize("density", [0.0, -0.1, 1.5, float("nan"), "0.1"])
+def test_density_outside_zero_one_raises_value_error(factory, density):
+    with pytest.raises(ValueError, match="density"):
+        factory(density=density)
+
+
+@pytest.mark.parametrize("options,field", [(dict(momentum=-0.1), "momentum"), (dict(momentum=1.0), "momentum"),
+                                           (dict(sample_ratio=0.0), "sample_ratio"),
+                                           (dict(sample_ratio=1.5), "sample_ratio"),
+                                           (dict(weight_decay=-1.0), "weight_decay"),
+                                           (dict(clip_norm=0.0), "clip_norm"),
+                                           (dict(retry_factor=1.0), "retry_factor"),
+                                           (dict(value_dtype="int8"), "value_dtype"),
+                                           (dict(nonfinite="ignore"), "nonfinite")])
+def test_bad_dgc_settings_raise_value_error_at_construction(options, field):
+    with pytest.raises(ValueError, match=field):
+        Compression.dgc(**options)
+
+
+def test_unknown_option_is_a_type_error():
+    with pytest.raises(TypeError):
+        Compression.topk(momentum=0.9)
+
+
+def test_configs_are_frozen():
+    config = TopKConfig()
+    with pytest.raises(Exception):
+        config.density = 0.5
+
+
+def _messages(world_size: int, name: str = "fc.weight"):
+    method = DGC(DGCConfig(density=0.01))
+    grad = torch.randn(4000)
+    parts, layout = [], None
+    for rank in range(world_size):
+        state = method.init_state(ops, grad, True)
+        result = method.compress(ops, state, grad, StepContext(name, rank, world_size, 0, 0.01))
+        parts.append(result.message)
+        layout = result.layout
+    return method, parts, layout
+
+
+def _decode(parts, layout, world_size=3):
+    return decode_and_average(ops, torch.cat(parts), [layout], world_size, 0, ["float32"])
+
+
+def test_corrupt_header_names_sending_rank_and_tensor():
+    _, parts, layout = _messages(3)
+    parts[2] = parts[2].clone()
+    parts[2][0] ^= 0xFF
+    with pytest.raises(MessageError, match=r"rank 2 .*'fc.weight'.*magic"):
+        _decode(parts, layout)
+
+
+def test_message_for_another_tensor_is_refused():
+    _, parts, layout = _messages(3)
+    _, other, _ = _messages(3, name="fc.bias")
+    with pytest.raises(MessageError, match=r"rank 1 .*'fc.weight'.*tensor id"):
+        _decode([parts[0], other[1], parts[2]], layout)
+
+
+def test_message_from_a_rank_claiming_another_rank_is_refused():
+    _, parts, layout = _messages(3)
+    with pytest.raises(MessageError, match=r"rank 1 .*sender rank is 0"):
+        _decode([parts[0], parts[0], parts[2]], layout)
+
+
+def test_truncated_message_is_refused_with_sizes():
+    _, parts, layout = _messages(3)
+    parts[2] = parts[2][:-8]
+    with pytest.raises(MessageError, match=r"expected 3 ranks x \d+"):
+        _decode(parts, layout)
+
+
+def test_rank_with_another_density_is_named():
+    method, parts, layout = _messages(3)
+    grad = torch.randn(4000)
+    other = method.compress(ops, method.init_state(ops, grad, True), grad,
+                            StepContext("fc.weight", 1, 3, 0, 0.02))
+    with pytest.raises(MessageError, match=r"rank 1 .*'fc.weight'.*capacity is 80, expected 40"):
+        _decode([parts[0], other.message, parts[2]], layout)
+
+
+def test_count_beyond_capacity_is_refused():
+    _, parts, layout = _messages(3)
+    parts[0] = parts[0].clone()
+    header = parts[0][:48].view(torch.int32)
+    header[6] = layout.capacity + 1
+    with pytest.raises(MessageError, match=r"rank 0 .*count"):
+        _decode(parts, layout)
+
+
+@pytest.mark.parametrize("tensor", [torch.zeros(0), torch.arange(10), torch.ones(3, 3, dtype=torch.int32)])
+def test_zero_element_and_integer_tensors_pass_through_untouched(tensor):
+    compression = Compression.dgc()
+    out, ctx = compression.compress(tensor)
+    assert out is tensor and ctx is None

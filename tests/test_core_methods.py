@@ -1,0 +1,143 @@
+"""Each method's error feedback against the equations of ALGORITHMS.md, step by step."""
+import math
+
+import pytest
+import torch
+
+from horovod_dgc.core import (DGC, DGCConfig, GaussianK, GaussianKConfig, NonFiniteGradientError,
+                              StepContext, TopK, TopKConfig)
+from horovod_dgc.core.selection import top_count
+from horovod_dgc.core.sparse import decode_and_average
+from horovod_dgc.torch.ops import TorchOps
+
+ops = TorchOps()
+
+
+def step(method, state, grad, t, world_size=1, name="w", param=None):
+    """One compress; returns (dense tensor of what receivers decode, new state)."""
+    ctx = StepContext(name=name, rank=0, world_size=world_size, step=t,
+                      density=method.config.density, param=param)
+    result = method.compress(ops, state, grad, ctx)
+    sent = decode_and_average(ops, result.message, [result.layout], 1, t, [ops.dtype(grad)])[0]
+    return sent, result.state
+
+
+def naive_topk_mask(v: torch.Tensor, k: int) -> torch.Tensor:
+    order = sorted(range(v.numel()), key=lambda i: (-abs(float(v[i])), i))[:k]
+    mask = torch.zeros(v.numel(), dtype=torch.bool)
+    mask[order] = True
+    return mask
+
+
+@pytest.mark.parametrize("value_dtype", ["float32", "float16"])
+@pytest.mark.parametrize("method", [TopK(TopKConfig(density=0.01)), GaussianK(GaussianKConfig(density=0.01))],
+                         ids=["topk", "gaussiank"])
+def test_conservation_sent_plus_residual_equals_sum_of_gradients_over_1000_steps(method, value_dtype):
+    method = type(method)(type(method.config)(density=0.01, value_dtype=value_dtype))
+    gen = torch.Generator().manual_seed(0)
+    n = 4096
+    grad = torch.zeros(n)
+    state = method.init_state(ops, grad, True)
+    sent_total = torch.zeros(n, dtype=torch.float64)
+    grad_total = torch.zeros(n, dtype=torch.float64)
+    for t in range(1000):
+        grad = torch.randn(n, generator=gen) * (1.0 + (t % 7))
+        sent, state = step(method, state, grad, t)
+        sent_total += sent.double()
+        grad_total += grad.double()
+    lhs = sent_total + state["residual"].double()
+    error = (lhs - grad_total).norm() / grad_total.norm()
+    assert error < 1e-5, float(error)
+
+
+def reference_dgc(grads, k, momentum, nesterov, clip_norm, world_size):
+    """DGC's equations written out with dense tensors and a sort."""
+    u = torch.zeros_like(grads[0])
+    v = torch.zeros_like(grads[0])
+    out = []
+    for g in grads:
+        if clip_norm is not None:
+            g = g * min(1.0, (clip_norm / math.sqrt(world_size)) / float(g.norm()))
+        if nesterov:
+            u = momentum * (u + g)
+            v = v + u + g
+        else:
+            u = momentum * u + g
+            v = v + u
+        mask = naive_topk_mask(v, k)
+        out.append((torch.where(mask, v, torch.zeros_like(v)), u, v))
+        v = torch.where(mask, torch.zeros_like(v), v)
+        u = torch.where(mask, torch.zeros_like(u), u)
+        out[-1] = (out[-1][0], u, v)
+    return out
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("clip_norm", [None, 5.0])
+def test_dgc_momentum_correction_and_masking_match_the_equations_for_10_steps(nesterov, clip_norm):
+    n, density, world_size = 3000, 0.01, 4
+    gen = torch.Generator().manual_seed(1)
+    grads = [torch.randn(n, generator=gen) for _ in range(10)]
+    method = DGC(DGCConfig(density=density, momentum=0.9, nesterov=nesterov, clip_norm=clip_norm))
+    state = method.init_state(ops, grads[0], True)
+    expected = reference_dgc(grads, top_count(density, n), 0.9, nesterov, clip_norm, world_size)
+    for t, (grad, (ref_sent, ref_u, ref_v)) in enumerate(zip(grads, expected)):
+        sent, state = step(method, state, grad, t, world_size=world_size)
+        assert torch.equal(sent != 0, ref_sent != 0), f"step {t}: different entries selected"
+        torch.testing.assert_close(sent, ref_sent, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(state["momentum"], ref_u, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(state["velocity"], ref_v, rtol=1e-5, atol=1e-6)
+
+
+def test_dgc_weight_decay_is_folded_into_the_gradient():
+    n = 2048
+    grad, param = torch.randn(n), torch.randn(n)
+    method = DGC(DGCConfig(density=1.0, momentum=0.0, weight_decay=0.1))
+    sent, _ = step(method, method.init_state(ops, grad, True), grad, 0, param=param)
+    torch.testing.assert_close(sent, grad + 0.1 * param)
+
+
+def test_dgc_dense_tensors_still_get_momentum():
+    method = DGC(DGCConfig(momentum=0.9))
+    g1, g2 = torch.randn(10), torch.randn(10)
+    state = method.init_state(ops, g1, False)
+    ctx = StepContext("bias", 0, 1, 0, 0.001)
+    out1, state = method.dense(ops, state, g1, ctx)
+    out2, state = method.dense(ops, state, g2, ctx)
+    torch.testing.assert_close(out2, 0.9 * g1 + g2)
+    assert out2.data_ptr() != state["momentum"].data_ptr(), "the update must not alias the memory"
+
+
+def test_bfloat16_gradients_travel_without_loss():
+    method = TopK(TopKConfig(density=0.1, value_dtype="float16"))
+    grad = torch.randn(4096).to(torch.bfloat16)
+    sent, state = step(method, method.init_state(ops, grad, True), grad, 0)
+    assert sent.dtype == torch.bfloat16
+    mask = sent != 0
+    assert torch.equal(sent[mask], grad[mask])
+    assert torch.count_nonzero(state["residual"][mask]) == 0
+
+
+@pytest.mark.parametrize("method", [TopK(), DGC(), GaussianK()], ids=["topk", "dgc", "gaussiank"])
+def test_nan_gradient_raises_naming_the_tensor_and_keeps_the_memory(method):
+    grad = torch.randn(5000)
+    state = method.init_state(ops, grad, True)
+    _, state = step(method, state, grad, 0, name="layer3.weight")
+    before = {k: v.clone() for k, v in state.items()}
+    bad = grad.clone()
+    bad[17] = float("nan")
+    with pytest.raises(NonFiniteGradientError, match="layer3.weight"):
+        step(method, state, bad, 1, name="layer3.weight")
+    for key in before:
+        assert torch.equal(state[key], before[key]), key
+
+
+def test_skip_policy_sends_nothing_and_keeps_the_residual():
+    method = TopK(TopKConfig(density=0.01, nonfinite="skip"))
+    grad = torch.randn(5000)
+    state = method.init_state(ops, grad, True)
+    _, state = step(method, state, grad, 0)
+    before = state["residual"].clone()
+    sent, state = step(method, state, torch.full((5000,), float("inf")), 1)
+    assert torch.count_nonzero(sent) == 0
+    assert torch.equal(state["residual"], before)

@@ -1,0 +1,77 @@
+"""Selection against naive references: exact top-k, DGC's sampled selection, Gaussian-k."""
+import math
+
+import pytest
+import torch
+
+from horovod_dgc.core.selection import (GAUSSIAN_HIGH, GAUSSIAN_LOW, block_size, select_exact,
+                                        select_gaussian, select_sampled, top_count)
+from horovod_dgc.torch.ops import TorchOps
+
+ops = TorchOps()
+
+
+def naive_topk_set(x: torch.Tensor, k: int) -> set:
+    """The k positions of largest magnitude by a plain sort (ties: lower position first)."""
+    return set(sorted(range(x.numel()), key=lambda i: (-abs(float(x[i])), i))[:k])
+
+
+def samples(n: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    normal = torch.randn(n, generator=gen)
+    heavy = torch.distributions.StudentT(1.5).sample((n,))
+    sparse = normal * (torch.rand(n, generator=gen) < 0.05)
+    shifted = normal + 3.0
+    return {"normal": normal, "heavy-tailed": heavy, "mostly zero": sparse, "shifted": shifted}
+
+
+@pytest.mark.parametrize("n,density", [(5000, 0.01), (20_011, 0.001), (3, 0.5), (777, 1.0)])
+def test_exact_topk_matches_naive_sort(n, density):
+    for name, x in samples(n, 1).items():
+        k = top_count(density, n)
+        got = select_exact(ops, x, k)
+        assert got.numel() == k
+        assert set(got.tolist()) == naive_topk_set(x, k) or name == "mostly zero"
+
+
+@pytest.mark.parametrize("n,density", [(100_003, 0.001), (50_000, 0.01), (4099, 0.1), (1000, 0.25)])
+def test_dgc_sampled_selection_sends_exactly_k_true_topk(n, density):
+    k = top_count(density, n)
+    for name, x in samples(n, 2).items():
+        for step in range(5):
+            got = select_sampled(ops, x, k, sample_ratio=0.01, offset=step * 7919,
+                                 max_retries=4, retry_factor=0.8)
+            assert got.numel() == k, (name, step)
+            assert len(set(got.tolist())) == k, (name, step)
+            kth = torch.topk(x.abs(), k).values[-1]
+            assert x[got].abs().min() >= kth, (name, step)
+            if name != "mostly zero":  # zeros tie: any of them is a correct k-th entry
+                assert set(got.tolist()) == set(torch.topk(x.abs(), k).indices.tolist())
+
+
+def test_dgc_selection_without_retries_falls_back_to_an_exact_bound():
+    x = torch.randn(10_000)
+    k = 100
+    # A retry factor that barely lowers the threshold cannot reach k: the block bound must.
+    got = select_sampled(ops, x, k, sample_ratio=0.001, offset=0, max_retries=1, retry_factor=0.999)
+    assert set(got.tolist()) == set(torch.topk(x.abs(), k).indices.tolist())
+
+
+@pytest.mark.parametrize("density", [0.001, 0.01, 0.05])
+def test_gaussiank_count_within_two_thirds_and_four_thirds_of_k_on_bell_data(density):
+    n = 200_000
+    gen = torch.Generator().manual_seed(3)
+    for step in range(10):
+        x = torch.randn(n, generator=gen) * (1 + step) + 0.1 * step
+        k = top_count(density, n)
+        got = select_gaussian(ops, x, k)
+        assert GAUSSIAN_LOW * k <= got.numel() <= GAUSSIAN_HIGH * k, (step, got.numel(), k)
+        threshold = x[got].abs().min()
+        assert int((x.abs() >= threshold).sum()) == got.numel(), "not every entry above the threshold"
+
+
+def test_block_size_is_a_power_of_two_near_the_square_root_of_one_over_density():
+    assert block_size(0.001) == 32
+    assert block_size(0.25) == 8
+    assert block_size(1e-6) == 1024
+    assert all(math.log2(block_size(d)).is_integer() for d in (0.3, 0.01, 0.0003))
