@@ -7,17 +7,18 @@
 #   3. Horovod compiled from PyPI's source archive with PyTorch + TensorFlow + Gloo + MPI,
 #      the wheel cached in $HOROVOD_DGC_CACHE (default ~/.cache/horovod_dgc) keyed by the
 #      Horovod, Python, torch and TensorFlow versions, so later set-ups take seconds.
+# HOROVOD_DGC_VENV and HOROVOD_DGC_SYSTEM_PACKAGES override the venv path and the apt list.
 # Every failure that a user can fix ends with one sentence saying what is missing.
 set -euo pipefail
 
 HOROVOD_VERSION=0.28.1
 PYTHON=${PYTHON:-python3.11}
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-VENV=$ROOT/.venv
+VENV=${HOROVOD_DGC_VENV:-$ROOT/.venv}
 CONSTRAINTS=$ROOT/scripts/constraints.txt
 CACHE=${HOROVOD_DGC_CACHE:-$HOME/.cache/horovod_dgc}
 STAMP=$VENV/.horovod_dgc-setup
-SYSTEM_PACKAGES=(libopenmpi-dev openmpi-bin g++ iproute2)
+read -r -a SYSTEM_PACKAGES <<<"${HOROVOD_DGC_SYSTEM_PACKAGES:-libopenmpi-dev openmpi-bin g++ iproute2}"
 
 say() { printf 'setup: %s\n' "$*" >&2; }
 die() { printf 'setup: ERROR: %s\n' "$*" >&2; exit 1; }
