@@ -48,8 +48,9 @@ ensure_venv() {
     [ -x "$VENV/bin/python" ] || { say "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
 }
 
+# --no-compile: byte-compiling TensorFlow and torch at install time doubles the set-up time.
 pip_install() {
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --retries 2 -c "$CONSTRAINTS" "$@" \
+    "$VENV/bin/python" -m pip install -q --no-compile --disable-pip-version-check --retries 2 -c "$CONSTRAINTS" "$@" \
         >"$CACHE/pip.log" 2>&1 \
         || die "pip could not install $* (no network to PyPI?); see $CACHE/pip.log."
 }
@@ -110,7 +111,7 @@ ensure_horovod() {
     else
         say "reusing cached wheel $wheel_dir"
     fi
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall \
+    "$VENV/bin/python" -m pip install -q --no-compile --disable-pip-version-check --no-deps --force-reinstall \
         "$wheel_dir"/horovod-*.whl >"$CACHE/pip.log" 2>&1 || die "installing the cached horovod wheel failed; see $CACHE/pip.log."
     # Horovod's own runtime requirements (cloudpickle, psutil, pyyaml, packaging).
     pip_install cloudpickle psutil pyyaml packaging
