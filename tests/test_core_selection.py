@@ -75,3 +75,15 @@ def test_block_size_is_a_power_of_two_near_the_square_root_of_one_over_density()
     assert block_size(0.25) == 8
     assert block_size(1e-6) == 1024
     assert all(math.log2(block_size(d)).is_integer() for d in (0.3, 0.01, 0.0003))
+
+
+def test_dgc_selection_fallback_with_fewer_blocks_than_k():
+    # Density 0.25 gives blocks of 8, so k = n/4 exceeds the n/8 blocks; one huge column at
+    # the sampled positions pushes the sampled threshold above every other entry.
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(1024, 100, generator=gen) * 1e-3
+    x[:, 0] += 1.0
+    x = x.reshape(-1)
+    k = top_count(0.25, x.numel())
+    got = select_sampled(ops, x, k, sample_ratio=0.01, offset=0, max_retries=4, retry_factor=0.8)
+    assert set(got.tolist()) == set(torch.topk(x.abs(), k).indices.tolist())

@@ -30,3 +30,11 @@ def test_dgc_hands_horovod_300x_fewer_bytes_than_dense(path):
 def test_misuse_is_refused_with_clear_errors():
     out = horovodrun("misuse_torch.py", 2)
     assert out.count("misuse ok") == 2, out
+
+
+@pytest.mark.parametrize("np", [2, 4])
+@pytest.mark.parametrize("path", ["stock", "own"])
+def test_scalecom_and_blocksign_match_the_n_worker_simulation_for_20_steps(np, path):
+    out = horovodrun("twostage_torch.py", np, ["--path", path])
+    for kind in ("scalecom", "blocksign", "blocksign64"):
+        assert out.count(f"{kind} {path} twostage ok") == np, out

@@ -35,21 +35,48 @@ def require_choice(name: str, value: str, choices: tuple) -> None:
 
 
 @dataclass(frozen=True)
-class SparseConfig:
-    """Settings common to the sparse (index, value) methods.
+class CompressionConfig:
+    """Settings every method has.
 
     Attributes:
-        density: fraction of a tensor's elements sent each step, in (0, 1].
-        value_dtype: wire dtype of the values, ``"float32"`` or ``"float16"``. bfloat16
-            gradients always travel as bfloat16 bits, without loss. Whatever rounding the
-            wire dtype causes stays in the residual.
         min_numel: tensors with fewer elements are not compressed: they go dense through
             all-reduce (biases, norm layers).
         compress_1d: also compress 1-D tensors of at least ``min_numel`` elements (the DGC
             reference compresses only tensors with more than one dimension).
         nonfinite: what a NaN or Inf gradient does: ``"raise"`` an error naming the tensor,
             or ``"skip"`` this rank's contribution for that tensor this step. Either way the
-            residual is left as it was.
+            memory is left as it was.
+    """
+
+    min_numel: int = 1024
+    compress_1d: bool = False
+    nonfinite: str = "raise"
+
+    def __post_init__(self) -> None:
+        require_positive_int("min_numel", self.min_numel)
+        require_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
+
+    def compresses(self, shape: tuple, dtype: str) -> bool:
+        """Whether a tensor of this shape and dtype is compressed (else it goes dense)."""
+        numel = math.prod(shape)
+        floating = dtype in ("float16", "bfloat16", "float32", "float64")
+        return floating and numel >= self.min_numel and (len(shape) > 1 or self.compress_1d)
+
+    def density_at(self, epoch: float) -> float:
+        """Fraction of elements sent during ``epoch`` (1 for methods that send every one)."""
+        return 1.0
+
+
+@dataclass(frozen=True)
+class SparseConfig(CompressionConfig):
+    """Settings common to the sparse (index, value) methods, besides
+    :class:`CompressionConfig`'s.
+
+    Attributes:
+        density: fraction of a tensor's elements sent each step, in (0, 1].
+        value_dtype: wire dtype of the values, ``"float32"`` or ``"float16"``. bfloat16
+            gradients always travel as bfloat16 bits, without loss. Whatever rounding the
+            wire dtype causes stays in the residual.
         warmup_epochs: epochs of warm-up sparsity (0: none). The density of epoch e < W is
             ``max(warmup_factor ** (e + 1), density)``, or ``warmup_densities[e]``; the
             compressor's ``set_epoch`` tells it the epoch.
@@ -59,18 +86,15 @@ class SparseConfig:
 
     density: float = 0.01
     value_dtype: str = "float32"
-    min_numel: int = 1024
-    compress_1d: bool = False
-    nonfinite: str = "raise"
     warmup_epochs: int = 0
     warmup_factor: float = 0.25
     warmup_densities: Optional[Tuple[float, ...]] = None
 
     def __post_init__(self) -> None:
-        self.schedule  # validates the warm-up fields
+        super().__post_init__()
+        require_fraction("density", self.density)
         require_choice("value_dtype", self.value_dtype, VALUE_DTYPES)
-        require_positive_int("min_numel", self.min_numel)
-        require_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
+        self.schedule  # validates the warm-up fields
 
     @property
     def schedule(self) -> "DensitySchedule":
@@ -80,11 +104,8 @@ class SparseConfig:
         densities = None if self.warmup_densities is None else tuple(self.warmup_densities)
         return DensitySchedule(self.density, self.warmup_epochs, self.warmup_factor, densities)
 
-    def compresses(self, shape: tuple, dtype: str) -> bool:
-        """Whether a tensor of this shape and dtype is compressed (else it goes dense)."""
-        numel = math.prod(shape)
-        floating = dtype in ("float16", "bfloat16", "float32", "float64")
-        return floating and numel >= self.min_numel and (len(shape) > 1 or self.compress_1d)
+    def density_at(self, epoch: float) -> float:
+        return self.schedule.density(epoch)
 
 
 def optional_positive(name: str, value: Optional[float]) -> None:

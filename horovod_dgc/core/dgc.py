@@ -14,7 +14,7 @@ from .config import (SparseConfig, optional_positive, require_fraction, require_
                      require_positive_int)
 from .memory import MomentumCorrectionMemory
 from .ops import Scalar, Tensor, TensorOps
-from .selection import select_sampled
+from .selection import MAX_RETRIES, RETRY_FACTOR, SAMPLE_RATIO, select_sampled
 from .sparse import SparseMethod, StepContext
 from .wire import tensor_id
 
@@ -40,9 +40,9 @@ class DGCConfig(SparseConfig):
     nesterov: bool = False
     weight_decay: float = 0.0
     clip_norm: Optional[float] = None
-    sample_ratio: float = 0.01
-    max_retries: int = 4
-    retry_factor: float = 0.8
+    sample_ratio: float = SAMPLE_RATIO
+    max_retries: int = MAX_RETRIES
+    retry_factor: float = RETRY_FACTOR
 
     def __post_init__(self) -> None:
         super().__post_init__()

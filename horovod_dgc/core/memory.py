@@ -78,3 +78,27 @@ class MomentumCorrectionMemory:
         else:
             update = ops.copy(momentum)
         return update, {"momentum": momentum}
+
+
+class LowPassMemory:
+    """ScaleCom's low-pass filtered memory: ``p = m + g``; after sending ``s`` at I,
+    ``m = (1 - beta) * m + beta * (p - s)``, i.e. ``m + beta * (g - s)``. ``beta = 1`` is
+    plain error feedback (and then ``p`` and the memory share storage)."""
+
+    state_names: Tuple[str, ...] = ("memory",)
+    dense_state_names: Tuple[str, ...] = ()
+
+    def __init__(self, beta: float):
+        self.beta = beta
+
+    def accumulate(self, ops: TensorOps, state: State, grad: Tensor) -> Tuple[Tensor, State]:
+        if self.beta == 1.0:
+            p = ops.scale_add(state["memory"], 1.0, grad)
+            return p, {"memory": p}
+        p = ops.add(state["memory"], grad)
+        return p, {"memory": ops.scale_add(state["memory"], 1.0, grad, self.beta)}
+
+    def update(self, ops: TensorOps, state: State, indices: Tensor, sent: Tensor) -> State:
+        if self.beta != 1.0:
+            sent = ops.scale(sent, self.beta)
+        return {"memory": ops.scatter_sub(state["memory"], indices, sent)}

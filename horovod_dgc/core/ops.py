@@ -74,6 +74,10 @@ class TensorOps(ABC):
         """``x + y`` as a new tensor."""
 
     @abstractmethod
+    def multiply(self, x: Tensor, y: Tensor) -> Tensor:
+        """``x * y`` elementwise, as a new tensor."""
+
+    @abstractmethod
     def sum(self, x: Tensor) -> Scalar:
         """Sum of all elements, a 0-d tensor."""
 
@@ -121,6 +125,14 @@ class TensorOps(ABC):
     @abstractmethod
     def block_abs_max(self, x: Tensor, block: int) -> Tensor:
         """Max of ``|x|`` over consecutive blocks of ``block`` elements (last one may be short)."""
+
+    @abstractmethod
+    def block_abs_sum(self, x: Tensor, block: int) -> Tensor:
+        """Sum of ``|x|`` over consecutive blocks of ``block`` elements (last one may be short)."""
+
+    @abstractmethod
+    def repeat_blocks(self, values: Tensor, block: int, n: int) -> Tensor:
+        """``values[i // block]`` for ``i`` in ``range(n)``: one value per block, expanded."""
 
     @abstractmethod
     def gather_blocks(self, x: Tensor, blocks: Tensor, block: int) -> Tensor:
@@ -171,6 +183,14 @@ class TensorOps(ABC):
     @abstractmethod
     def from_bytes(self, data: Tensor, dtype: str) -> Tensor:
         """Reinterpret a uint8 tensor as ``dtype`` (its length must be a multiple)."""
+
+    @abstractmethod
+    def pack_signs(self, x: Tensor) -> Tensor:
+        """Bit ``i % 8`` of byte ``i // 8`` is 1 where ``x[i] >= 0`` (``len(x)`` a multiple of 8)."""
+
+    @abstractmethod
+    def unpack_signs(self, packed: Tensor, dtype: str) -> Tensor:
+        """+1 where the bit is set, -1 elsewhere: the inverse of :meth:`pack_signs`."""
 
     @abstractmethod
     def inspect(self, x: Tensor, check: Callable[[list], None]) -> None:

@@ -23,6 +23,10 @@ MAX_BLOCK = 1024
 # The sample's threshold is taken a little below its k-th largest value, so that the first
 # try already finds at least k entries in the great majority of steps.
 SAMPLE_MARGIN = 1.15
+# DGC's defaults for the sampled selection (DGCConfig's, and ScaleCom's leader's).
+SAMPLE_RATIO = 0.01
+MAX_RETRIES = 4
+RETRY_FACTOR = 0.8
 # A sample always contains at least this many expected selections, whatever the density.
 MIN_SAMPLED_SELECTIONS = 64
 
@@ -68,6 +72,13 @@ class _BlockFilter:
     def count(self, threshold: Scalar) -> Scalar:
         return self.ops.size(self.at(threshold)[0])
 
+    def lower_bound(self, k: int) -> Scalar:
+        """A threshold at most the k-th largest ``|x|``: the k-th largest block maximum
+        (k distinct entries reach it), or 0 when there are fewer than k blocks."""
+        if self.ops.numel(self.block_max) < k:
+            return 0.0
+        return self.ops.kth_largest(self.block_max, k)
+
     def largest(self, threshold: Scalar, k: int) -> Tensor:
         """Positions of the k largest entries among those at or above ``threshold``
         (there must be at least k of them)."""
@@ -96,8 +107,7 @@ def select_sampled(ops: TensorOps, x: Tensor, k: int, sample_ratio: float, offse
     times until at least k entries reach it, then exact top-k among those candidates.
 
     Exactly k positions come back, and they are the true top-k: if the retries still find
-    fewer than k, the k-th largest block maximum (which never exceeds the k-th largest
-    entry) becomes the threshold.
+    fewer than k, a guaranteed lower bound of the k-th largest entry becomes the threshold.
     """
     n = ops.numel(x)
     if k >= n:
@@ -111,8 +121,7 @@ def select_sampled(ops: TensorOps, x: Tensor, k: int, sample_ratio: float, offse
 
     threshold, count = ops.while_loop(lambda _t, c: c < k, lower,
                                       (threshold, candidates.count(threshold)), max_retries)
-    threshold = ops.cond(count < k, lambda: ops.kth_largest(candidates.block_max, k),
-                         lambda: threshold)
+    threshold = ops.cond(count < k, lambda: candidates.lower_bound(k), lambda: threshold)
     return candidates.largest(threshold, k)
 
 

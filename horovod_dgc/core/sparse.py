@@ -55,6 +55,17 @@ class Compressed:
     layout: wire.MessageLayout
 
 
+def check_finite(ops: TensorOps, policy: str, grad: Tensor, ctx: StepContext) -> Scalar:
+    """Whether ``grad`` is finite; with ``policy == "raise"`` a non-finite one raises
+    :class:`NonFiniteGradientError` naming the tensor, before any memory changes."""
+    finite = ops.is_finite(ops.sum(grad))
+    if policy == "raise":
+        ops.check(finite, NonFiniteGradientError(
+            f"gradient of tensor {ctx.name!r} holds NaN or Inf at step {ctx.step} on rank "
+            f"{ctx.rank}; its memory was left untouched"))
+    return finite
+
+
 def state_dtype(grad_dtype: str) -> str:
     """Memories of 16-bit gradients are kept in float32 so small updates are not lost."""
     return "float32" if grad_dtype in ("float16", "bfloat16") else grad_dtype
@@ -104,7 +115,7 @@ class SparseMethod(ABC):
         numel = ops.numel(grad)
         layout = self.layout(ctx.name, numel, ops.dtype(grad), ctx.density)
         k = top_count(ctx.density, numel)
-        finite = self._check_finite(ops, grad, ctx)
+        finite = check_finite(ops, self.config.nonfinite, grad, ctx)
 
         def send():
             x, new_state = self.memory.accumulate(ops, state, *self.prepare(ops, grad, ctx))
@@ -124,14 +135,6 @@ class SparseMethod(ABC):
         message = wire.encode(ops, layout, header, ops.pad(indices, layout.capacity),
                               ops.pad(values, layout.capacity))
         return Compressed(message=message, state=new_state, count=count, layout=layout)
-
-    def _check_finite(self, ops: TensorOps, grad: Tensor, ctx: StepContext) -> Scalar:
-        finite = ops.is_finite(ops.sum(grad))
-        if self.config.nonfinite == "raise":
-            ops.check(finite, NonFiniteGradientError(
-                f"gradient of tensor {ctx.name!r} holds NaN or Inf at step {ctx.step} on rank "
-                f"{ctx.rank}; its residual was left untouched"))
-        return finite
 
     def dense(self, ops: TensorOps, state: State, grad: Tensor, ctx: StepContext) -> Tuple[Tensor, State]:
         """What to all-reduce for a tensor that is not compressed, and the new state."""

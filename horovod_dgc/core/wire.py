@@ -1,6 +1,6 @@
-"""The wire format of one sparse message: a checked header, indices, values, as bytes.
+"""The wire format: a checked header, then the method's parts, as bytes.
 
-Layout of a message for one tensor (native byte order, every part 8-byte aligned)::
+Layout of a sparse message for one tensor (native byte order, every part 8-byte aligned)::
 
     header   HEADER_WORDS int32 words (see ``Header``)
     indices  capacity x int32 (int64 when the tensor has 2**31 elements or more)
@@ -18,17 +18,17 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import Any, List, Sequence, Tuple
 
 from .ops import Tensor, TensorOps
 
 MAGIC = 0x44474331  # "DGC" and format version 1
 HEADER_FIELDS = ("magic", "method", "tensor id", "numel (low)", "numel (high)", "capacity",
-                 "count", "value dtype", "index dtype", "sender rank", "step", "flags")
+                 "count", "second part dtype", "first part dtype", "sender rank", "step", "flags")
 HEADER_WORDS = len(HEADER_FIELDS)
 ALIGN_BYTES = 8
 
-DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3, "int32": 4, "int64": 5}
+DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3, "int32": 4, "int64": 5, "uint8": 6}
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8, "uint8": 1}
 FLAG_SKIPPED = 1  # the sender's gradient was not finite and it sent nothing
 
@@ -62,36 +62,36 @@ def _aligned(nbytes: int) -> int:
 
 
 @dataclass(frozen=True)
-class MessageLayout:
-    """What a message for one tensor looks like; both sides derive it from the config."""
+class Layout:
+    """What a message for one tensor looks like; both sides derive it from the config.
+
+    A message is the header followed by its ``parts``: ``(dtype, count)`` pairs, each
+    padded to 8 bytes. ``capacity`` and ``count`` are the method's own element counts.
+    """
 
     name: str
     method_id: int
     numel: int
     capacity: int
-    value_dtype: str
 
     @property
-    def index_dtype(self) -> str:
-        return index_dtype(self.numel)
+    def parts(self) -> Tuple[Tuple[str, int], ...]:
+        raise NotImplementedError
 
-    @property
-    def index_bytes(self) -> int:
-        return _aligned(self.capacity * DTYPE_BYTES[self.index_dtype])
-
-    @property
-    def value_bytes(self) -> int:
-        return _aligned(self.capacity * DTYPE_BYTES[self.value_dtype])
+    def part_bytes(self, i: int) -> int:
+        dtype, count = self.parts[i]
+        return _aligned(count * DTYPE_BYTES[dtype])
 
     @property
     def nbytes(self) -> int:
         """Size of the whole message in bytes."""
-        return HEADER_WORDS * 4 + self.index_bytes + self.value_bytes
+        return HEADER_WORDS * 4 + sum(self.part_bytes(i) for i in range(len(self.parts)))
 
-    def header(self, rank: int, step: int, count: int, flags: int) -> List[int]:
+    def header(self, rank: int, step: int, count: Any, flags: Any) -> List[Any]:
+        codes = [DTYPE_CODES[dtype] for dtype, _ in self.parts] + [0, 0]
         return [MAGIC, self.method_id, tensor_id(self.name), self.numel % _INT31,
-                self.numel // _INT31, self.capacity, count, DTYPE_CODES[self.value_dtype],
-                DTYPE_CODES[self.index_dtype], rank, step % _INT31, flags]
+                self.numel // _INT31, self.capacity, count, codes[1], codes[0],
+                rank, step % _INT31, flags]
 
     def check(self, words: Sequence[int], rank: int, step: int) -> None:
         """Raise MessageError unless ``words`` is a valid header from ``rank`` for this
@@ -111,23 +111,58 @@ class MessageLayout:
                            f"{self.name!r}: {detail}")
 
 
+@dataclass(frozen=True)
+class MessageLayout(Layout):
+    """A sparse message: ``capacity`` indices, then ``capacity`` values."""
 
-def encode(ops: TensorOps, layout: MessageLayout, header: List[int], indices: Tensor,
+    value_dtype: str = "float32"
+
+    @property
+    def index_dtype(self) -> str:
+        return index_dtype(self.numel)
+
+    @property
+    def parts(self) -> Tuple[Tuple[str, int], ...]:
+        return ((self.index_dtype, self.capacity), (self.value_dtype, self.capacity))
+
+
+@dataclass(frozen=True)
+class PartsLayout(Layout):
+    """A message of explicitly listed parts (packed signs and scales, index lists)."""
+
+    part_list: Tuple[Tuple[str, int], ...] = ()
+
+    @property
+    def parts(self) -> Tuple[Tuple[str, int], ...]:
+        return self.part_list
+
+
+def encode_parts(ops: TensorOps, layout: Layout, header: List[Any], parts: Sequence[Tensor]) -> Tensor:
+    """The message bytes; each part already holds its count of entries in its dtype."""
+    encoded = [ops.to_bytes(ops.constant(header, "int32", like=parts[0]))]
+    encoded += [ops.pad(ops.to_bytes(part), layout.part_bytes(i)) for i, part in enumerate(parts)]
+    return ops.concat(encoded)
+
+
+def split_parts(ops: TensorOps, message: Tensor, layout: Layout) -> Tuple[Tensor, List[Tensor]]:
+    """(header words, parts) of one message, without checking them."""
+    offset = HEADER_WORDS * 4
+    header = ops.from_bytes(ops.slice(message, 0, offset), "int32")
+    parts = []
+    for i, (dtype, count) in enumerate(layout.parts):
+        parts.append(ops.from_bytes(ops.slice(message, offset, count * DTYPE_BYTES[dtype]), dtype))
+        offset += layout.part_bytes(i)
+    return header, parts
+
+
+def encode(ops: TensorOps, layout: MessageLayout, header: List[Any], indices: Tensor,
            values: Tensor) -> Tensor:
-    """The message bytes; ``indices`` and ``values`` already hold ``capacity`` entries in
+    """A sparse message; ``indices`` and ``values`` already hold ``capacity`` entries in
     the wire dtypes."""
-    parts = [ops.to_bytes(ops.constant(header, "int32", like=values)),
-             ops.pad(ops.to_bytes(indices), layout.index_bytes),
-             ops.pad(ops.to_bytes(values), layout.value_bytes)]
-    return ops.concat(parts)
+    return encode_parts(ops, layout, header, [indices, values])
 
 
 def split(ops: TensorOps, message: Tensor, layout: MessageLayout) -> Tuple[Tensor, Tensor, Tensor]:
-    """(header words, indices, values) of one message, without checking them."""
-    header_bytes = HEADER_WORDS * 4
-    header = ops.from_bytes(ops.slice(message, 0, header_bytes), "int32")
-    index_part = ops.slice(message, header_bytes, layout.capacity * DTYPE_BYTES[layout.index_dtype])
-    value_start = header_bytes + layout.index_bytes
-    value_part = ops.slice(message, value_start, layout.capacity * DTYPE_BYTES[layout.value_dtype])
-    return (header, ops.from_bytes(index_part, layout.index_dtype),
-            ops.from_bytes(value_part, layout.value_dtype))
+    """(header words, indices, values) of one sparse message, without checking them."""
+    header, (indices, values) = split_parts(ops, message, layout)
+    return header, indices, values

@@ -18,12 +18,15 @@ import torch
 from horovod.torch.compression import Compression as HorovodCompression
 from horovod.torch.compression import Compressor
 
-from ..core import DGC, DGCConfig, GaussianK, GaussianKConfig, SparseMethod, TopK, TopKConfig
+from ..core import DGC, DGCConfig, GaussianK, GaussianKConfig, TopK, TopKConfig
+from ..core.blocksign import BlockSign, BlockSignConfig
+from ..core.exchange import ALLGATHER
+from ..core.scalecom import ScaleCom, ScaleComConfig
 from ..core.stats import CompressionStats
+from .collectives import PREFIX, launch, wait
 from .engine import Engine, SparseOutcome
 
 NamedParameters = Iterable[Tuple[str, torch.nn.Parameter]]
-ALLGATHER_PREFIX = "horovod_dgc."
 
 
 class _Pending:
@@ -34,9 +37,13 @@ class _Pending:
     def __init__(self, handle: int, outcome: SparseOutcome):
         self.handle, self.outcome = handle, outcome
 
+    @property
+    def step(self) -> int:
+        return self.outcome.step
 
-class SparseCompressor(Compressor):
-    """A sparse method as a Horovod compressor; built by ``Compression.dgc()`` and friends.
+
+class MethodCompressor(Compressor):
+    """A core method as a Horovod compressor: what every horovod_dgc compressor shares.
 
     Args:
         method: the core method (config included).
@@ -45,7 +52,7 @@ class SparseCompressor(Compressor):
             ``model.named_parameters()`` (a generator can be consumed only once).
     """
 
-    def __init__(self, method: SparseMethod, named_parameters: Optional[NamedParameters] = None):
+    def __init__(self, method, named_parameters: Optional[NamedParameters] = None):
         self.method = method
         self.config = method.config
         self._params: Dict[str, torch.nn.Parameter] = {}
@@ -130,33 +137,99 @@ class SparseCompressor(Compressor):
         if Engine.passes_through(tensor):
             return tensor, None
         name, param = self._lookup(tensor)
-        engine = self.engine
-        if not engine.compresses(tensor):
-            return engine.dense(name, tensor, param), None
-        outcome = engine.compress(name, tensor, param)
-        handle = hvd.allgather_async(outcome.message, name=ALLGATHER_PREFIX + name)
+        if not self.engine.compresses(tensor):
+            return self.engine.dense(name, tensor, param), None
+        ctx = self.start_exchange(name, tensor, param)
         placeholder = tensor.new_zeros(1)
-        engine.record_placeholder(outcome.step, placeholder.element_size())
-        return placeholder, _Pending(handle, outcome)
+        self.engine.record_placeholder(ctx.step, placeholder.element_size())
+        return placeholder, ctx
 
-    def decompress(self, tensor: torch.Tensor, ctx: Optional[_Pending]) -> torch.Tensor:
+    def decompress(self, tensor: torch.Tensor, ctx) -> torch.Tensor:
         if not self._optimizer_checked:
             self._check_wrapping_optimizer()
         if ctx is None:
             return tensor
-        gathered = hvd.synchronize(ctx.handle)
-        return self.engine.decompress(gathered, [ctx.outcome])[0]
+        return self.finish_exchange(ctx)
+
+    def start_exchange(self, name: str, tensor: torch.Tensor, param: torch.nn.Parameter):
+        """Launch the exchange of a compressed tensor; returns the context for decompress."""
+        raise NotImplementedError
+
+    def finish_exchange(self, ctx) -> torch.Tensor:
+        raise NotImplementedError
 
     # -- guarding against momentum applied twice -------------------------------------------------
     def _check_wrapping_optimizer(self) -> None:
         """Refuse an hvd.DistributedOptimizer around an optimizer that would apply momentum
-        or weight decay a second time, or an op other than Average."""
+        or weight decay a second time, or an op other than Average (best effort: the
+        optimizer is found through the garbage collector's referrers)."""
         self._optimizer_checked = True
         for optimizer in _optimizers_holding(self):
             check_optimizer_compatible(optimizer, self.config, getattr(optimizer, "op", hvd.Average))
 
 
-def _optimizers_holding(compressor: SparseCompressor):
+class SparseCompressor(MethodCompressor):
+    """A sparse method (DGC, Top-k, Gaussian-k): one allgather of (index, value) messages
+    per tensor, named after the parameter."""
+
+    def start_exchange(self, name: str, tensor: torch.Tensor, param: torch.nn.Parameter) -> _Pending:
+        outcome = self.engine.compress(name, tensor, param)
+        return _Pending(launch(ALLGATHER, outcome.message, name), outcome)
+
+    def finish_exchange(self, ctx: _Pending) -> torch.Tensor:
+        return self.engine.decompress(wait(ctx.handle), [ctx.outcome])[0]
+
+
+class _Stages:
+    """One tensor's progress through a two-stage exchange."""
+
+    __slots__ = ("name", "pending", "first", "second", "shape", "step")
+
+    def __init__(self, name: str, pending, first: int, shape: torch.Size):
+        self.name, self.pending, self.first, self.second = name, pending, first, None
+        self.shape, self.step = shape, pending.ctx.step
+
+
+class TwoStageCompressor(MethodCompressor):
+    """A two-stage method (ScaleCom, blocksign) as a Horovod compressor.
+
+    compress launches stage 1 without waiting. The first decompress of a step waits for
+    every pending stage 1 and launches every stage 2, in parameter-name order, before it
+    waits for any stage 2: ranks that decompress tensors in different orders never wait
+    on a collective another rank has not launched.
+    """
+
+    def __init__(self, method, named_parameters: Optional[NamedParameters] = None):
+        super().__init__(method, named_parameters)
+        self._in_flight: Dict[str, _Stages] = {}
+
+    def start_exchange(self, name: str, tensor: torch.Tensor, param: torch.nn.Parameter) -> _Stages:
+        message, pending = self.engine.first(name, tensor, param)
+        handle = launch(self.method.FIRST, message, f"1.{name}", self.method.root(pending.ctx))
+        stages = _Stages(name, pending, handle, tensor.shape)
+        with self._lock:
+            self._in_flight[name] = stages
+        return stages
+
+    def launch_second_stages(self) -> None:
+        """Stage 2 of every tensor whose stage 1 is in flight, in name order."""
+        with self._lock:
+            waiting = sorted((s for s in self._in_flight.values() if s.second is None),
+                             key=lambda s: s.name)
+        for stages in waiting:
+            message = self.engine.second(stages.name, wait(stages.first), stages.pending)
+            stages.second = launch(self.method.SECOND, message, f"2.{stages.name}",
+                                   self.method.root(stages.pending.ctx))
+
+    def finish_exchange(self, ctx: _Stages) -> torch.Tensor:
+        if ctx.second is None:
+            self.launch_second_stages()
+        with self._lock:
+            self._in_flight.pop(ctx.name, None)
+        return self.engine.finish(wait(ctx.second), ctx.pending, ctx.shape)
+
+
+def _optimizers_holding(compressor: MethodCompressor):
     """The optimizers whose ``_compression`` is ``compressor`` (found through the GC)."""
     for ref in gc.get_referrers(compressor):
         owners = [ref]
@@ -171,17 +244,15 @@ def check_optimizer_compatible(optimizer: torch.optim.Optimizer, config, op) -> 
     """Raise ValueError if ``optimizer`` would apply what the compressor already applies."""
     if op != hvd.Average:
         raise ValueError("horovod_dgc compressors average the gradients: use op=hvd.Average")
-    if not isinstance(config, DGCConfig):
-        return
-    for group in optimizer.param_groups:
-        for key in ("momentum", "weight_decay"):
-            if group.get(key, 0.0):
-                raise ValueError(
-                    f"the wrapped optimizer has {key}={group[key]} but Compression.dgc applies "
-                    f"momentum correction (momentum={config.momentum}, weight_decay="
-                    f"{config.weight_decay}) itself: give the optimizer {key}=0 and pass it to "
-                    f"Compression.dgc, or use horovod_dgc.torch.DistributedOptimizer, which "
-                    f"moves them over")
+    for key in ("momentum", "weight_decay"):
+        mine = getattr(config, key, 0.0)
+        theirs = [g.get(key, 0.0) for g in optimizer.param_groups]
+        if mine and any(theirs):
+            raise ValueError(
+                f"the wrapped optimizer has {key}={max(theirs)} but the compressor applies "
+                f"{key}={mine} itself: give the optimizer {key}=0 (the compressor applies it), "
+                f"or use horovod_dgc.torch.DistributedOptimizer, which moves SGD's momentum and "
+                f"weight decay into a DGC compressor")
 
 
 class Compression:
@@ -209,3 +280,15 @@ class Compression:
     def gaussiank(named_parameters: Optional[NamedParameters] = None, **options) -> SparseCompressor:
         """Gaussian-k with error feedback; options: :class:`~horovod_dgc.core.GaussianKConfig`."""
         return SparseCompressor(GaussianK(GaussianKConfig(**options)), named_parameters)
+
+    @staticmethod
+    def scalecom(named_parameters: Optional[NamedParameters] = None, **options) -> TwoStageCompressor:
+        """ScaleCom's cyclic local top-k, values all-reduced; options:
+        :class:`~horovod_dgc.core.scalecom.ScaleComConfig`."""
+        return TwoStageCompressor(ScaleCom(ScaleComConfig(**options)), named_parameters)
+
+    @staticmethod
+    def blocksign(named_parameters: Optional[NamedParameters] = None, **options) -> TwoStageCompressor:
+        """Blockwise scaled 1-bit sign with worker and server error feedback; options:
+        :class:`~horovod_dgc.core.blocksign.BlockSignConfig`."""
+        return TwoStageCompressor(BlockSign(BlockSignConfig(**options)), named_parameters)

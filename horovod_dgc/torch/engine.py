@@ -54,7 +54,7 @@ class Engine:
     @property
     def density(self) -> float:
         """Density in force now (after warm-up)."""
-        return self.config.schedule.density(self.epoch)
+        return self.config.density_at(self.epoch)
 
     def stats(self) -> CompressionStats:
         return self._stats.snapshot()
@@ -119,6 +119,36 @@ class Engine:
         self._stats.record(step=step, bytes_sent=update.numel() * update.element_size(),
                            dense_bytes=grad.numel() * grad.element_size())
         return update
+
+    def first(self, name: str, grad: torch.Tensor, param: Optional[torch.Tensor]):
+        """Stage 1 of a two-stage method: (message for its FIRST collective, pending)."""
+        started = time.perf_counter()
+        flat = grad.detach().reshape(-1)
+        step = self._next_step(name)
+        message, state, pending = self.method.first(self.ops, self._state(name, flat, True), flat,
+                                                    self._context(name, step, param))
+        with self._lock:
+            self._states[name] = state
+        self._stats.record(step=step, bytes_sent=message.numel() * message.element_size(),
+                           dense_bytes=grad.numel() * grad.element_size(),
+                           elements_sent=round(grad.numel() * pending.ctx.density),
+                           elements_compressed=grad.numel(),
+                           selection_time_s=time.perf_counter() - started)
+        return message, pending
+
+    def second(self, name: str, received: torch.Tensor, pending) -> torch.Tensor:
+        """Stage 2: the message for the SECOND collective."""
+        started = time.perf_counter()
+        message, state = self.method.second(self.ops, self._states[name], received, pending)
+        with self._lock:
+            self._states[name] = state
+        self._stats.record(step=pending.ctx.step, bytes_sent=message.numel() * message.element_size(),
+                           dense_bytes=0, selection_time_s=time.perf_counter() - started)
+        return message
+
+    def finish(self, received: torch.Tensor, pending, shape: torch.Size) -> torch.Tensor:
+        """The averaged update of a two-stage method, shaped like the gradient."""
+        return self.method.finish(self.ops, received, pending).reshape(shape)
 
     def record_placeholder(self, step: int, nbytes: int) -> None:
         """Count the bytes of the placeholder Horovod all-reduces beside a sparse message."""

@@ -15,8 +15,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
           "float64": torch.float64, "int32": torch.int32, "int64": torch.int64,
           "uint8": torch.uint8, "bool": torch.bool}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-# Rows of a block-maximum chunk: about 1 MiB of float32 at the usual block sizes.
-_CHUNK_ROWS = 4096
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -63,6 +62,9 @@ class TorchOps(TensorOps):
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return x + y
 
+    def multiply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x * y
+
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         return x.sum()
 
@@ -99,16 +101,23 @@ class TorchOps(TensorOps):
     def block_abs_max(self, x: torch.Tensor, block: int) -> torch.Tensor:
         whole = x.numel() // block
         rows = x[:whole * block].view(-1, block)
-        maxima = torch.empty(whole + (whole * block < x.numel()), dtype=x.dtype, device=x.device)
-        # |x| of one cache-sized chunk at a time: one pass over memory, no full-size temporary.
-        scratch = torch.empty(min(whole, _CHUNK_ROWS) * block, dtype=x.dtype, device=x.device)
-        for start in range(0, whole, _CHUNK_ROWS):
-            chunk = rows[start:start + _CHUNK_ROWS]
-            magnitudes = torch.abs(chunk, out=scratch[:chunk.numel()].view(-1, block))
-            torch.amax(magnitudes, dim=1, out=maxima[start:start + chunk.shape[0]])
-        if whole < maxima.numel():
-            maxima[-1] = x[whole * block:].abs().amax()
-        return maxima
+        # Two reductions and no full-size |x| temporary. Chunking into cache-sized pieces was
+        # a little faster on an idle machine, but each chunk is a parallel section, and with
+        # several ranks sharing the cores hundreds of them made selection 100x slower.
+        maxima = torch.maximum(rows.amax(dim=1), rows.amin(dim=1).neg_())
+        if whole * block == x.numel():
+            return maxima
+        return torch.cat([maxima, x[whole * block:].abs().amax().reshape(1)])
+
+    def block_abs_sum(self, x: torch.Tensor, block: int) -> torch.Tensor:
+        whole = x.numel() // block
+        sums = x[:whole * block].view(-1, block).abs().sum(dim=1)
+        if whole * block == x.numel():
+            return sums
+        return torch.cat([sums, x[whole * block:].abs().sum().reshape(1)])
+
+    def repeat_blocks(self, values: torch.Tensor, block: int, n: int) -> torch.Tensor:
+        return values.repeat_interleave(block)[:n]
 
     def gather_blocks(self, x: torch.Tensor, blocks: torch.Tensor, block: int) -> torch.Tensor:
         whole = x.numel() // block
@@ -162,6 +171,14 @@ class TorchOps(TensorOps):
         if data.storage_offset() % torch.empty(0, dtype=target).element_size():
             data = data.clone()
         return data.view(target)
+
+    def pack_signs(self, x: torch.Tensor) -> torch.Tensor:
+        bits = (x.view(-1, 8) >= 0).to(torch.uint8)
+        return (bits << _BIT_SHIFTS.to(x.device)).sum(dim=1, dtype=torch.uint8)
+
+    def unpack_signs(self, packed: torch.Tensor, dtype: str) -> torch.Tensor:
+        bits = (packed.unsqueeze(1) >> _BIT_SHIFTS.to(packed.device)) & 1
+        return (bits.reshape(-1).to(DTYPES[dtype]) * 2 - 1)
 
     def inspect(self, x: torch.Tensor, check: Callable[[list], None]) -> None:
         check(x.tolist())

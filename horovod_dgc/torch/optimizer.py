@@ -18,7 +18,10 @@ import horovod.torch as hvd
 import torch
 
 from ..core import DGCConfig
-from .compression import ALLGATHER_PREFIX, Compression, SparseCompressor, check_optimizer_compatible
+from ..core.exchange import ALLGATHER
+from .collectives import PREFIX, launch, wait
+from .compression import (Compression, MethodCompressor, SparseCompressor, TwoStageCompressor,
+                          check_optimizer_compatible)
 from .engine import Engine, SparseOutcome
 
 DEFAULT_BUCKET_CAP_MB = 25.0
@@ -28,7 +31,7 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
     """Mixed into a subclass of the wrapped optimizer's class (Horovod's own pattern)."""
 
     def __init__(self, params, named_parameters: List[Tuple[str, torch.nn.Parameter]],
-                 compression: SparseCompressor, backward_passes_per_step: int,
+                 compression: MethodCompressor, backward_passes_per_step: int,
                  bucket_cap_mb: float):
         super(self.__class__, self).__init__(params)
         self._compression = compression
@@ -49,6 +52,8 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         """Compressed parameters in reverse registration order (roughly the order backward
         produces them), cut into buckets of about ``cap_mb`` dense megabytes."""
         engine = self._compression.engine
+        if not isinstance(self._compression, SparseCompressor):
+            return []
         buckets: List[List[torch.nn.Parameter]] = [[]]
         size = 0
         for p in reversed(self._params):
@@ -66,6 +71,7 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         self._outcomes: Dict[torch.nn.Parameter, SparseOutcome] = {}
         self._bucket_handles: Dict[int, int] = {}
         self._dense_handles: Dict[torch.nn.Parameter, int] = {}
+        self._stages: Dict[torch.nn.Parameter, object] = {}
 
     # -- per-parameter work as gradients become ready ------------------------------------------------
     def _hook(self, p: torch.nn.Parameter) -> None:
@@ -82,8 +88,11 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         engine, name, grad = self._compression.engine, self._names[p], p.grad
         if Engine.passes_through(grad) or not engine.compresses(grad):
             update = grad.clone() if Engine.passes_through(grad) else engine.dense(name, grad, p)
-            self._dense_handles[p] = hvd.allreduce_async_(update, name=f"{ALLGATHER_PREFIX}dense.{name}",
+            self._dense_handles[p] = hvd.allreduce_async_(update, name=f"{PREFIX}dense.{name}",
                                                           op=hvd.Average)
+            return
+        if isinstance(self._compression, TwoStageCompressor):
+            self._stages[p] = self._compression.start_exchange(name, grad, p)
             return
         self._outcomes[p] = engine.compress(name, grad, p)
         bucket = self._bucket_of[p]
@@ -92,7 +101,7 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
 
     def _launch(self, bucket: int) -> None:
         message = torch.cat([self._outcomes[p].message for p in self._buckets[bucket]])
-        self._bucket_handles[bucket] = hvd.allgather_async(message, name=f"{ALLGATHER_PREFIX}bucket{bucket}")
+        self._bucket_handles[bucket] = launch(ALLGATHER, message, f"bucket{bucket}")
 
     # -- Horovod's optimizer interface -------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -100,17 +109,21 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         for p in self._params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            if self._delay[p] > 0 and p not in self._outcomes and p not in self._dense_handles:
+            if self._delay[p] > 0 and not any(p in d for d in (self._outcomes, self._dense_handles, self._stages)):
                 self._delay[p] = 0
                 self._submit(p)
         engine = self._compression.engine
         for bucket, handle in self._bucket_handles.items():
             params = self._buckets[bucket]
-            gathered = hvd.synchronize(handle)
+            gathered = wait(handle)
             for p, grad in zip(params, engine.decompress(gathered, [self._outcomes[p] for p in params])):
                 p.grad.copy_(grad)
+        if self._stages:
+            self._compression.launch_second_stages()
+        for p, stages in self._stages.items():
+            p.grad.copy_(self._compression.finish_exchange(stages))
         for p, handle in self._dense_handles.items():
-            p.grad.copy_(hvd.synchronize(handle))
+            p.grad.copy_(wait(handle))
         for p in self._params:
             self._delay[p] = self.backward_passes_per_step
         self._reset_step()
@@ -132,7 +145,7 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._outcomes or self._dense_handles:
+        if self._outcomes or self._dense_handles or self._stages:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
                                  "before optimizer.step() or optimizer.synchronize()")
         return super(self.__class__, self).zero_grad(set_to_none)
@@ -151,7 +164,7 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
 
 
 def _move_sgd_hyperparameters(optimizer: torch.optim.Optimizer,
-                              compression: SparseCompressor) -> SparseCompressor:
+                              compression: MethodCompressor) -> MethodCompressor:
     """Make a DGC compressor apply the SGD's momentum, Nesterov and weight decay, which are
     then zeroed in the optimizer. Other methods and optimizers are checked instead."""
     config = compression.config
@@ -188,7 +201,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     the optimizer returned is this module's, else Horovod's own. ``bucket_cap_mb``: dense
     megabytes of gradient per fused allgather.
     """
-    if not isinstance(compression, SparseCompressor):
+    if not isinstance(compression, MethodCompressor):
         return hvd.DistributedOptimizer(optimizer, named_parameters=named_parameters,
                                         compression=compression,
                                         backward_passes_per_step=backward_passes_per_step, op=op,

@@ -1,0 +1,187 @@
+"""Blockwise 1-bit compression with two-way error feedback (Zheng, Huang, Kwok, NeurIPS 2019:
+dist-EF-blockSGDM), ALGORITHMS.md section 5.
+
+    C(v)_b = (||v_b||_1 / d_b) * sign(v_b)            (sign(0) = +1: one bit per entry)
+    worker i: p_i = g_i (+ Nesterov momentum) + e_i;  D_i = C(p_i);  e_i = p_i - D_i
+    server:   P = mean_i D_i + E;  D = C(P);  E = P - D;  every worker applies D
+
+Horovod has no parameter server, so the server is sharded across the workers: the flat
+tensor, padded to ``N * shard`` entries, is cut into N shards; an alltoall brings shard j of
+every worker's packed signs and block scales to worker j, which averages them, adds its
+server residual, compresses again, and an allgather returns every shard to everyone.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+from . import wire
+from .config import CompressionConfig, require_positive_int
+from .exchange import ALLGATHER, ALLTOALL, Pending, TwoStageMethod
+from .memory import State
+from .ops import Tensor, TensorOps
+from .sparse import StepContext, check_finite, state_dtype
+
+
+@dataclass(frozen=True)
+class BlockSignConfig(CompressionConfig):
+    """Blocksign's settings (and :class:`CompressionConfig`'s).
+
+    Attributes:
+        block_size: elements per scaled block; None: one block per tensor on the worker
+            and one per shard on the server.
+        momentum: Nesterov momentum kept by each worker before compressing, in [0, 1).
+    """
+
+    block_size: Optional[int] = None
+    momentum: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.block_size is not None:
+            require_positive_int("block_size", self.block_size)
+        if not isinstance(self.momentum, (int, float)) or not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum!r}")
+
+
+def shard_length(numel: int, world_size: int, block_size: Optional[int]) -> int:
+    """Entries per shard: a multiple of 8 (packed signs) and of the block size."""
+    unit = 8 if block_size is None else math.lcm(8, block_size)
+    return max(1, math.ceil(numel / world_size / unit)) * unit
+
+
+def block_scales(ops: TensorOps, x: Tensor, block: int, valid: int) -> Tensor:
+    """``||x_b||_1 / d_b`` per block of ``x``, where d_b counts the block's entries below
+    ``valid`` (entries past it are zero padding)."""
+    sums = ops.block_abs_sum(x, block)
+    full, rest = valid // block, valid % block
+    parts = [ops.scale(ops.slice(sums, 0, full), 1.0 / block)]
+    if rest:
+        parts.append(ops.scale(ops.slice(sums, full, 1), 1.0 / rest))
+    tail = ops.numel(sums) - full - (1 if rest else 0)
+    if tail:
+        parts.append(ops.slice(sums, ops.numel(sums) - tail, tail))
+    return ops.concat(parts)
+
+
+class BlockSign(TwoStageMethod):
+    method_id = 5
+    FIRST = ALLTOALL
+    SECOND = ALLGATHER
+    config: BlockSignConfig
+
+    def __init__(self, config: BlockSignConfig = BlockSignConfig()):
+        super().__init__(config)
+
+    def state_names(self, compressed: bool) -> Tuple[str, ...]:
+        names = ("momentum",) if self.config.momentum else ()
+        return names + ("residual",) if compressed else names
+
+    def _shard(self, numel: int, world_size: int) -> int:
+        return shard_length(numel, world_size, self.config.block_size)
+
+    def _worker_block(self, numel: int) -> int:
+        return self.config.block_size or numel
+
+    def _server_block(self, shard: int) -> int:
+        return self.config.block_size or shard
+
+    def layout(self, name: str, numel: int, world_size: int) -> wire.PartsLayout:
+        """One shard's message (the same shape in both stages)."""
+        shard = self._shard(numel, world_size)
+        scales = shard // self._server_block(shard)
+        return wire.PartsLayout(name=name, method_id=self.method_id, numel=numel, capacity=shard,
+                                part_list=(("uint8", shard // 8), ("float32", scales)))
+
+    def message_bytes(self, numel: int, grad_dtype: str, ctx: StepContext) -> Tuple[int, int]:
+        nbytes = self.layout(ctx.name, numel, ctx.world_size).nbytes
+        return ctx.world_size * nbytes, nbytes
+
+    def _valid(self, numel: int, shard: int, j: int) -> int:
+        return max(0, min(shard, numel - j * shard))
+
+    def _momentum_step(self, ops: TensorOps, state: State, grad: Tensor) -> Tuple[Tensor, State]:
+        """``m = mu * m + g``; the step's direction is ``g + mu * m`` (Nesterov)."""
+        mu = self.config.momentum
+        if not mu:
+            return grad, state
+        momentum = ops.scale_add(state["momentum"], mu, grad)
+        return ops.scale_add(ops.copy(grad), 1.0, momentum, mu), {**state, "momentum": momentum}
+
+    def dense(self, ops: TensorOps, state: State, grad: Tensor, ctx: StepContext) -> Tuple[Tensor, State]:
+        update, state = self._momentum_step(ops, state, grad)
+        return (ops.copy(update) if update is grad else update), state
+
+    def compress(self, ops: TensorOps, x: Tensor, block: int, valid: int) -> Tuple[Tensor, Tensor, Tensor]:
+        """(packed signs, block scales, decoded C(x)) of ``x`` (length a multiple of 8)."""
+        packed = ops.pack_signs(x)
+        scales = block_scales(ops, x, block, valid)
+        decoded = ops.multiply(ops.unpack_signs(packed, ops.dtype(x)),
+                               ops.repeat_blocks(scales, block, ops.numel(x)))
+        return packed, scales, decoded
+
+    def first(self, ops: TensorOps, state: State, grad: Tensor,
+              ctx: StepContext) -> Tuple[Tensor, State, Pending]:
+        n, world = ops.numel(grad), ctx.world_size
+        finite = check_finite(ops, self.config.nonfinite, grad, ctx)
+        grad = ops.cond(finite, lambda: grad, lambda: ops.zeros(n, ops.dtype(grad), like=grad))
+        direction, state = self._momentum_step(ops, state, grad)
+        p = ops.scale_add(state["residual"], 1.0, direction)
+        shard = self._shard(n, world)
+        padded = ops.pad(p, world * shard)
+        block = self._worker_block(n)
+        packed, scales, decoded = self.compress(ops, padded, block, n)
+        residual = ops.scale_add(p, 1.0, ops.slice(decoded, 0, n), -1.0)
+        layout = self.layout(ctx.name, n, world)
+        per_shard = layout.parts[1][1]
+        messages = []
+        for j in range(world):
+            # One block per tensor: every shard carries the one scale.
+            shard_scales = ops.slice(scales, 0 if self.config.block_size is None else j * per_shard, per_shard)
+            header = layout.header(ctx.rank, ctx.step, self._valid(n, shard, j), 0)
+            messages.append(wire.encode_parts(ops, layout, header,
+                                              [ops.slice(packed, j * shard // 8, shard // 8), shard_scales]))
+        pending = Pending(ctx, n, ops.dtype(grad), {"layout": layout, "shard": shard})
+        return ops.concat(messages), {**state, "residual": residual}, pending
+
+    def _decode(self, ops: TensorOps, message: Tensor, layout: wire.PartsLayout, sender: int,
+                step: int, dtype: str) -> Tensor:
+        header, (packed, scales) = wire.split_parts(ops, message, layout)
+        ops.inspect(header, lambda words: layout.check(words, sender, step))
+        shard = layout.capacity
+        return ops.multiply(ops.unpack_signs(packed, dtype),
+                            ops.repeat_blocks(scales, shard // ops.numel(scales), shard))
+
+    def _shards(self, ops: TensorOps, received: Tensor, pending: Pending) -> List[Tensor]:
+        """Each sender's decoded shard from a received concatenation, headers checked."""
+        layout, ctx = pending.data["layout"], pending.ctx
+        expected = layout.nbytes * ctx.world_size
+        if ops.numel(received) != expected:
+            raise wire.MessageError(f"received {ops.numel(received)} bytes of shards for tensor "
+                                    f"{ctx.name!r} on rank {ctx.rank}, expected {ctx.world_size} "
+                                    f"x {layout.nbytes}")
+        dtype = state_dtype(pending.dtype)
+        return [self._decode(ops, ops.slice(received, i * layout.nbytes, layout.nbytes), layout,
+                             i, ctx.step, dtype) for i in range(ctx.world_size)]
+
+    def second(self, ops: TensorOps, state: State, received: Tensor,
+               pending: Pending) -> Tuple[Tensor, State]:
+        ctx, layout, shard = pending.ctx, pending.data["layout"], pending.data["shard"]
+        total = None
+        for decoded in self._shards(ops, received, pending):
+            total = decoded if total is None else ops.scale_add(total, 1.0, decoded)
+        server = state.get("server")
+        if server is None:
+            server = ops.zeros(shard, ops.dtype(total), like=total)
+        valid = self._valid(pending.numel, shard, ctx.rank)
+        averaged = ops.scale_add(ops.scale(total, 1.0 / ctx.world_size), 1.0, server)
+        averaged = ops.pad(ops.slice(averaged, 0, valid), shard)
+        packed, scales, decoded = self.compress(ops, averaged, self._server_block(shard), valid)
+        server = ops.pad(ops.slice(ops.scale_add(averaged, 1.0, decoded, -1.0), 0, valid), shard)
+        header = layout.header(ctx.rank, ctx.step, valid, 0)
+        return wire.encode_parts(ops, layout, header, [packed, scales]), {**state, "server": server}
+
+    def finish(self, ops: TensorOps, received: Tensor, pending: Pending) -> Tensor:
+        update = ops.slice(ops.concat(self._shards(ops, received, pending)), 0, pending.numel)
+        return ops.cast(update, pending.dtype)

@@ -1,0 +1,29 @@
+"""Horovod collectives by kind, as the two-stage methods name them (core/exchange.py)."""
+from __future__ import annotations
+
+import horovod.torch as hvd
+import torch
+
+from ..core.exchange import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST
+
+PREFIX = "horovod_dgc."
+
+
+def launch(kind: str, message: torch.Tensor, name: str, root: int = 0) -> int:
+    """Start collective ``kind`` on ``message`` under the unique name ``PREFIX + name``."""
+    name = PREFIX + name
+    if kind == BROADCAST:
+        return hvd.broadcast_async(message, root_rank=root, name=name)
+    if kind == ALLREDUCE:
+        return hvd.allreduce_async(message, op=hvd.Average, name=name)
+    if kind == ALLTOALL:
+        return hvd.alltoall_async(message, name=name)
+    if kind == ALLGATHER:
+        return hvd.allgather_async(message, name=name)
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+def wait(handle: int) -> torch.Tensor:
+    """The result of a launched collective (alltoall's received splits dropped)."""
+    result = hvd.synchronize(handle)
+    return result[0] if isinstance(result, tuple) else result

@@ -1,0 +1,110 @@
+"""ScaleCom and blocksign in the core's N-worker simulation: conservation laws and checks."""
+import pytest
+import torch
+
+from horovod_dgc.core import MessageError, StepContext
+from horovod_dgc.core.blocksign import BlockSign, BlockSignConfig, shard_length
+from horovod_dgc.core.exchange import emulate, simulate_step
+from horovod_dgc.core.scalecom import ScaleCom, ScaleComConfig
+from horovod_dgc.torch import Compression
+from horovod_dgc.torch.ops import TorchOps
+
+ops = TorchOps()
+
+
+def contexts(n_workers: int, step: int, density: float = 1.0, name: str = "w"):
+    return [StepContext(name, r, n_workers, step, density) for r in range(n_workers)]
+
+
+@pytest.mark.parametrize("block_size", [None, 64])
+def test_blocksign_conserves_gradient_mass_over_200_steps(block_size):
+    method, workers, n = BlockSign(BlockSignConfig(block_size=block_size)), 3, 5003
+    gen = torch.Generator().manual_seed(0)
+    states = [method.init_state(ops, torch.zeros(n), True) for _ in range(workers)]
+    applied = torch.zeros(n, dtype=torch.float64)
+    mean_grads = torch.zeros(n, dtype=torch.float64)
+    for step in range(200):
+        grads = [torch.randn(n, generator=gen) * (1 + step % 5) for _ in range(workers)]
+        results, states = simulate_step(ops, method, states, grads, contexts(workers, step))
+        assert all(torch.equal(results[0], r) for r in results[1:])
+        applied += results[0].double()
+        mean_grads += sum(g.double() for g in grads) / workers
+    shard = shard_length(n, workers, block_size)
+    server = torch.cat([s["server"] for s in states])[:n].double()
+    assert torch.count_nonzero(torch.cat([s["server"] for s in states])[n:]) == 0
+    worker = sum(s["residual"].double() for s in states) / workers
+    error = (applied + worker + server - mean_grads).norm() / mean_grads.norm()
+    assert error < 1e-5, float(error)
+    assert shard % 8 == 0
+
+
+def test_blocksign_update_is_a_scaled_sign_per_block():
+    method = BlockSign(BlockSignConfig(block_size=16))
+    grads = [torch.randn(256) for _ in range(2)]
+    states = [method.init_state(ops, grads[0], True) for _ in range(2)]
+    results, _ = simulate_step(ops, method, states, grads, contexts(2, 0))
+    for block in results[0].view(-1, 16):
+        assert torch.unique(block.abs()).numel() == 1
+
+
+def test_scalecom_with_beta_one_obeys_the_topk_law_per_worker():
+    method, workers, n = ScaleCom(ScaleComConfig(density=0.01, beta=1.0)), 4, 4000
+    gen = torch.Generator().manual_seed(1)
+    states = [method.init_state(ops, torch.zeros(n), True) for _ in range(workers)]
+    sent = [torch.zeros(n, dtype=torch.float64) for _ in range(workers)]
+    total = [torch.zeros(n, dtype=torch.float64) for _ in range(workers)]
+    for step in range(200):
+        grads = [torch.randn(n, generator=gen) for _ in range(workers)]
+        ctxs = contexts(workers, step, 0.01)
+        firsts = [method.first(ops, s, g, c) for s, g, c in zip(states, grads, ctxs)]
+        received = emulate(ops, method.FIRST, [m for m, _, _ in firsts], method.root(ctxs[0]))
+        seconds = [method.second(ops, s, r, p) for (_, s, p), r in zip(firsts, received)]
+        for i, ((values, state), (_, _, pending)) in enumerate(zip(seconds, firsts)):
+            sent[i].index_add_(0, pending.data["indices"], values.double())
+            total[i] += grads[i].double()
+        states = [state for _, state in seconds]
+        assert all(torch.equal(firsts[0][2].data["indices"], p.data["indices"]) for _, _, p in firsts)
+    for i in range(workers):
+        error = (sent[i] + states[i]["memory"].double() - total[i]).norm() / total[i].norm()
+        assert error < 1e-5, (i, float(error))
+
+
+def test_scalecom_leaders_take_turns_and_chunked_selection_sends_k():
+    method = ScaleCom(ScaleComConfig(density=0.01, leader_selection="chunked", chunks=8))
+    n, workers = 5000, 3
+    grads = [torch.randn(n) for _ in range(workers)]
+    states = [method.init_state(ops, torch.zeros(n), True) for _ in range(workers)]
+    for step in range(3):
+        assert method.root(contexts(workers, step)[0]) == step % workers
+        results, states = simulate_step(ops, method, states, grads, contexts(workers, step, 0.01))
+        assert int(torch.count_nonzero(results[0])) == 50
+
+
+@pytest.mark.parametrize("options,field", [(dict(beta=0.0), "beta"), (dict(beta=1.5), "beta"),
+                                           (dict(density=0.0), "density"),
+                                           (dict(leader_selection="random"), "leader_selection")])
+def test_bad_scalecom_settings_raise_at_construction(options, field):
+    with pytest.raises(ValueError, match=field):
+        Compression.scalecom(**options)
+
+
+@pytest.mark.parametrize("options,field", [(dict(block_size=0), "block_size"), (dict(block_size=-4), "block_size"),
+                                           (dict(momentum=1.0), "momentum")])
+def test_bad_blocksign_settings_raise_at_construction(options, field):
+    with pytest.raises(ValueError, match=field):
+        Compression.blocksign(**options)
+
+
+def test_shard_of_wrong_length_names_rank_and_tensor():
+    method = BlockSign()
+    grads = [torch.randn(1000) for _ in range(2)]
+    firsts = [method.first(ops, method.init_state(ops, g, True), g, c)
+              for g, c in zip(grads, contexts(2, 0, name="conv.weight"))]
+    received = emulate(ops, method.FIRST, [m for m, _, _ in firsts])
+    _, state, pending = firsts[1]
+    with pytest.raises(MessageError, match=r"'conv.weight' on rank 1"):
+        method.second(ops, state, received[1][:-8], pending)
+    corrupt = received[1].clone()
+    corrupt[4] ^= 1  # the method id of the first shard, sent by rank 0
+    with pytest.raises(MessageError, match=r"rank 0 .*'conv.weight'.*method"):
+        method.second(ops, state, corrupt, pending)
