@@ -14,10 +14,19 @@ def test_aggregated_gradient_equals_dense_reference(np, path):
         assert out.count(f"{method} {path} aggregate ok") == np, out
 
 
+def traffic(path: str, np: int) -> dict:
+    out = horovodrun("traffic_torch.py", np, ["--path", path])
+    return json.loads(out.split("TRAFFIC ", 1)[1].splitlines()[0])
+
+
+@pytest.fixture(scope="module")
+def traffic_two_ranks():
+    return {path: traffic(path, 2) for path in ("stock", "own")}
+
+
 @pytest.mark.parametrize("path", ["stock", "own"])
-def test_dgc_hands_horovod_300x_fewer_bytes_than_dense(path):
-    out = horovodrun("traffic_torch.py", 2, ["--path", path])
-    figures = json.loads(out.split("TRAFFIC ", 1)[1].splitlines()[0])
+def test_dgc_hands_horovod_300x_fewer_bytes_than_dense(path, traffic_two_ranks):
+    figures = traffic_two_ranks[path]
     dense, dgc = figures["none"], figures["dgc"]
     assert dense["params"] >= 1_000_000
     ratio = dense["bytes_per_step"] / dgc["bytes_per_step"]
@@ -38,3 +47,20 @@ def test_scalecom_and_blocksign_match_the_n_worker_simulation_for_20_steps(np, p
     out = horovodrun("twostage_torch.py", np, ["--path", path])
     for kind in ("scalecom", "blocksign", "blocksign64"):
         assert out.count(f"{kind} {path} twostage ok") == np, out
+
+
+@pytest.mark.parametrize("path", ["stock", "own"])
+def test_scalecom_traffic_per_worker_does_not_grow_from_2_to_4_workers(path, traffic_two_ranks):
+    two = traffic_two_ranks[path]["scalecom-1M"]["bytes_per_step"]
+    four = traffic(path, 4)["scalecom-1M"]["bytes_per_step"]
+    print(f"{path} path: scalecom {two:.0f} B/step/worker with 2 workers, {four:.0f} with 4")
+    assert four <= 1.05 * two
+
+
+@pytest.mark.parametrize("path", ["stock", "own"])
+def test_blocksign_traffic_is_at_most_a_twelfth_of_dense(path, traffic_two_ranks):
+    figures = traffic_two_ranks[path]
+    dense, blocksign = figures["none-1M"]["bytes_per_step"], figures["blocksign-1M"]["bytes_per_step"]
+    print(f"{path} path: blocksign {blocksign:.0f} B/step vs dense {dense:.0f} ({dense / blocksign:.1f}x)")
+    assert blocksign <= dense / 12
+    assert figures["blocksign-1M"]["stats_bytes_per_step"] == pytest.approx(blocksign)

@@ -1,5 +1,6 @@
-"""Counts the bytes each path hands to Horovod per step (by wrapping the real collectives)
-for dense and DGC on a model of over 1M parameters; rank 0 prints the figures."""
+"""Counts the bytes each path hands to Horovod per step (by wrapping the real collectives):
+dense and DGC on a model of over 1M parameters, and dense, ScaleCom and blocksign on one
+1M-element tensor; rank 0 prints the figures."""
 import argparse
 import json
 
@@ -20,25 +21,32 @@ def counting(collective):
 
 
 # Every collective horovod_dgc or Horovod's optimizer launches for gradients goes through these.
-hvd.allgather_async = counting(hvd.allgather_async)
-hvd.allreduce_async_ = counting(hvd.allreduce_async_)
+for collective in ("allgather_async", "allreduce_async", "allreduce_async_", "broadcast_async",
+                   "alltoall_async"):
+    setattr(hvd, collective, counting(getattr(hvd, collective)))
 hvd_optimizer.allreduce_async_ = counting(hvd_optimizer.allreduce_async_)
 
 
-def model() -> torch.nn.Module:
+OPTIONS = {"dgc": dict(density=0.001, value_dtype="float16"), "scalecom": dict(density=0.001),
+           "blocksign": dict()}
+
+
+def model(single_tensor: bool) -> torch.nn.Module:
     torch.manual_seed(0)
+    if single_tensor:
+        return torch.nn.Linear(1024, 1024, bias=False)
     return torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
                                torch.nn.Linear(1024, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
 
 
-def bytes_per_step(path: str, compression_name: str, steps: int = 3) -> dict:
-    net = model()
+def bytes_per_step(path: str, compression_name: str, single_tensor: bool, steps: int = 3) -> dict:
+    net = model(single_tensor)
     sgd = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9 if compression_name == "none" else 0.0)
-    if compression_name == "dgc":
-        compression = hdgc.Compression.dgc(named_parameters=net.named_parameters(), density=0.001,
-                                           value_dtype="float16")
-    else:
+    if compression_name == "none":
         compression = hdgc.Compression.none
+    else:
+        compression = getattr(hdgc.Compression, compression_name)(
+            named_parameters=net.named_parameters(), **OPTIONS[compression_name])
     wrap = hvd.DistributedOptimizer if path == "stock" else hdgc.DistributedOptimizer
     optimizer = wrap(sgd, named_parameters=net.named_parameters(), compression=compression)
     handed_bytes[0] = 0
@@ -48,7 +56,7 @@ def bytes_per_step(path: str, compression_name: str, steps: int = 3) -> dict:
         optimizer.step()
     result = {"bytes_per_step": handed_bytes[0] / steps,
               "params": sum(p.numel() for p in net.parameters())}
-    if compression_name == "dgc":
+    if compression_name != "none":
         stats = optimizer._compression.stats()
         result["stats_bytes_per_step"] = stats.bytes_sent_per_step
     return result
@@ -60,6 +68,8 @@ if __name__ == "__main__":
     args = parser.parse_args()
     hvd.init()
     torch.set_num_threads(1)
-    figures = {name: bytes_per_step(args.path, name) for name in ("none", "dgc")}
+    figures = {name: bytes_per_step(args.path, name, single_tensor=False) for name in ("none", "dgc")}
+    figures.update({f"{name}-1M": bytes_per_step(args.path, name, single_tensor=True)
+                    for name in ("none", "scalecom", "blocksign")})
     if hvd.rank() == 0:
         print("TRAFFIC " + json.dumps(figures), flush=True)
