@@ -4,9 +4,10 @@ Same signature as ``hvd.DistributedOptimizer``. Against the stock path it adds:
 
 * the wrapped SGD's momentum, Nesterov flag and weight decay move into a DGC compressor
   (and out of the optimizer), so momentum is never applied twice;
-* the sparse messages of a step are fused into a few allgathers (buckets of parameters fixed
-  at construction, in reverse registration order, about ``bucket_cap_mb`` of dense gradient
-  each) instead of one allgather plus one placeholder all-reduce per tensor;
+* compressed parameters form buckets fixed at construction (reverse registration order,
+  about ``bucket_cap_mb`` of dense gradient each): a sparse method sends one allgather per
+  bucket instead of one allgather plus one placeholder all-reduce per tensor; a two-stage
+  method (ScaleCom, blocksign) compresses each bucket's concatenated gradient as one tensor;
 * ``backward_passes_per_step``: gradients accumulate locally and compress once.
 """
 from __future__ import annotations
@@ -52,8 +53,6 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         """Compressed parameters in reverse registration order (roughly the order backward
         produces them), cut into buckets of about ``cap_mb`` dense megabytes."""
         engine = self._compression.engine
-        if not isinstance(self._compression, SparseCompressor):
-            return []
         buckets: List[List[torch.nn.Parameter]] = [[]]
         size = 0
         for p in reversed(self._params):
@@ -68,10 +67,10 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         return [b for b in buckets if b]
 
     def _reset_step(self) -> None:
+        self._ready: set = set()
         self._outcomes: Dict[torch.nn.Parameter, SparseOutcome] = {}
-        self._bucket_handles: Dict[int, int] = {}
+        self._bucket_handles: Dict[int, object] = {}
         self._dense_handles: Dict[torch.nn.Parameter, int] = {}
-        self._stages: Dict[torch.nn.Parameter, object] = {}
 
     # -- per-parameter work as gradients become ready ------------------------------------------------
     def _hook(self, p: torch.nn.Parameter) -> None:
@@ -91,17 +90,38 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
             self._dense_handles[p] = hvd.allreduce_async_(update, name=f"{PREFIX}dense.{name}",
                                                           op=hvd.Average)
             return
-        if isinstance(self._compression, TwoStageCompressor):
-            self._stages[p] = self._compression.start_exchange(name, grad, p)
-            return
-        self._outcomes[p] = engine.compress(name, grad, p)
+        self._ready.add(p)
+        if isinstance(self._compression, SparseCompressor):
+            self._outcomes[p] = engine.compress(name, grad, p)
         bucket = self._bucket_of[p]
-        if all(q in self._outcomes for q in self._buckets[bucket]):
+        if all(q in self._ready for q in self._buckets[bucket]):
             self._launch(bucket)
 
     def _launch(self, bucket: int) -> None:
-        message = torch.cat([self._outcomes[p].message for p in self._buckets[bucket]])
-        self._bucket_handles[bucket] = launch(ALLGATHER, message, f"bucket{bucket}")
+        """Sparse: one allgather of the bucket's messages. Two-stage: the bucket's gradients,
+        concatenated, are compressed as one tensor (one memory per bucket)."""
+        params = self._buckets[bucket]
+        if isinstance(self._compression, SparseCompressor):
+            message = torch.cat([self._outcomes[p].message for p in params])
+            self._bucket_handles[bucket] = launch(ALLGATHER, message, f"bucket{bucket}")
+        else:
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            self._bucket_handles[bucket] = self._compression.start_exchange(f"bucket{bucket}", flat, None)
+
+    def _finish_buckets(self) -> None:
+        """Write every bucket's averaged gradients to ``.grad``."""
+        if isinstance(self._compression, TwoStageCompressor) and self._bucket_handles:
+            self._compression.launch_second_stages()
+        engine = self._compression.engine
+        for bucket, handle in self._bucket_handles.items():
+            params = self._buckets[bucket]
+            if isinstance(self._compression, SparseCompressor):
+                grads = engine.decompress(wait(handle), [self._outcomes[p] for p in params])
+            else:
+                flat = self._compression.finish_exchange(handle)
+                grads = flat.split([p.numel() for p in params])
+            for p, grad in zip(params, grads):
+                p.grad.copy_(grad.reshape(p.shape))
 
     # -- Horovod's optimizer interface -------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -109,19 +129,10 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         for p in self._params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            if self._delay[p] > 0 and not any(p in d for d in (self._outcomes, self._dense_handles, self._stages)):
+            if self._delay[p] > 0 and p not in self._ready and p not in self._dense_handles:
                 self._delay[p] = 0
                 self._submit(p)
-        engine = self._compression.engine
-        for bucket, handle in self._bucket_handles.items():
-            params = self._buckets[bucket]
-            gathered = wait(handle)
-            for p, grad in zip(params, engine.decompress(gathered, [self._outcomes[p] for p in params])):
-                p.grad.copy_(grad)
-        if self._stages:
-            self._compression.launch_second_stages()
-        for p, stages in self._stages.items():
-            p.grad.copy_(self._compression.finish_exchange(stages))
+        self._finish_buckets()
         for p, handle in self._dense_handles.items():
             p.grad.copy_(wait(handle))
         for p in self._params:
@@ -145,7 +156,7 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._outcomes or self._dense_handles or self._stages:
+        if self._ready or self._dense_handles:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
                                  "before optimizer.step() or optimizer.synchronize()")
         return super(self.__class__, self).zero_grad(set_to_none)
