@@ -1,0 +1,5 @@
+"""TensorFlow adapter: ``Compression`` for Horovod's ``DistributedGradientTape``."""
+from .compression import Compression, SparseCompressor
+from .ops import TFOps
+
+__all__ = ["Compression", "SparseCompressor", "TFOps"]

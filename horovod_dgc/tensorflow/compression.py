@@ -1,0 +1,228 @@
+"""``compression=`` for the stock ``hvd.DistributedGradientTape`` (unmodified Horovod).
+
+Horovod's TensorFlow path (``_make_allreduce_grads_fn`` in ``horovod/tensorflow/__init__.py``)
+calls ``compress(grad)``, all-reduces what it returns and calls ``decompress(result, ctx)``,
+one gradient after another in the order of the tape's ``sources`` (``None`` gradients
+skipped), always while tracing a ``tf.function``: an eagerly executed tape runs it through a
+``tf.function`` of its own. A sparse compressor launches a named allgather of the message from
+``compress`` and hands Horovod a one-element placeholder; ``decompress`` rebuilds the
+averaged gradient from the gathered messages.
+
+**Which variable a gradient belongs to.** ``compress`` gets only the gradient, and inside a
+trace a gradient tensor carries nothing that names its variable (eagerly executed tapes hand
+Horovod's function the gradients as anonymous arguments). What is reliable is the order:
+within one trace, Horovod compresses the gradients in the order of ``sources``. So the
+compressor keeps, per trace (the outermost ``tf.function`` graph being built), a cursor into
+``variables`` and gives each gradient the next variable, at or after the cursor, of the same
+shape and dtype. This is exact whatever the order when shapes are unique, and exact for
+repeated shapes when ``variables`` lists the reduced variables in the order of ``sources``;
+a variable whose gradient is ``None`` (or an ``IndexedSlices``, which Horovod gathers
+itself) is skipped correctly unless the next gradient has its shape. A second pass over the
+variables within one trace (a second ``tape.gradient``) starts again from the first one.
+Horovod's ``groups=`` given as lists of variables reorders the gradients: not supported.
+"""
+from __future__ import annotations
+
+import re
+import weakref
+from typing import Any, Iterable, List, Optional, Tuple
+
+import horovod.tensorflow as hvd
+import tensorflow as tf
+from horovod.tensorflow.compression import Compression as HorovodCompression
+from horovod.tensorflow.compression import Compressor
+
+from ..core import DGC, DGCConfig, GaussianK, GaussianKConfig, SparseMethod, TopK, TopKConfig
+from ..core.stats import CompressionStats
+from ..core.wire import tensor_id
+from .engine import Engine, SparseOutcome
+
+ALLGATHER_PREFIX = "horovod_dgc."
+# Each rank all-reduces 1.0: Horovod's average is 1.0 only with op=hvd.Average.
+_PLACEHOLDER_VALUE = 1.0
+
+
+def variable_name(variable: Any) -> str:
+    """A variable's name, identical on every rank: a Keras 3 variable's path
+    (``"sequential/dense/kernel"``), a ``tf.Variable``'s name without its ``":0"``."""
+    return getattr(variable, "path", None) or variable.name.rsplit(":", 1)[0]
+
+
+def collective_name(name: str, occurrence: int = 0) -> str:
+    """The allgather's name for tensor ``name``: a valid op name, unique per tensor (the
+    crc32 of the name tells apart names that differ only in replaced characters)."""
+    safe = re.sub(r"[^A-Za-z0-9_.]", "_", name)
+    base = f"{ALLGATHER_PREFIX}{safe}.{tensor_id(name) & 0xFFFFFFFF:08x}"
+    return f"{base}.{occurrence}" if occurrence else base
+
+
+class _Cursor:
+    """Where one trace stands in the variables list, and how many passes it began."""
+
+    __slots__ = ("position", "passes")
+
+    def __init__(self) -> None:
+        self.position, self.passes = 0, 0
+
+
+def _outermost_graph(tensor: tf.Tensor) -> Optional[tf.Graph]:
+    """The outermost ``tf.function`` graph ``tensor`` belongs to (None when eager)."""
+    if tf.executing_eagerly():
+        return None
+    graph = tensor.graph
+    while hasattr(getattr(graph, "outer_graph", None), "outer_graph"):
+        graph = graph.outer_graph
+    return graph
+
+
+class _Pending:
+    """Context between compress and decompress: the gathered messages and the outcome."""
+
+    __slots__ = ("gathered", "outcome")
+
+    def __init__(self, gathered: tf.Tensor, outcome: SparseOutcome):
+        self.gathered, self.outcome = gathered, outcome
+
+
+class SparseCompressor(Compressor):
+    """A sparse method as a Horovod compressor; built by ``Compression.dgc()`` and friends.
+
+    Args:
+        method: the core method (config included).
+        variables: the model's variables whose gradients Horovod reduces, in the order of the
+            tape's ``sources`` (``model.trainable_variables``). They name each tensor's
+            memory and collectives, and give DGC the parameters for weight decay.
+    """
+
+    def __init__(self, method: SparseMethod, variables: Optional[Iterable[Any]] = None):
+        self.method = method
+        self.config = method.config
+        self._variables: List[Tuple[str, Any]] = []
+        self._cursors: "weakref.WeakKeyDictionary[tf.Graph, _Cursor]" = weakref.WeakKeyDictionary()
+        self._eager_cursor = _Cursor()
+        self._engine: Optional[Engine] = None
+        if variables is not None:
+            self.bind(variables)
+
+    # -- set-up ------------------------------------------------------------------------------
+    def bind(self, variables: Iterable[Any]) -> None:
+        """Key the per-tensor memories by these variables' names."""
+        variables = list(variables)
+        if not variables:
+            raise ValueError("variables is empty (a Keras model not built yet?)")
+        names = [variable_name(v) for v in variables]
+        duplicates = sorted(n for n in set(names) if names.count(n) > 1)
+        if duplicates:
+            raise ValueError(f"variables holds duplicate names: {duplicates} (name your "
+                             f"tf.Variables, or pass Keras variables)")
+        self._variables = list(zip(names, variables))
+
+    @property
+    def engine(self) -> Engine:
+        """Built at first use (``hvd.init()`` must have run), variables included."""
+        if self._engine is None:
+            if not self._variables:
+                raise ValueError(f"{type(self.method).__name__} keeps a memory per tensor and needs "
+                                 f"the variables: Compression.{type(self.method).__name__.lower()}"
+                                 f"(variables=model.trainable_variables, ...)")
+            specs = [tf.TensorSpec(v.shape, v.dtype, name) for name, v in self._variables]
+            self._engine = Engine(self.method, specs, world_size=hvd.size(), rank=hvd.rank())
+        return self._engine
+
+    # -- the user's controls (call them eagerly) -------------------------------------------------
+    def set_epoch(self, epoch: float) -> None:
+        """Drive the warm-up schedule: the density of ``floor(epoch)`` applies from now on, also
+        to graphs already traced. Call it at the start of every epoch, with the same value on
+        every rank."""
+        self.engine.set_epoch(epoch)
+
+    def set_step(self, step: int, steps_per_epoch: int) -> None:
+        """Step-based form of :meth:`set_epoch`."""
+        self.set_epoch(step / steps_per_epoch)
+
+    @property
+    def density(self) -> float:
+        return self.engine.density
+
+    def stats(self) -> CompressionStats:
+        """Bytes handed to Horovod, dense-equivalent bytes, density, compress time."""
+        return self.engine.stats()
+
+    def reset_stats(self) -> None:
+        self.engine.reset_stats()
+
+    # -- Horovod's interface -----------------------------------------------------------------------
+    def _lookup(self, tensor: tf.Tensor) -> Tuple[str, Any, int]:
+        """(name, variable, pass within this trace) of the variable ``tensor`` is the gradient of."""
+        graph = _outermost_graph(tensor)
+        cursor = self._eager_cursor if graph is None else self._cursors.setdefault(graph, _Cursor())
+        matches = [i for i, (_, v) in enumerate(self._variables)
+                   if tuple(v.shape) == tuple(tensor.shape) and tf.as_dtype(v.dtype) == tensor.dtype]
+        if not matches:
+            raise ValueError(f"compress() got a {tensor.dtype.name} tensor of shape "
+                             f"{tuple(tensor.shape)} that matches no variable in variables=")
+        ahead = [i for i in matches if i >= cursor.position]
+        if not ahead:
+            cursor.passes += 1
+        index = ahead[0] if ahead else matches[0]
+        cursor.position = index + 1
+        name, variable = self._variables[index]
+        return name, variable, 0 if graph is None else cursor.passes
+
+    @tf.autograph.experimental.do_not_convert
+    def compress(self, tensor: tf.Tensor):
+        if Engine.passes_through(tensor):
+            return tensor, None
+        engine = self.engine
+        name, variable, occurrence = self._lookup(tensor)
+        if not engine.compresses(tensor):
+            return engine.dense(name, tensor, variable), None
+        outcome = engine.compress(name, tensor, variable)
+        collective = collective_name(name, occurrence)
+        gathered = hvd.allgather(outcome.message, name=collective, ignore_name_scope=True)
+        # Horovod's collectives are stateless ops to TensorFlow: Grappler would run the
+        # all-reduce of a constant while optimizing the graph. The step counter is no constant.
+        value = tf.where(outcome.step >= 0, _PLACEHOLDER_VALUE, 0.0)
+        placeholder = tf.fill([1], value, name=f"{collective}.placeholder")
+        engine.record_placeholder(placeholder.dtype.size)
+        return placeholder, _Pending(gathered, outcome)
+
+    @tf.autograph.experimental.do_not_convert
+    def decompress(self, tensor: tf.Tensor, ctx: Optional[_Pending]) -> tf.Tensor:
+        if ctx is None:
+            return tensor
+        ops = self.engine.ops
+        with ops.guards() as guards:
+            ops.check(tf.abs(tensor[0] - _PLACEHOLDER_VALUE) < 1e-3, ValueError(
+                "horovod_dgc compressors average the gradients: use op=hvd.Average"))
+        with tf.control_dependencies(guards):
+            return self.engine.decompress(ctx.gathered, ctx.outcome)
+
+
+class Compression:
+    """Horovod's ``Compression`` namespace plus the sparse methods.
+
+    ``none`` and ``fp16`` are Horovod's own. The factories take ``variables=`` (the model's
+    ``trainable_variables``, in the order given to ``tape.gradient``) and the method's options
+    by name; every default lives in the method's config class
+    (:class:`~horovod_dgc.core.DGCConfig` and friends). With DGC the momentum and weight decay
+    live in the compressor: apply the result with plain SGD (no momentum, no weight decay).
+    """
+
+    none = HorovodCompression.none
+    fp16 = HorovodCompression.fp16
+
+    @staticmethod
+    def dgc(variables: Optional[Iterable[Any]] = None, **options) -> SparseCompressor:
+        """Deep Gradient Compression; options: :class:`~horovod_dgc.core.DGCConfig`."""
+        return SparseCompressor(DGC(DGCConfig(**options)), variables)
+
+    @staticmethod
+    def topk(variables: Optional[Iterable[Any]] = None, **options) -> SparseCompressor:
+        """Exact top-k with error feedback; options: :class:`~horovod_dgc.core.TopKConfig`."""
+        return SparseCompressor(TopK(TopKConfig(**options)), variables)
+
+    @staticmethod
+    def gaussiank(variables: Optional[Iterable[Any]] = None, **options) -> SparseCompressor:
+        """Gaussian-k with error feedback; options: :class:`~horovod_dgc.core.GaussianKConfig`."""
+        return SparseCompressor(GaussianK(GaussianKConfig(**options)), variables)

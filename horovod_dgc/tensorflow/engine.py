@@ -1,0 +1,273 @@
+"""Per-tensor state and the core calls for TensorFlow, without Horovod.
+
+An :class:`Engine` turns a named gradient into either a sparse message (bytes) or a dense
+tensor to all-reduce, and gathered messages back into the averaged dense gradient;
+``compression.py`` puts Horovod's collectives around it. Horovod calls compressors while
+tracing a ``tf.function``, where Python runs once per trace, so every per-step effect is a
+TensorFlow op:
+
+* memories, step counters and statistics are ``tf.Variable``s, all created when the engine is
+  built (``tf.function`` accepts new variables only on a function's first trace);
+* a message's header carries the step counter's value at run time (see :meth:`_decode_checked`
+  for how it is checked on arrival);
+* the warm-up density is chosen at run time among the schedule's few densities
+  (``tf.switch_case`` on a variable that :meth:`set_epoch` assigns), since each density has
+  its own message size and a traced graph would otherwise keep the density of its trace.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+import tensorflow as tf
+
+from ..core.sparse import SparseMethod, StepContext, decode_and_average
+from ..core.stats import CompressionStats
+from ..core.wire import HEADER_FIELDS, HEADER_WORDS, MessageLayout
+from .ops import TFOps, checked_call, dtype_name
+
+State = Dict[str, tf.Variable]
+_STEP_BYTE = HEADER_FIELDS.index("step") * 4  # where the step word starts in a message
+_INT31 = 2 ** 31
+_TOTALS = {"bytes_sent": tf.int64, "dense_bytes": tf.int64, "elements_sent": tf.int64,
+           "elements_compressed": tf.int64, "selection_time_s": tf.float64}
+
+
+@dataclass
+class SparseOutcome:
+    """A compressed tensor: its message, and what decompress needs to rebuild it.
+
+    ``layouts`` has one entry per density of the schedule; ``density_index`` says which one
+    the message follows.
+    """
+
+    name: str
+    message: tf.Tensor
+    layouts: Tuple[MessageLayout, ...]
+    density_index: tf.Tensor
+    step: tf.Tensor
+    shape: tf.TensorShape
+    dtype: tf.DType
+
+
+class Engine:
+    """Holds a method, the per-tensor memories and step counters, and the statistics.
+
+    Args:
+        method: the core method (config included).
+        tensors: name, shape and dtype of every tensor the engine may see.
+        world_size, rank: the number of workers and this one.
+    """
+
+    def __init__(self, method: SparseMethod, tensors: Sequence[tf.TensorSpec], world_size: int,
+                 rank: int):
+        self.method = method
+        self.ops = TFOps()
+        self.world_size = world_size
+        self.rank = rank
+        self.epoch = 0.0
+        epochs = range(method.config.warmup_epochs + 1)
+        self.densities = tuple(sorted({method.config.density_at(e) for e in epochs}, reverse=True))
+        with tf.init_scope():
+            self._density_index = tf.Variable(self.densities.index(self.density), trainable=False,
+                                              name="horovod_dgc/density_index")
+            self._states = {spec.name: self._new_state(spec) for spec in tensors}
+            self._steps = {spec.name: tf.Variable(tf.constant(0, tf.int64), trainable=False,
+                                                  name=f"horovod_dgc/{spec.name}/step")
+                           for spec in tensors}
+            self._totals = {field: tf.Variable(tf.constant(0, dtype), trainable=False,
+                                               name=f"horovod_dgc/{field}")
+                            for field, dtype in _TOTALS.items()}
+        self._steps_at_reset = 0
+
+    @property
+    def config(self):
+        return self.method.config
+
+    def _new_state(self, spec: tf.TensorSpec) -> State:
+        if self.passes_through(spec):
+            return {}
+        flat = tf.TensorSpec([spec.shape.num_elements()], spec.dtype)
+        initial = self.method.init_state(self.ops, flat, self.compresses(spec))
+        return {key: tf.Variable(value, trainable=False, name=f"horovod_dgc/{spec.name}/{key}")
+                for key, value in initial.items()}
+
+    # -- schedule and statistics ------------------------------------------------------------
+    @property
+    def density(self) -> float:
+        """Density in force now (after warm-up)."""
+        return self.config.density_at(self.epoch)
+
+    def set_epoch(self, epoch: float) -> None:
+        """Select the density of ``floor(epoch)`` for the steps that follow (call it eagerly)."""
+        self.epoch = float(epoch)
+        self._density_index.assign(self.densities.index(self.density))
+
+    def stats(self) -> CompressionStats:
+        """Totals since the last reset (call it eagerly)."""
+        totals = {field: variable.numpy() for field, variable in self._totals.items()}
+        return CompressionStats(steps=max(0, self._max_step() - self._steps_at_reset),
+                                bytes_sent=int(totals["bytes_sent"]),
+                                dense_bytes=int(totals["dense_bytes"]),
+                                elements_sent=int(totals["elements_sent"]),
+                                elements_compressed=int(totals["elements_compressed"]),
+                                selection_time_s=float(totals["selection_time_s"]))
+
+    def reset_stats(self) -> None:
+        for variable in self._totals.values():
+            variable.assign(tf.zeros_like(variable))
+        self._steps_at_reset = self._max_step()
+
+    def _max_step(self) -> int:
+        return max((int(step.numpy()) for step in self._steps.values()), default=0)
+
+    def _record(self, **amounts: Any) -> None:
+        for field, amount in amounts.items():
+            variable = self._totals[field]
+            variable.assign_add(tf.cast(amount, variable.dtype))
+
+    def record_placeholder(self, nbytes: int) -> None:
+        """Count the bytes of the placeholder Horovod all-reduces beside a sparse message."""
+        self._record(bytes_sent=nbytes)
+
+    # -- which path -------------------------------------------------------------------------
+    def compresses(self, tensor: Any) -> bool:
+        """Whether a tensor (or ``tf.TensorSpec``) goes through the sparse path."""
+        return self.config.compresses(tuple(tensor.shape.as_list()), dtype_name(tensor.dtype))
+
+    @staticmethod
+    def passes_through(tensor: Any) -> bool:
+        """Zero-element and non-floating tensors are handed on untouched."""
+        return tensor.shape.num_elements() == 0 or not tensor.dtype.is_floating
+
+    def _next_step(self, name: str) -> tf.Tensor:
+        return self._steps[name].assign_add(1) - 1
+
+    def _read_state(self, name: str) -> Dict[str, tf.Tensor]:
+        return {key: variable.read_value() for key, variable in self._states[name].items()}
+
+    def _assign_state(self, name: str, state: Dict[str, tf.Tensor]) -> None:
+        for key, value in state.items():
+            self._states[name][key].assign(value)
+
+    def _context(self, name: str, step: tf.Tensor, density: float,
+                 param: Optional[Any]) -> StepContext:
+        flat_param = None if param is None else tf.reshape(tf.convert_to_tensor(param), [-1])
+        return StepContext(name=name, rank=self.rank, world_size=self.world_size, step=step,
+                           density=density, param=flat_param)
+
+    def _by_density(self, index: tf.Tensor, fn: Callable[[int], Any]) -> Any:
+        """``fn(i)`` for the density index ``index`` in force at run time."""
+        if len(self.densities) == 1:
+            return fn(0)
+        return tf.switch_case(index, [functools.partial(fn, i) for i in range(len(self.densities))])
+
+    # -- the two paths ------------------------------------------------------------------------
+    def compress(self, name: str, grad: tf.Tensor, param: Optional[Any]) -> SparseOutcome:
+        """Sparse message for a tensor that :meth:`compresses`."""
+        started = tf.timestamp()
+        flat = tf.reshape(grad, [-1])
+        numel, grad_dtype = flat.shape.num_elements(), dtype_name(grad.dtype)
+        layouts = tuple(self.method.layout(name, numel, grad_dtype, d) for d in self.densities)
+        index = self._density_index.read_value()
+        step = self._next_step(name)
+        state = self._read_state(name)
+
+        def at_density(i: int) -> Tuple[tf.Tensor, Dict[str, tf.Tensor], tf.Tensor]:
+            result = self.method.compress(self.ops, state, flat,
+                                          self._context(name, step, self.densities[i], param))
+            return result.message, result.state, tf.cast(result.count, tf.int64)
+
+        with tf.control_dependencies([started]):
+            message, new_state, count = self._by_density(index, at_density)
+        self._assign_state(name, new_state)
+        with tf.control_dependencies([message, count]):
+            elapsed = tf.timestamp() - started
+        nbytes = tf.gather(tf.constant([layout.nbytes for layout in layouts], tf.int64), index)
+        self._record(bytes_sent=nbytes, dense_bytes=numel * grad.dtype.size, elements_sent=count,
+                     elements_compressed=numel, selection_time_s=elapsed)
+        return SparseOutcome(name, message, layouts, index, step, grad.shape, grad.dtype)
+
+    def dense(self, name: str, grad: tf.Tensor, param: Optional[Any]) -> tf.Tensor:
+        """What to all-reduce for a tensor that does not compress."""
+        flat = tf.reshape(grad, [-1])
+        step = self._next_step(name)
+        update, state = self.method.dense(self.ops, self._read_state(name), flat,
+                                          self._context(name, step, self.density, param))
+        self._assign_state(name, state)
+        nbytes = flat.shape.num_elements() * grad.dtype.size
+        self._record(bytes_sent=nbytes, dense_bytes=nbytes)
+        return tf.reshape(tf.cast(update, grad.dtype), grad.shape)
+
+    def decompress(self, gathered: tf.Tensor, outcome: SparseOutcome) -> tf.Tensor:
+        """Averaged dense gradient of ``outcome`` from the allgather of every rank's message."""
+        flat = self._by_density(outcome.density_index, lambda i: self._decode(
+            gathered, outcome.layouts[i], outcome.step, outcome.dtype))
+        return tf.reshape(flat, outcome.shape)
+
+    # -- arrival checks -------------------------------------------------------------------------
+    def _decode(self, gathered: tf.Tensor, layout: MessageLayout, step: tf.Tensor,
+                dtype: tf.DType) -> tf.Tensor:
+        expected = self.world_size * layout.nbytes
+        return tf.cond(tf.equal(tf.size(gathered), expected),
+                       lambda: self._decode_checked(_fit(gathered, expected), layout, step, dtype),
+                       lambda: self._refuse(gathered, layout, step, dtype))
+
+    def _decode_checked(self, gathered: tf.Tensor, layout: MessageLayout, step: tf.Tensor,
+                        dtype: tf.DType) -> tf.Tensor:
+        """Decode messages of the expected total size.
+
+        The core checks each header against a step known when the graph is built; here the
+        step is the counter's run-time value. So the step words are compared with it first
+        (on a difference, the core's full header check runs with the run-time step and names
+        the rank), then zeroed, and the core decodes with step 0.
+        """
+        rows = tf.reshape(gathered, [self.world_size, layout.nbytes])
+        headers = tf.bitcast(tf.reshape(rows[:, :HEADER_WORDS * 4], [-1, HEADER_WORDS, 4]), tf.int32)
+        wire_step = tf.cast(step % _INT31, tf.int32)
+        steps_agree = tf.reduce_all(tf.equal(headers[:, HEADER_FIELDS.index("step")], wire_step))
+        steps_checked = tf.cond(steps_agree, lambda: tf.constant(True),
+                                lambda: self._check_headers(headers, layout, step))
+        zero_steps = tf.zeros([self.world_size, 4], tf.uint8)
+        rows = tf.concat([rows[:, :_STEP_BYTE], zero_steps, rows[:, _STEP_BYTE + 4:]], 1)
+        with self.ops.guards() as guards:
+            flat = decode_and_average(self.ops, tf.reshape(rows, [-1]), [layout], self.world_size,
+                                      0, [dtype_name(dtype)])[0]
+        with tf.control_dependencies([steps_checked, *guards]):
+            return tf.identity(flat)
+
+    def _check_headers(self, headers: tf.Tensor, layout: MessageLayout, step: tf.Tensor) -> tf.Tensor:
+        def check(words: tf.Tensor, step_value: tf.Tensor) -> None:
+            for rank, header in enumerate(words.numpy().tolist()):
+                layout.check(header, rank, int(step_value))
+
+        with tf.control_dependencies(_ops(checked_call(check, [headers, step]))):
+            return tf.constant(True)
+
+    def _refuse(self, gathered: tf.Tensor, layout: MessageLayout, step: tf.Tensor,
+                dtype: tf.DType) -> tf.Tensor:
+        """Messages of another total size: the core, run on the bytes as they are, names the
+        first rank whose header differs."""
+        def diagnose(data: tf.Tensor, step_value: tf.Tensor) -> None:
+            decode_and_average(self.ops, data, [layout], self.world_size, int(step_value),
+                               [dtype_name(dtype)])
+
+        with tf.control_dependencies(_ops(checked_call(diagnose, [gathered, step]))):
+            return tf.zeros([layout.numel], dtype)
+
+
+def _fit(data: tf.Tensor, length: int) -> tf.Tensor:
+    """``data`` cut or zero-padded to ``length`` elements, with that static length.
+
+    Not ``tf.reshape(data, [length])``: Horovod's collectives are stateless ops to TensorFlow,
+    and Grappler's shape inference takes such a reshape, even in the branch not taken, as a
+    fact about the allgather's output, folds the size test to true and drops the other branch.
+    """
+    padding = tf.zeros(tf.maximum(length - tf.size(data), 0)[None], data.dtype)
+    return tf.reshape(tf.concat([data[:length], padding], 0), [length])
+
+
+def _ops(op: Optional[tf.Operation]) -> list:
+    """Control inputs: ``op``, or none when executing eagerly (the check already ran)."""
+    return [] if op is None else [op]

@@ -1,0 +1,386 @@
+"""TensorFlow implementation of the core's :class:`~horovod_dgc.core.ops.TensorOps`.
+
+Every method builds TensorFlow ops, so the core runs eagerly and inside ``tf.function``, where
+Horovod always calls compressors. Updates are functional: an ``out`` argument is never
+modified, a new tensor is returned. Control flow is plain Python when executing eagerly and
+``tf.while_loop`` / ``tf.cond`` in a graph; checks that need Python at run time go through
+``tf.py_function`` and fail as graph assertions that carry the error's message.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+
+import tensorflow as tf
+
+from ..core.ops import Scalar, TensorOps
+
+DTYPES = {"float32": tf.float32, "float16": tf.float16, "bfloat16": tf.bfloat16,
+          "float64": tf.float64, "int32": tf.int32, "int64": tf.int64, "uint8": tf.uint8,
+          "bool": tf.bool}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+_PYTHON_NUMBERS = (bool, int, float)
+_BIT_SHIFTS = tuple(range(8))
+
+
+def dtype_name(dtype: tf.DType) -> str:
+    """The core's name of a TensorFlow dtype (``"other"`` for dtypes the core does not know)."""
+    return DTYPE_NAMES.get(tf.as_dtype(dtype).base_dtype, "other")
+
+
+def checked_call(fn: Callable[..., None], inputs: Sequence[tf.Tensor]) -> Optional[tf.Operation]:
+    """Run ``fn`` on the values of ``inputs`` (as eager tensors) when they exist.
+
+    Executing eagerly, that is now, and an exception it raises propagates (None is returned).
+    In a graph, it runs with the graph and an exception fails the step as an assertion whose
+    message is ``"<ErrorType>: <message>"`` (a readable error, not the check's stack trace);
+    the assertion is returned so that results can wait for it.
+    """
+    if tf.executing_eagerly():
+        fn(*inputs)
+        return None
+
+    def explain(*values: tf.Tensor) -> str:
+        try:
+            fn(*values)
+        except Exception as error:  # any failure of the check is reported, by type and message
+            return f"{type(error).__name__}: {error}"
+        return ""
+
+    text = tf.py_function(explain, list(inputs), tf.string)
+    return tf.debugging.Assert(tf.equal(text, ""), [text])
+
+
+class _UntypedChoice:
+    """``where(pred, a, b)`` of two Python numbers. TensorFlow does not promote dtypes, so
+    the choice becomes a tensor of the dtype of the tensor it is combined with."""
+
+    def __init__(self, pred: tf.Tensor, a: float, b: float):
+        self.pred, self.a, self.b = pred, a, b
+
+
+def _convert_choice(value: _UntypedChoice, dtype=None, name=None, as_ref=False) -> tf.Tensor:
+    dtype = dtype or tf.float32
+    return tf.where(value.pred, tf.constant(value.a, dtype), tf.constant(value.b, dtype))
+
+
+tf.register_tensor_conversion_function(_UntypedChoice, _convert_choice)
+
+
+def _tensor(value: Any, dtype: tf.DType) -> tf.Tensor:
+    """``value`` (tensor, Python number or untyped choice) as a tensor of ``dtype``."""
+    if isinstance(value, tf.Tensor):
+        return value if value.dtype == dtype else tf.cast(value, dtype)
+    return tf.convert_to_tensor(value, dtype)
+
+
+def _pair(a: Any, b: Any) -> Tuple[tf.Tensor, tf.Tensor]:
+    """``a`` and ``b`` as tensors of one dtype: the first tensor's (float32 if neither is)."""
+    dtype = next((v.dtype for v in (a, b) if isinstance(v, tf.Tensor)), tf.float32)
+    return _tensor(a, dtype), _tensor(b, dtype)
+
+
+def _promoted(x: tf.Tensor, y: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+    """``x`` and ``y`` in one dtype, as PyTorch promotes them: the wider one (float32 for
+    float16 with bfloat16)."""
+    if x.dtype == y.dtype:
+        return x, y
+    if x.dtype.size == y.dtype.size:
+        dtype = tf.float32
+    else:
+        dtype = x.dtype if x.dtype.size > y.dtype.size else y.dtype
+    return _tensor(x, dtype), _tensor(y, dtype)
+
+
+def _counts_as_float(values: Tuple) -> Tuple:
+    """Integer loop variables (counts) as float64: the core compares counts with fractional
+    bounds (``c < 2k/3``), which TensorFlow refuses for integer tensors. Exact below 2**53."""
+    return tuple(tf.cast(v, tf.float64) if isinstance(v, tf.Tensor) and v.dtype.is_integer else v
+                 for v in values)
+
+
+def _like(values: Tuple, like: Sequence[tf.Tensor]) -> Tuple:
+    return tuple(_tensor(v, ref.dtype) for v, ref in zip(values, like))
+
+
+class TFOps(TensorOps):
+    def __init__(self) -> None:
+        self._guard_lists: List[List[tf.Operation]] = []
+        self._dry_runs = 0
+
+    # -- graph-mode bookkeeping -------------------------------------------------------------
+    @contextlib.contextmanager
+    def guards(self) -> Iterator[List[tf.Operation]]:
+        """Lists the graph-mode checks built inside the block, so that results can be made
+        to wait for them (``tf.control_dependencies``)."""
+        guards: List[tf.Operation] = []
+        self._guard_lists.append(guards)
+        try:
+            yield guards
+        finally:
+            self._guard_lists.pop()
+
+    def _guard(self, op: tf.Operation) -> None:
+        if self._guard_lists:
+            self._guard_lists[-1].append(op)
+
+    @contextlib.contextmanager
+    def _dry_run(self) -> Iterator[None]:
+        """Inside, checks build nothing: only pure ops, which TensorFlow prunes when unused."""
+        self._dry_runs += 1
+        try:
+            yield
+        finally:
+            self._dry_runs -= 1
+
+    # -- shape, dtype, construction ---------------------------------------------------------
+    def numel(self, x: tf.Tensor) -> int:
+        n = x.shape.num_elements()
+        if n is None:
+            raise ValueError(f"a tensor of shape {x.shape} has no static number of elements")
+        return n
+
+    def dtype(self, x: tf.Tensor) -> str:
+        return dtype_name(x.dtype)
+
+    def cast(self, x: tf.Tensor, dtype: str) -> tf.Tensor:
+        return _tensor(x, DTYPES[dtype])
+
+    def zeros(self, n: int, dtype: str, like: tf.Tensor) -> tf.Tensor:
+        return tf.zeros([n], DTYPES[dtype])
+
+    def constant(self, values: Sequence[Any], dtype: str, like: tf.Tensor) -> tf.Tensor:
+        target = DTYPES[dtype]
+        if all(isinstance(v, int) for v in values):
+            return tf.constant(list(values), target)
+        return tf.stack([_tensor(v, target) for v in values])
+
+    def copy(self, x: tf.Tensor) -> tf.Tensor:
+        return tf.identity(x)
+
+    def concat(self, parts: Sequence[tf.Tensor]) -> tf.Tensor:
+        return tf.concat(list(parts), 0)
+
+    def slice(self, x: tf.Tensor, start: int, length: int) -> tf.Tensor:
+        return tf.slice(x, [start], [length])
+
+    # -- elementwise arithmetic and reductions ------------------------------------------------
+    def scale_add(self, out: tf.Tensor, alpha: Scalar, x: tf.Tensor,
+                  beta: Scalar = 1.0) -> tf.Tensor:
+        if not (isinstance(alpha, _PYTHON_NUMBERS) and alpha == 1.0):
+            out = out * _tensor(alpha, out.dtype)
+        # PyTorch computes x * beta in x's dtype, adds in out's (16-bit gradients, float32 memories).
+        if isinstance(beta, _PYTHON_NUMBERS) and beta == 1.0:
+            result = out + _tensor(x, out.dtype)
+        elif isinstance(beta, _PYTHON_NUMBERS) and out.dtype == tf.float32:
+            result = self._fused_multiply_add(x, beta, out)
+        else:
+            result = out + _tensor(x * _tensor(beta, x.dtype), out.dtype)
+        if tf.executing_eagerly():
+            return result
+        # Grappler rewrites a chain of adds (Nesterov's v + u + g) into one AddN that sums in
+        # another order; a Snapshot (which forwards its input's buffer) keeps the rounding of
+        # PyTorch and of eager execution.
+        return tf.raw_ops.Snapshot(input=result)
+
+    @staticmethod
+    def _fused_multiply_add(x: tf.Tensor, beta: float, out: tf.Tensor) -> tf.Tensor:
+        """``out + x * beta`` rounded once, as PyTorch's ``add_(x, alpha=beta)`` (a fused
+        multiply-add) rounds it: the float32 product is exact in float64."""
+        beta32 = tf.cast(tf.constant(beta, tf.float32), tf.float64)
+        exact = tf.cast(out, tf.float64) + tf.cast(x, tf.float64) * beta32
+        return tf.cast(exact, tf.float32)
+
+    def scale(self, out: tf.Tensor, alpha: Scalar) -> tf.Tensor:
+        return out * _tensor(alpha, out.dtype)
+
+    def add(self, x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+        x, y = _promoted(x, y)
+        return x + y
+
+    def multiply(self, x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+        x, y = _promoted(x, y)
+        return x * y
+
+    def sum(self, x: tf.Tensor) -> tf.Tensor:
+        return tf.reduce_sum(x)
+
+    def dot(self, x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+        return tf.tensordot(x, y, 1)
+
+    def abs(self, x: Any) -> Any:
+        return abs(x) if isinstance(x, _PYTHON_NUMBERS) else tf.abs(x)
+
+    def sqrt(self, s: Scalar) -> tf.Tensor:
+        return tf.sqrt(tf.convert_to_tensor(s))
+
+    def minimum(self, a: Scalar, b: Scalar) -> tf.Tensor:
+        return tf.minimum(*_pair(a, b))
+
+    def maximum(self, a: Scalar, b: Scalar) -> tf.Tensor:
+        return tf.maximum(*_pair(a, b))
+
+    def is_finite(self, s: tf.Tensor) -> tf.Tensor:
+        return tf.math.is_finite(s)
+
+    def where(self, pred: Scalar, a: Scalar, b: Scalar) -> Any:
+        if isinstance(a, _PYTHON_NUMBERS) and isinstance(b, _PYTHON_NUMBERS):
+            return _UntypedChoice(pred, a, b)
+        return tf.where(pred, *_pair(a, b))
+
+    # -- selection --------------------------------------------------------------------------
+    def topk_abs(self, x: tf.Tensor, k: int) -> tf.Tensor:
+        return tf.cast(tf.math.top_k(tf.abs(x), k, sorted=False).indices, tf.int64)
+
+    def kth_largest(self, x: tf.Tensor, k: int) -> tf.Tensor:
+        return tf.reduce_min(tf.math.top_k(x, k, sorted=False).values)
+
+    def strided_sample(self, x: tf.Tensor, offset: Any, stride: int) -> tf.Tensor:
+        """``x[offset::stride]``. An offset known only at run time (the step counter's, in a
+        graph) gives the ``numel(x) // stride`` entries every offset has, so the sample's
+        length stays static."""
+        if isinstance(offset, tf.Tensor) and tf.executing_eagerly():
+            offset = int(offset)
+        if isinstance(offset, int):
+            return x[offset::stride]
+        count = self.numel(x) // stride
+        return tf.gather(x, tf.cast(offset, tf.int64) + stride * tf.range(count, dtype=tf.int64))
+
+    def block_abs_max(self, x: tf.Tensor, block: int) -> tf.Tensor:
+        n = self.numel(x)
+        whole = n // block
+        # max(max, -min) reads x twice but builds no full-size |x|.
+        rows = tf.reshape(x[:whole * block], [whole, block])
+        maxima = tf.maximum(tf.reduce_max(rows, 1), -tf.reduce_min(rows, 1))
+        if whole * block == n:
+            return maxima
+        tail = x[whole * block:]
+        last = tf.maximum(tf.reduce_max(tail), -tf.reduce_min(tail))
+        return tf.concat([maxima, last[None]], 0)
+
+    def block_abs_sum(self, x: tf.Tensor, block: int) -> tf.Tensor:
+        n = self.numel(x)
+        whole = n // block
+        sums = tf.reduce_sum(tf.abs(tf.reshape(x[:whole * block], [whole, block])), 1)
+        if whole * block == n:
+            return sums
+        return tf.concat([sums, tf.reduce_sum(tf.abs(x[whole * block:]))[None]], 0)
+
+    def repeat_blocks(self, values: tf.Tensor, block: int, n: int) -> tf.Tensor:
+        return tf.repeat(values, block)[:n]
+
+    def gather_blocks(self, x: tf.Tensor, blocks: tf.Tensor, block: int) -> tf.Tensor:
+        n = self.numel(x)
+        offsets = tf.range(block, dtype=tf.int64)
+        positions = tf.reshape(blocks[:, None] * block + offsets[None, :], [-1])
+        if n % block == 0:
+            return tf.gather(x, positions)
+        values = tf.gather(x, tf.minimum(positions, n - 1))
+        return tf.where(positions < n, values, tf.constant(float("nan"), x.dtype))
+
+    def nonzero(self, mask: tf.Tensor) -> tf.Tensor:
+        return tf.reshape(tf.where(mask), [-1])
+
+    def greater_equal(self, x: tf.Tensor, threshold: Scalar) -> tf.Tensor:
+        return x >= _tensor(threshold, x.dtype)
+
+    def count(self, mask: tf.Tensor) -> tf.Tensor:
+        return tf.math.count_nonzero(mask, dtype=tf.int64)
+
+    def size(self, x: tf.Tensor) -> tf.Tensor:
+        return tf.size(x, out_type=tf.int64)
+
+    def gather(self, x: tf.Tensor, indices: tf.Tensor) -> tf.Tensor:
+        return tf.gather(x, indices)
+
+    def scatter_sub(self, out: tf.Tensor, indices: tf.Tensor, values: tf.Tensor) -> tf.Tensor:
+        return tf.tensor_scatter_nd_sub(out, indices[:, None], values)
+
+    def scatter_zero(self, out: tf.Tensor, indices: tf.Tensor) -> tf.Tensor:
+        return tf.tensor_scatter_nd_update(out, indices[:, None], tf.zeros_like(indices, out.dtype))
+
+    def scatter_add(self, out: tf.Tensor, indices: tf.Tensor, values: tf.Tensor) -> tf.Tensor:
+        return tf.tensor_scatter_nd_add(out, indices[:, None], values)
+
+    def pad(self, x: tf.Tensor, length: int) -> tf.Tensor:
+        if x.shape[0] == length:
+            return x
+        padded = tf.concat([x, tf.zeros(length - tf.shape(x)[:1], x.dtype)], 0)
+        return tf.reshape(padded, [length])
+
+    # -- bytes on the wire --------------------------------------------------------------------
+    def to_bytes(self, x: tf.Tensor) -> tf.Tensor:
+        if x.dtype == tf.uint8:
+            return x
+        return tf.reshape(tf.bitcast(x, tf.uint8), [-1])
+
+    def from_bytes(self, data: tf.Tensor, dtype: str) -> tf.Tensor:
+        target = DTYPES[dtype]
+        if target == tf.uint8:
+            return data
+        return tf.bitcast(tf.reshape(data, [-1, target.size]), target)
+
+    def pack_signs(self, x: tf.Tensor) -> tf.Tensor:
+        bits = tf.cast(tf.reshape(x, [-1, 8]) >= 0, tf.uint8)
+        shifts = tf.constant(_BIT_SHIFTS, tf.uint8)
+        return tf.reduce_sum(tf.bitwise.left_shift(bits, shifts), 1)
+
+    def unpack_signs(self, packed: tf.Tensor, dtype: str) -> tf.Tensor:
+        shifts = tf.constant(_BIT_SHIFTS, tf.uint8)
+        bits = tf.bitwise.bitwise_and(tf.bitwise.right_shift(packed[:, None], shifts), 1)
+        return tf.cast(tf.reshape(bits, [-1]), DTYPES[dtype]) * 2 - 1
+
+    def inspect(self, x: tf.Tensor, check: Callable[[list], None]) -> None:
+        if tf.executing_eagerly():
+            check(x.numpy().tolist())
+        elif not self._dry_runs:
+            self._guard(checked_call(lambda values: check(values.numpy().tolist()), [x]))
+
+    # -- control flow -------------------------------------------------------------------------
+    def check(self, pred: Scalar, error: Exception) -> None:
+        if isinstance(pred, bool) or tf.executing_eagerly():
+            if not bool(pred):
+                raise error
+        elif not self._dry_runs:
+            self._guard(tf.debugging.Assert(pred, [f"{type(error).__name__}: {error}"]))
+
+    def while_loop(self, cond: Callable[..., Scalar], body: Callable[..., Tuple],
+                   loop_vars: Tuple, max_iterations: int) -> Tuple:
+        loop_vars = tuple(tf.convert_to_tensor(v) for v in loop_vars)
+        if tf.executing_eagerly():
+            for _ in range(max_iterations):
+                if not bool(cond(*_counts_as_float(loop_vars))):
+                    break
+                loop_vars = _like(body(*_counts_as_float(loop_vars)), loop_vars)
+            return loop_vars
+        return tuple(tf.while_loop(lambda *v: cond(*_counts_as_float(v)),
+                                   lambda *v: _like(body(*_counts_as_float(v)), v),
+                                   loop_vars, maximum_iterations=max_iterations))
+
+    def cond(self, pred: Scalar, true_fn: Callable[[], Any], false_fn: Callable[[], Any]) -> Any:
+        """``tf.cond`` in a graph. The core memoises tensors between calls (its candidate
+        filter); a tensor built inside one branch cannot be used by the other, so the false
+        branch first runs in the enclosing graph, where what it memoises is visible to both
+        branches (what neither branch uses is pruned by TensorFlow). Python numbers a branch
+        returns become tensors of the dtype the other branch returns there."""
+        if isinstance(pred, bool) or tf.executing_eagerly():
+            return true_fn() if bool(pred) else false_fn()
+        with self._dry_run():
+            like = [false_fn()]
+
+        def normalised(fn: Callable[[], Any]) -> Callable[[], Any]:
+            def branch() -> Any:
+                out = tf.nest.map_structure(_as_tensor_like, fn(), like[0])
+                like[0] = out
+                return out
+            return branch
+
+        return tf.cond(pred, normalised(true_fn), normalised(false_fn))
+
+
+def _as_tensor_like(value: Any, like: Any) -> tf.Tensor:
+    if isinstance(value, tf.Tensor):
+        return value
+    if isinstance(like, tf.Tensor):
+        return _tensor(value, like.dtype)
+    return tf.convert_to_tensor(value)

@@ -1,0 +1,345 @@
+"""The TensorFlow adapter against the PyTorch one, in one process.
+
+Parity: the same gradients (NumPy arrays fed to both frameworks) through TorchOps and TFOps
+give identical messages (selected indices and values) and identical memories, step after
+step, eagerly and inside ``tf.function``; so do the two engines (the TensorFlow one with its
+memories in variables, the step counter read at run time and the warm-up density chosen at
+run time). Bad input: bad settings fail at construction, and bad messages and non-finite
+gradients fail with errors that name the rank and the tensor, in graph mode too.
+"""
+import numpy as np
+import pytest
+import tensorflow as tf
+import torch
+
+from horovod_dgc.core import (DGC, DGCConfig, GaussianK, GaussianKConfig, MessageError,
+                              NonFiniteGradientError, StepContext, TopK, TopKConfig, wire)
+from horovod_dgc.tensorflow import Compression, TFOps
+from horovod_dgc.tensorflow.compression import SparseCompressor
+from horovod_dgc.tensorflow.engine import Engine
+from horovod_dgc.torch.engine import Engine as TorchEngine
+from horovod_dgc.torch.ops import TorchOps
+
+tf_ops, torch_ops = TFOps(), TorchOps()
+STEPS = 10
+N = 30011  # not a multiple of any block size: the short last block is exercised
+
+METHODS = {
+    "topk": lambda: TopK(TopKConfig(density=0.01)),
+    "dgc": lambda: DGC(DGCConfig(density=0.01)),
+    "gaussiank": lambda: GaussianK(GaussianKConfig(density=0.01)),
+    "dgc-nesterov-wd": lambda: DGC(DGCConfig(density=0.001, nesterov=True, weight_decay=1e-4)),
+    "gaussiank-fp16": lambda: GaussianK(GaussianKConfig(density=0.001, value_dtype="float16")),
+}
+
+
+def gradients(seed: int = 0):
+    rs = np.random.RandomState(seed)
+    param = rs.standard_normal(N).astype(np.float32)
+    grads = [(rs.standard_normal(N) * (1 + t % 3)).astype(np.float32) for t in range(STEPS)]
+    return param, grads
+
+
+def sent_pairs(message: np.ndarray, layout) -> tuple:
+    """(header words, indices, values) of a message, the entries sorted by index."""
+    header, indices, values = wire.split(torch_ops, torch.from_numpy(message), layout)
+    count = int(header[wire.HEADER_FIELDS.index("count")])
+    order = np.argsort(indices[:count].numpy())
+    return header.numpy(), indices[:count].numpy()[order], values[:count].numpy()[order]
+
+
+def assert_same_message(torch_message: np.ndarray, tf_message: np.ndarray, layout) -> None:
+    for a, b in zip(sent_pairs(torch_message, layout), sent_pairs(tf_message, layout)):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("name", list(METHODS))
+def test_core_methods_give_identical_messages_and_memories_for_10_steps(name, mode):
+    method = METHODS[name]()
+    param, grads = gradients()
+    torch_state = method.init_state(torch_ops, torch.zeros(N), True)
+    tf_state = method.init_state(tf_ops, tf.zeros([N]), True)
+
+    def tf_compress(state, grad, step, p):
+        result = method.compress(tf_ops, state, grad, StepContext("w", 0, 1, step, method.config.density, p))
+        return result.message, result.state
+
+    if mode == "function":
+        tf_compress = tf.function(tf_compress)
+    for t, grad in enumerate(grads):
+        ctx = StepContext("w", 0, 1, t, method.config.density, torch.from_numpy(param))
+        expected = method.compress(torch_ops, torch_state, torch.from_numpy(grad), ctx)
+        # In a graph the step is a tensor, as the engine's counter is.
+        step = tf.constant(t, tf.int64) if mode == "function" else t
+        message, tf_state = tf_compress(tf_state, tf.constant(grad), step, tf.constant(param))
+        assert_same_message(expected.message.numpy(), message.numpy(), expected.layout)
+        for key, value in expected.state.items():
+            np.testing.assert_array_equal(value.numpy(), tf_state[key].numpy(), err_msg=f"{key} at step {t}")
+        torch_state = expected.state
+    if mode == "function":
+        assert tf_compress.experimental_get_tracing_count() == 1
+
+
+def test_dgc_with_clipping_agrees_to_rounding():
+    """The norm is a dot product, summed in another order by each framework."""
+    method = DGC(DGCConfig(density=0.01, clip_norm=5.0))
+    param, grads = gradients()
+    torch_state = method.init_state(torch_ops, torch.zeros(N), True)
+    tf_state = method.init_state(tf_ops, tf.zeros([N]), True)
+    for t, grad in enumerate(grads):
+        torch_state = method.compress(torch_ops, torch_state, torch.from_numpy(grad),
+                                      StepContext("w", 0, 4, t, 0.01)).state
+        tf_state = method.compress(tf_ops, tf_state, tf.constant(grad),
+                                   StepContext("w", 0, 4, t, 0.01)).state
+    for key, value in torch_state.items():
+        np.testing.assert_allclose(value.numpy(), tf_state[key].numpy(), rtol=1e-5, atol=1e-6)
+
+
+WARM_UP = {"topk": TopK(TopKConfig(density=0.01, warmup_epochs=2)),
+           "dgc": DGC(DGCConfig(density=0.01, warmup_epochs=2)),
+           "gaussiank": GaussianK(GaussianKConfig(density=0.01, warmup_epochs=2))}
+
+
+@pytest.mark.parametrize("name", list(WARM_UP))
+def test_engines_agree_in_tf_function_through_warm_up(name):
+    """The TensorFlow engine (variables, run-time step and density) against PyTorch's; the
+    warm-up switches density every 3 steps without retracing."""
+    method = WARM_UP[name]
+    shape = (311, 97)
+    torch_engine = TorchEngine(method, world_size=1, rank=0)
+    tf_engine = Engine(method, [tf.TensorSpec(shape, tf.float32, "w")], world_size=1, rank=0)
+
+    @tf.function
+    def tf_step(grad):
+        outcome = tf_engine.compress("w", grad, None)
+        return tf_engine.decompress(outcome.message, outcome)
+
+    rs = np.random.RandomState(1)
+    for t in range(STEPS):
+        torch_engine.epoch = t // 3
+        tf_engine.set_epoch(t // 3)
+        grad = rs.standard_normal(shape).astype(np.float32)
+        outcome = torch_engine.compress("w", torch.from_numpy(grad), None)
+        expected = torch_engine.decompress(outcome.message, [outcome])[0].numpy()
+        np.testing.assert_array_equal(expected, tf_step(tf.constant(grad)).numpy(), err_msg=f"step {t}")
+        for key, value in torch_engine._states["w"].items():
+            np.testing.assert_array_equal(value.numpy(), tf_engine._states["w"][key].numpy().reshape(-1))
+    assert tf_step.experimental_get_tracing_count() == 1
+    a, b = torch_engine.stats(), tf_engine.stats()
+    assert (a.steps, a.bytes_sent, a.dense_bytes, a.elements_sent, a.elements_compressed) == \
+           (b.steps, b.bytes_sent, b.dense_bytes, b.elements_sent, b.elements_compressed)
+    assert b.selection_time_s > 0
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16_bit_gradients_agree_with_torch(dtype):
+    """Memories in float32, values on the wire in the gradient's own 16-bit format."""
+    method = TopK(TopKConfig(density=0.01, value_dtype="float16"))
+    torch_engine = TorchEngine(method, world_size=1, rank=0)
+    tf_engine = Engine(method, [tf.TensorSpec((32, 64), dtype, "w")], world_size=1, rank=0)
+
+    @tf.function
+    def tf_step(grad):
+        outcome = tf_engine.compress("w", grad, None)
+        return tf_engine.decompress(outcome.message, outcome)
+
+    # Distinct magnitudes, exact in both 16-bit formats: no ties for top-k to break differently.
+    magnitudes = np.ldexp(1.0 + np.arange(128) / 128.0, np.arange(-8, 8)[:, None]).reshape(-1)
+    rs = np.random.RandomState(4)
+    for _ in range(3):
+        values = rs.permutation(magnitudes) * rs.choice([-1.0, 1.0], magnitudes.size)
+        grad = torch.from_numpy(values.reshape(32, 64).astype(np.float32)).to(getattr(torch, dtype))
+        outcome = torch_engine.compress("w", grad, None)
+        expected = torch_engine.decompress(outcome.message, [outcome])[0].float().numpy()
+        got = tf_step(tf.cast(tf.constant(grad.float().numpy()), dtype))
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(expected, tf.cast(got, tf.float32).numpy())
+    np.testing.assert_array_equal(torch_engine._states["w"]["residual"].numpy(),
+                                  tf_engine._states["w"]["residual"].numpy().reshape(-1))
+
+
+# -- TFOps pieces against TorchOps ----------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int32", "int64"])
+def test_bytes_are_bit_exact_both_ways(dtype):
+    values = torch.randn(37).mul(1000).to(getattr(torch, dtype))
+    expected = torch_ops.to_bytes(values).numpy()
+    tf_values = tf_ops.from_bytes(tf.constant(expected), dtype)
+    np.testing.assert_array_equal(tf_ops.to_bytes(tf_values).numpy(), expected)
+    assert tf_ops.dtype(tf_values) == dtype
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_block_pieces_match_torch_with_nan_padding(mode):
+    x = np.random.RandomState(2).standard_normal(1003).astype(np.float32)
+    blocks = np.array([0, 31, 125], np.int64)  # 125 is the short last block of 8
+
+    def pieces(x, blocks):
+        return tf_ops.block_abs_max(x, 8), tf_ops.gather_blocks(x, blocks, 8)
+
+    fn = tf.function(pieces) if mode == "function" else pieces
+    maxima, gathered = fn(tf.constant(x), tf.constant(blocks))
+    np.testing.assert_array_equal(maxima.numpy(), torch_ops.block_abs_max(torch.from_numpy(x), 8).numpy())
+    np.testing.assert_array_equal(gathered.numpy(), torch_ops.gather_blocks(
+        torch.from_numpy(x), torch.from_numpy(blocks), 8).numpy())
+    assert np.isnan(gathered.numpy()[-5:]).all()
+
+
+def test_strided_sample_with_run_time_offset_has_static_length():
+    @tf.function
+    def sample(x, offset):
+        s = tf_ops.strided_sample(x, offset, 7)
+        assert s.shape == [100 // 7]
+        return s
+
+    x = tf.range(100.0)
+    np.testing.assert_array_equal(sample(x, tf.constant(3, tf.int64)).numpy(), np.arange(3, 100, 7)[:14])
+
+
+# -- bad input --------------------------------------------------------------------------------
+@pytest.mark.parametrize("factory", [Compression.dgc, Compression.topk, Compression.gaussiank])
+@pytest.mark.parametrize("options,field", [(dict(density=0.0), "density"), (dict(density=1.5), "density"),
+                                           (dict(value_dtype="int8"), "value_dtype"),
+                                           (dict(nonfinite="ignore"), "nonfinite"),
+                                           (dict(warmup_epochs=-1), "warmup_epochs")])
+def test_bad_settings_raise_value_error_at_construction(factory, options, field):
+    with pytest.raises(ValueError, match=field):
+        factory(**options)
+
+
+def test_bad_dgc_setting_and_unknown_option():
+    with pytest.raises(ValueError, match="momentum"):
+        Compression.dgc(momentum=1.0)
+    with pytest.raises(TypeError):
+        Compression.topk(momentum=0.9)
+
+
+def test_variables_must_be_named_once_and_known():
+    with pytest.raises(ValueError, match="duplicate"):
+        Compression.topk(variables=[tf.Variable(tf.zeros([2, 2]), name="w"),
+                                    tf.Variable(tf.zeros([2]), name="w")])
+    with pytest.raises(ValueError, match="empty"):
+        Compression.topk(variables=[])
+    with pytest.raises(ValueError, match="variables="):
+        Compression.topk().engine
+
+
+@pytest.mark.parametrize("tensor", [tf.zeros([0]), tf.range(10), tf.ones([3, 3], tf.int32)])
+def test_zero_element_and_integer_tensors_pass_through_untouched(tensor):
+    out, ctx = Compression.dgc().compress(tensor)
+    assert out is tensor and ctx is None
+
+
+def _engines(world_size=3, density=0.01, name="fc.weight"):
+    method = DGC(DGCConfig(density=density))
+    return [Engine(method, [tf.TensorSpec([40, 100], tf.float32, name)], world_size, rank)
+            for rank in range(world_size)]
+
+
+def _messages(engines, name="fc.weight"):
+    grad = tf.constant(np.random.RandomState(3).standard_normal([40, 100]).astype(np.float32))
+    outcomes = [engine.compress(name, grad, None) for engine in engines]
+    return outcomes, [outcome.message.numpy() for outcome in outcomes]
+
+
+def _set_word(message: np.ndarray, field: str, value: int) -> np.ndarray:
+    message = message.copy()
+    message[:wire.HEADER_WORDS * 4].view(np.int32)[wire.HEADER_FIELDS.index(field)] = value
+    return message
+
+
+def _corrupt(case: str):
+    """(gathered bytes as rank 0 receives them, rank 0's outcome) for a malformed case."""
+    engines = _engines()
+    outcomes, parts = _messages(engines)
+    if case == "magic":
+        parts[2] = parts[2].copy()
+        parts[2][0] ^= 0xFF
+    elif case == "other tensor":
+        parts[1] = _messages(_engines(name="fc.bias"), "fc.bias")[1][1]
+    elif case == "sender":
+        parts[1] = parts[0]
+    elif case == "step":
+        parts[1] = _messages([engines[1]])[1][0]
+    elif case == "truncated":
+        parts[2] = parts[2][:-8]
+    elif case == "density":
+        parts[1] = _messages(_engines(density=0.02))[1][1]
+    elif case == "count":
+        parts[0] = _set_word(parts[0], "count", outcomes[0].layouts[0].capacity + 1)
+    return engines[0], np.concatenate(parts), outcomes[0]
+
+
+MALFORMED = {"magic": r"rank 2 .*fc\.weight.*magic",
+             "other tensor": r"rank 1 .*fc\.weight.*tensor id",
+             "sender": r"rank 1 .*sender rank is 0",
+             "step": r"rank 1 .*fc\.weight.*step is 1, expected 0",
+             "truncated": r"expected 3 ranks x \d+",
+             "density": r"rank 1 .*fc\.weight.*capacity is 80, expected 40",
+             "count": r"rank 0 .*fc\.weight.*count"}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_message_is_refused_eagerly_with_rank_and_tensor(case):
+    engine, gathered, outcome = _corrupt(case)
+    with pytest.raises(MessageError, match=MALFORMED[case]):
+        engine.decompress(tf.constant(gathered), outcome)
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_message_is_refused_in_graph_mode_with_rank_and_tensor(case):
+    engine, gathered, outcome = _corrupt(case)
+    decompress = tf.function(lambda data: engine.decompress(data, outcome),
+                             input_signature=[tf.TensorSpec([None], tf.uint8)])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="MessageError: .*" + MALFORMED[case]):
+        decompress(tf.constant(gathered))
+
+
+def test_non_finite_gradient_names_tensor_and_rank_in_graph_mode_and_keeps_memory():
+    engine = _engines(world_size=2)[1]
+    compress = tf.function(lambda grad: engine.compress("fc.weight", grad, None).message)
+    grad = np.ones([40, 100], np.float32)
+    grad[0, 7] = np.nan
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"NonFiniteGradientError: gradient of tensor .*fc\.weight.* on rank 1"):
+        compress(tf.constant(grad))
+    assert not any(np.any(v.numpy()) for v in engine._states["fc.weight"].values())
+    with pytest.raises(NonFiniteGradientError, match="fc.weight"):
+        engine.compress("fc.weight", tf.constant(grad), None)
+
+
+def test_skipped_non_finite_gradient_leaves_memory_and_sends_nothing():
+    method = TopK(TopKConfig(density=0.01, nonfinite="skip"))
+    engine = Engine(method, [tf.TensorSpec([40, 100], tf.float32, "w")], 1, 0)
+
+    @tf.function
+    def step(grad):
+        outcome = engine.compress("w", grad, None)
+        return engine.decompress(outcome.message, outcome)
+
+    assert not np.any(step(tf.fill([40, 100], float("inf"))).numpy())
+    assert not np.any(engine._states["w"]["residual"].numpy())
+
+
+# -- gradient -> variable ----------------------------------------------------------------------
+def test_gradients_map_to_variables_by_order_and_shape_within_each_trace():
+    variables = [tf.Variable(tf.zeros(shape), name=name) for name, shape in
+                 [("a", [4, 4]), ("unused", [3, 5]), ("b", [4, 4]), ("c", [5]), ("d", [4, 4])]]
+    compression = SparseCompressor(TopK(), variables)
+    seen = []
+
+    @tf.function
+    def trace(grads):
+        for grad in grads:
+            seen.append(compression._lookup(grad)[0::2])
+        return grads
+
+    # No gradient for "unused"; then a second pass in the same trace; then a new trace.
+    shapes = [[4, 4], [4, 4], [5], [4, 4], [4, 4], [4, 4]]
+    trace([tf.zeros(s) for s in shapes])
+    assert seen == [("a", 0), ("b", 0), ("c", 0), ("d", 0), ("a", 1), ("b", 1)]
+    seen.clear()
+    trace([tf.zeros(s) for s in shapes[:3]])
+    assert seen == [("a", 0), ("b", 0), ("c", 0)]
+    with pytest.raises(ValueError, match="matches no variable"):
+        tf.function(lambda: compression._lookup(tf.zeros([9])))()

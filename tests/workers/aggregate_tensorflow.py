@@ -1,0 +1,143 @@
+"""Two training steps with fixed per-rank gradients through the stock
+``hvd.DistributedGradientTape``, eagerly and inside ``tf.function``; every rank checks that
+its aggregated gradient equals the dense reference built from all ranks' sent values.
+
+The Keras 3 model has a layer that gets no gradient (Horovod skips it, the compressor must
+too), two kernels and three biases of one shape (told apart by their order), and tensors that
+go dense. Then misuse: a rank with another density, and op=hvd.Sum, fail with errors that
+name the rank and the tensor, or the op.
+"""
+import keras
+import numpy as np
+import tensorflow as tf
+import horovod.tensorflow as hvd
+
+import horovod_dgc.tensorflow as hdgc
+from horovod_dgc.core.selection import top_count
+
+DENSITY = 0.01
+MOMENTUM = 0.9
+
+
+def build_model():
+    """(used layers, all variables in tape order: an unused layer sits among them)."""
+    keras.utils.set_random_seed(0)
+    used = [keras.layers.Dense(300, name="first"), keras.layers.Dense(50, name="second"),
+            keras.layers.Dense(50, name="third"), keras.layers.Dense(50, name="fourth")]
+    model = keras.Sequential([keras.Input((64,)), *used], name="net")
+    unused = keras.layers.Dense(40, name="unused")
+    unused.build((None, 10))
+    variables = [*used[0].trainable_variables, *unused.trainable_variables,
+                 *[v for layer in used[1:] for v in layer.trainable_variables]]
+    return model, variables
+
+
+def gradients(rank: int, step: int, variables) -> dict:
+    rs = np.random.RandomState(1000 + 10 * rank + step)
+    return {v.path: rs.standard_normal(v.shape).astype(np.float32) for v in variables
+            if not v.path.startswith("unused")}
+
+
+def make_step(compression, variables, mode: str, op=hvd.Average):
+    """One DistributedGradientTape step: gradients in ``variables`` order (None if unused)."""
+    def step(grads: dict):
+        with tf.GradientTape() as tape:
+            loss = tf.add_n([tf.reduce_sum(v.value * grads[v.path]) for v in variables
+                             if v.path in grads])
+        tape = hvd.DistributedGradientTape(tape, compression=compression, op=op)
+        return tape.gradient(loss, [v.value for v in variables])
+
+    return tf.function(step) if mode == "function" else step
+
+
+def accumulated(method: str, state_before: dict, grad: np.ndarray) -> np.ndarray:
+    """What the memory accumulates this step (float32 numpy rounds like TensorFlow)."""
+    if method == "dgc":
+        momentum = np.float32(MOMENTUM) * state_before["momentum"] + grad
+        return state_before["velocity"] + momentum
+    return state_before["residual"] + grad
+
+
+def snapshot(compression, name: str, shape) -> dict:
+    return {k: v.numpy().reshape(shape) for k, v in compression.engine._states[name].items()}
+
+
+def exact_topk_dense(x: np.ndarray, k: int) -> np.ndarray:
+    flat = x.reshape(-1)
+    order = sorted(range(flat.size), key=lambda i: -abs(float(flat[i])))[:k]
+    out = np.zeros_like(flat)
+    out[order] = flat[order]
+    return out.reshape(x.shape)
+
+
+def run(method: str, mode: str) -> None:
+    rank, size = hvd.rank(), hvd.size()
+    _, variables = build_model()
+    compression = getattr(hdgc.Compression, method)(variables=variables, density=DENSITY)
+    step_fn = make_step(compression, variables, mode)
+    shapes = {v.path: tuple(v.shape) for v in variables}
+    for step in range(2):
+        grads = gradients(rank, step, variables)
+        before = {name: snapshot(compression, name, shapes[name]) for name in grads}
+        got = dict(zip([v.path for v in variables], step_fn(grads)))
+        for name, grad in grads.items():
+            compressed = compression.engine.compresses(tf.TensorSpec(shapes[name], tf.float32))
+            if compressed:
+                x = accumulated(method, before[name], grad)
+                kept = snapshot(compression, name, shapes[name])
+                mine = x - (kept["velocity"] if method == "dgc" else kept["residual"])
+                if method in ("topk", "dgc"):
+                    k = top_count(DENSITY, grad.size)
+                    assert np.array_equal(mine, exact_topk_dense(x, k)), f"{name}: not the exact top-k"
+            else:
+                mine = grad if method != "dgc" else snapshot(compression, name, shapes[name])["momentum"]
+            everyone = hvd.allgather_object(mine, name=f"check.{method}.{mode}.{step}.{name}")
+            reference = np.zeros_like(grad)
+            for sent in everyone:
+                reference = reference + sent
+            reference = reference * np.float32(1.0 / size)
+            result = got[name].numpy()
+            if compressed:
+                assert np.array_equal(result, reference), f"rank {rank} {method}/{mode} {name}: not bit-exact"
+            else:
+                np.testing.assert_allclose(result, reference, rtol=1e-6, atol=1e-7)
+        assert got["unused/kernel"] is None and got["unused/bias"] is None
+    assert compression.stats().steps == 2, compression.stats()
+    print(f"rank {rank}/{size} {method} {mode} aggregate ok", flush=True)
+
+
+def expect_failure(fn, *needles: str) -> None:
+    """``fn`` fails the step with an assertion (graph-mode checks print quotes escaped)."""
+    try:
+        fn()
+    except tf.errors.InvalidArgumentError as error:
+        assert all(n in str(error) for n in needles), str(error)
+        return
+    raise AssertionError(f"no error mentioning {needles}")
+
+
+def misuse() -> None:
+    """Errors name the sending rank and the tensor (another density), or the op (Sum)."""
+    rank = hvd.rank()
+    keras.utils.set_random_seed(0)
+    layer = keras.layers.Dense(64, use_bias=False, name="lonely")
+    layer.build((None, 64))
+    variables = layer.trainable_variables
+    grads = {variables[0].path: np.ones((64, 64), np.float32)}
+    other = 1 - rank
+    compression = hdgc.Compression.topk(variables=variables, density=DENSITY * (1 + rank))
+    expect_failure(lambda: make_step(compression, variables, "function")(grads),
+                   f"rank {other} sent a malformed message for tensor", "lonely/kernel", "capacity")
+    compression = hdgc.Compression.topk(variables=variables, density=DENSITY)
+    expect_failure(lambda: make_step(compression, variables, "function", op=hvd.Sum)(grads),
+                   "op=hvd.Average")
+    print(f"rank {rank} misuse ok", flush=True)
+
+
+if __name__ == "__main__":
+    hvd.init()
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    for mode in ("eager", "function"):
+        for method in ("topk", "dgc", "gaussiank"):
+            run(method, mode)
+    misuse()
