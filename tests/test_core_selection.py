@@ -70,8 +70,8 @@ def test_gaussiank_count_within_two_thirds_and_four_thirds_of_k_on_bell_data(den
         assert int((x.abs() >= threshold).sum()) == got.numel(), "not every entry above the threshold"
 
 
-def test_block_size_is_a_power_of_two_near_the_square_root_of_one_over_density():
-    assert block_size(0.001) == 32
+def test_block_size_is_a_power_of_two_near_twice_the_square_root_of_one_over_density():
+    assert block_size(0.001) == 64
     assert block_size(0.25) == 8
     assert block_size(1e-6) == 1024
     assert all(math.log2(block_size(d)).is_integer() for d in (0.3, 0.01, 0.0003))

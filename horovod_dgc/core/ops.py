@@ -119,8 +119,9 @@ class TensorOps(ABC):
         """The ``k``-th largest value of ``x`` (1-based), exact."""
 
     @abstractmethod
-    def strided_sample(self, x: Tensor, offset: int, stride: int) -> Tensor:
-        """``x[offset::stride]``."""
+    def strided_sample(self, x: Tensor, offset: Any, stride: int, block: int = 1) -> Tensor:
+        """The elements of blocks ``offset, offset + stride, ...`` of ``x`` cut into blocks of
+        ``block`` elements (whole blocks only); with ``block=1``, ``x[offset::stride]``."""
 
     @abstractmethod
     def block_abs_max(self, x: Tensor, block: int) -> Tensor:

@@ -16,8 +16,9 @@ from typing import Any, Tuple
 
 from .ops import Scalar, Tensor, TensorOps
 
-# Blocks hold about sqrt(1/density) elements. Candidate blocks then hold about k * block
-# elements and there are n / block block maxima: the square root balances the two.
+# Blocks hold about 2 * sqrt(1/density) elements. Candidate blocks then hold about k * block
+# elements and there are n / block block maxima: the square root balances the two, and the
+# factor 2 favours the block-maximum reductions, which run faster over longer rows.
 MIN_BLOCK = 8
 MAX_BLOCK = 1024
 # The sample's threshold is taken a little below its k-th largest value, so that the first
@@ -39,7 +40,7 @@ def top_count(density: float, numel: int) -> int:
 
 def block_size(density: float) -> int:
     """Block length (a power of two) used to filter candidates at ``density``."""
-    target = (1.0 / density) ** 0.5
+    target = 2.0 * (1.0 / density) ** 0.5
     size = 2 ** max(0, round(math.log2(max(target, 1.0))))
     return min(MAX_BLOCK, max(MIN_BLOCK, size))
 
@@ -87,15 +88,20 @@ class _BlockFilter:
 
 
 def sampled_threshold(ops: TensorOps, x: Tensor, k: int, sample_ratio: float,
-                      offset: int) -> Scalar:
-    """Estimate of the k-th largest ``|x|`` from a strided sample starting at ``offset``.
+                      offset: int, block: int = 1) -> Scalar:
+    """Estimate of the k-th largest ``|x|`` from a strided sample of whole blocks of
+    ``block`` elements, starting at block ``offset`` (reading whole blocks touches a
+    fraction of the cache lines that single strided entries would).
 
-    The sample holds ``max(sample_ratio * n, MIN_SAMPLED_SELECTIONS * n / k)`` entries.
+    The sample holds about ``max(sample_ratio * n, MIN_SAMPLED_SELECTIONS * n / k)`` entries.
     """
     n = ops.numel(x)
+    if n < 2 * block:
+        block = 1
     sample_size = min(n, max(math.ceil(sample_ratio * n), math.ceil(MIN_SAMPLED_SELECTIONS * n / k)))
-    stride = max(1, n // sample_size)
-    sample = ops.abs(ops.strided_sample(x, offset % stride, stride))
+    blocks = n // block
+    stride = max(1, blocks // max(1, sample_size // block))
+    sample = ops.abs(ops.strided_sample(x, offset % stride, stride, block))
     m = ops.numel(sample)
     rank = min(m, max(1, math.ceil(k / n * m * SAMPLE_MARGIN)))
     return ops.kth_largest(sample, rank)
@@ -112,8 +118,9 @@ def select_sampled(ops: TensorOps, x: Tensor, k: int, sample_ratio: float, offse
     n = ops.numel(x)
     if k >= n:
         return ops.topk_abs(x, n)
-    candidates = _BlockFilter(ops, x, block_size(k / n))
-    threshold = sampled_threshold(ops, x, k, sample_ratio, offset)
+    block = block_size(k / n)
+    candidates = _BlockFilter(ops, x, block)
+    threshold = sampled_threshold(ops, x, k, sample_ratio, offset, block)
 
     def lower(t: Scalar, _count: Scalar) -> Tuple[Scalar, Scalar]:
         t = t * retry_factor

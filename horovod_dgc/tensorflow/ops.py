@@ -235,16 +235,19 @@ class TFOps(TensorOps):
     def kth_largest(self, x: tf.Tensor, k: int) -> tf.Tensor:
         return tf.reduce_min(tf.math.top_k(x, k, sorted=False).values)
 
-    def strided_sample(self, x: tf.Tensor, offset: Any, stride: int) -> tf.Tensor:
-        """``x[offset::stride]``. An offset known only at run time (the step counter's, in a
-        graph) gives the ``numel(x) // stride`` entries every offset has, so the sample's
-        length stays static."""
+    def strided_sample(self, x: tf.Tensor, offset: Any, stride: int, block: int = 1) -> tf.Tensor:
+        """Blocks ``offset::stride`` of ``x``. An offset known only at run time (the step
+        counter's, in a graph) gives the ``whole blocks // stride`` blocks every offset has,
+        so the sample's length stays static."""
+        whole = self.numel(x) // block
+        rows = tf.reshape(x[:whole * block], [whole, block])
         if isinstance(offset, tf.Tensor) and tf.executing_eagerly():
             offset = int(offset)
         if isinstance(offset, int):
-            return x[offset::stride]
-        count = self.numel(x) // stride
-        return tf.gather(x, tf.cast(offset, tf.int64) + stride * tf.range(count, dtype=tf.int64))
+            return tf.reshape(rows[offset::stride], [-1])
+        count = whole // stride
+        picked = tf.gather(rows, tf.cast(offset, tf.int64) + stride * tf.range(count, dtype=tf.int64))
+        return tf.reshape(picked, [-1])
 
     def block_abs_max(self, x: tf.Tensor, block: int) -> tf.Tensor:
         n = self.numel(x)

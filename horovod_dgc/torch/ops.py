@@ -95,8 +95,9 @@ class TorchOps(TensorOps):
     def kth_largest(self, x: torch.Tensor, k: int) -> torch.Tensor:
         return torch.topk(x, k, sorted=False).values.min()
 
-    def strided_sample(self, x: torch.Tensor, offset: int, stride: int) -> torch.Tensor:
-        return x[offset::stride]
+    def strided_sample(self, x: torch.Tensor, offset: int, stride: int, block: int = 1) -> torch.Tensor:
+        whole = x.numel() // block
+        return x[:whole * block].view(-1, block)[offset::stride].reshape(-1)
 
     def block_abs_max(self, x: torch.Tensor, block: int) -> torch.Tensor:
         whole = x.numel() // block
