@@ -48,11 +48,21 @@ ensure_venv() {
     [ -x "$VENV/bin/python" ] || { say "creating $VENV"; "$PYTHON" -m venv "$VENV"; }
 }
 
-# --no-compile: byte-compiling TensorFlow and torch at install time doubles the set-up time.
-pip_install() {
-    "$VENV/bin/python" -m pip install -q --no-compile --disable-pip-version-check --retries 2 -c "$CONSTRAINTS" "$@" \
+# uv installs the 3 GB of torch and TensorFlow in seconds from its cache, where pip takes
+# minutes; pip itself only installs uv. /opt/wheels holds the CPU build of torch on machines
+# that have one (PyPI's torch of the same version is the multi-GB CUDA build).
+install_uv() {
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --retries 2 -c "$CONSTRAINTS" uv \
         >"$CACHE/pip.log" 2>&1 \
-        || die "pip could not install $* (no network to PyPI?); see $CACHE/pip.log."
+        || die "pip could not install uv (no network to PyPI?); see $CACHE/pip.log."
+}
+
+uv_install() {
+    local links=()
+    [ -d /opt/wheels ] && links=(--find-links /opt/wheels --index-strategy unsafe-best-match)
+    "$VENV/bin/uv" pip install -q --python "$VENV/bin/python" -c "$CONSTRAINTS" "${links[@]}" "$@" \
+        >"$CACHE/uv.log" 2>&1 \
+        || die "uv could not install $* (no network to PyPI?); see $CACHE/uv.log."
 }
 
 # Horovod 0.28.1 forces -std=c++14 for its torch op, but torch >= 2.1 headers need C++17.
@@ -106,15 +116,18 @@ ensure_horovod() {
     key="horovod-$HOROVOD_VERSION-py$("$VENV/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
     key="$key-torch$(pinned torch)-tf$(pinned tensorflow-cpu)-gloo-mpi"
     wheel_dir=$CACHE/wheels/$key
+    local built=0
     if ! ls "$wheel_dir"/horovod-*.whl >/dev/null 2>&1; then
         build_horovod_wheel "$wheel_dir"
+        built=1
     else
         say "reusing cached wheel $wheel_dir"
     fi
-    "$VENV/bin/python" -m pip install -q --no-compile --disable-pip-version-check --no-deps --force-reinstall \
-        "$wheel_dir"/horovod-*.whl >"$CACHE/pip.log" 2>&1 || die "installing the cached horovod wheel failed; see $CACHE/pip.log."
-    # Horovod's own runtime requirements (cloudpickle, psutil, pyyaml, packaging).
-    pip_install cloudpickle psutil pyyaml packaging
+    uv_install --no-deps --reinstall "$wheel_dir"/horovod-*.whl
+    # A wheel is checked once, when it is built; the check imports both frameworks (seconds).
+    if [ "$built" = 1 ]; then
+        check_build
+    fi
 }
 
 check_build() {
@@ -136,10 +149,12 @@ main() {
     ensure_system_packages
     ensure_venv
     say "installing Python packages (torch, tensorflow-cpu, tf_keras, mpi4py, pytest, ...)"
-    pip_install --upgrade pip wheel setuptools
-    pip_install -e "$ROOT[torch,tensorflow,test,examples]" cmake
+    # cmake and wheel compile Horovod; cloudpickle, psutil, pyyaml and packaging are Horovod's
+    # own requirements (its wheel is installed without dependencies).
+    install_uv
+    uv_install -e "$ROOT[torch,tensorflow,test,examples]" cmake wheel setuptools cloudpickle psutil \
+        pyyaml packaging
     ensure_horovod
-    check_build
     echo "$fingerprint" >"$STAMP"
     say "environment ready in $((SECONDS - started)) s"
 }

@@ -33,7 +33,7 @@ from horovod.tensorflow.compression import Compression as HorovodCompression
 from horovod.tensorflow.compression import Compressor
 
 from ..core import DGC, DGCConfig, GaussianK, GaussianKConfig, SparseMethod, TopK, TopKConfig
-from ..core.stats import CompressionStats
+from ..core.controls import CompressorControls
 from ..core.wire import tensor_id
 from .engine import Engine, SparseOutcome
 
@@ -84,7 +84,7 @@ class _Pending:
         self.gathered, self.outcome = gathered, outcome
 
 
-class SparseCompressor(Compressor):
+class SparseCompressor(CompressorControls, Compressor):
     """A sparse method as a Horovod compressor; built by ``Compression.dgc()`` and friends.
 
     Args:
@@ -128,28 +128,6 @@ class SparseCompressor(Compressor):
             specs = [tf.TensorSpec(v.shape, v.dtype, name) for name, v in self._variables]
             self._engine = Engine(self.method, specs, world_size=hvd.size(), rank=hvd.rank())
         return self._engine
-
-    # -- the user's controls (call them eagerly) -------------------------------------------------
-    def set_epoch(self, epoch: float) -> None:
-        """Drive the warm-up schedule: the density of ``floor(epoch)`` applies from now on, also
-        to graphs already traced. Call it at the start of every epoch, with the same value on
-        every rank."""
-        self.engine.set_epoch(epoch)
-
-    def set_step(self, step: int, steps_per_epoch: int) -> None:
-        """Step-based form of :meth:`set_epoch`."""
-        self.set_epoch(step / steps_per_epoch)
-
-    @property
-    def density(self) -> float:
-        return self.engine.density
-
-    def stats(self) -> CompressionStats:
-        """Bytes handed to Horovod, dense-equivalent bytes, density, compress time."""
-        return self.engine.stats()
-
-    def reset_stats(self) -> None:
-        self.engine.reset_stats()
 
     # -- Horovod's interface -----------------------------------------------------------------------
     def _lookup(self, tensor: tf.Tensor) -> Tuple[str, Any, int]:

@@ -22,7 +22,7 @@ from ..core import DGC, DGCConfig, GaussianK, GaussianKConfig, TopK, TopKConfig
 from ..core.blocksign import BlockSign, BlockSignConfig
 from ..core.exchange import ALLGATHER
 from ..core.scalecom import ScaleCom, ScaleComConfig
-from ..core.stats import CompressionStats
+from ..core.controls import CompressorControls
 from .collectives import PREFIX, launch, wait
 from .engine import Engine, SparseOutcome
 
@@ -42,7 +42,7 @@ class _Pending:
         return self.outcome.step
 
 
-class MethodCompressor(Compressor):
+class MethodCompressor(CompressorControls, Compressor):
     """A core method as a Horovod compressor: what every horovod_dgc compressor shares.
 
     Args:
@@ -87,27 +87,6 @@ class MethodCompressor(Compressor):
         if self._engine is None:
             self._engine = Engine(self.method, world_size=hvd.size(), rank=hvd.rank())
         return self._engine
-
-    # -- the user's controls -----------------------------------------------------------------------
-    def set_epoch(self, epoch: float) -> None:
-        """Drive the warm-up schedule: the density of ``floor(epoch)`` applies from now on.
-        Call it at the start of every epoch, with the same value on every rank."""
-        self.engine.epoch = float(epoch)
-
-    def set_step(self, step: int, steps_per_epoch: int) -> None:
-        """Step-based form of :meth:`set_epoch`."""
-        self.set_epoch(step / steps_per_epoch)
-
-    @property
-    def density(self) -> float:
-        return self.engine.density
-
-    def stats(self) -> CompressionStats:
-        """Bytes handed to Horovod, dense-equivalent bytes, density, compress time."""
-        return self.engine.stats()
-
-    def reset_stats(self) -> None:
-        self.engine.reset_stats()
 
     def state_dict(self) -> dict:
         """Memories, step counters and epoch, for checkpoints."""

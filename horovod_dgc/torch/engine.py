@@ -51,6 +51,9 @@ class Engine:
         return self.method.config
 
     # -- schedule and statistics ------------------------------------------------------------
+    def set_epoch(self, epoch: float) -> None:
+        self.epoch = float(epoch)
+
     @property
     def density(self) -> float:
         """Density in force now (after warm-up)."""
