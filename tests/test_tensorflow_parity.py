@@ -343,3 +343,20 @@ def test_gradients_map_to_variables_by_order_and_shape_within_each_trace():
     assert seen == [("a", 0), ("b", 0), ("c", 0)]
     with pytest.raises(ValueError, match="matches no variable"):
         tf.function(lambda: compression._lookup(tf.zeros([9])))()
+
+
+# -- the operations of the two-stage methods --------------------------------------------------
+def test_sign_packing_and_block_operations_match_torch():
+    x = np.random.default_rng(5).standard_normal(1000).astype(np.float32)
+    x[::7] = 0.0  # sign(0) is +1 in both
+    packed_torch = torch_ops.pack_signs(torch.from_numpy(x))
+    packed_tf = tf_ops.pack_signs(tf.constant(x))
+    np.testing.assert_array_equal(packed_torch.numpy(), packed_tf.numpy())
+    np.testing.assert_array_equal(torch_ops.unpack_signs(packed_torch, "float32").numpy(),
+                                  tf_ops.unpack_signs(packed_tf, "float32").numpy())
+    for block in (7, 64, 1000):
+        sums_torch = torch_ops.block_abs_sum(torch.from_numpy(x), block)
+        np.testing.assert_allclose(sums_torch.numpy(), tf_ops.block_abs_sum(tf.constant(x), block).numpy(),
+                                   rtol=1e-6)
+        np.testing.assert_array_equal(torch_ops.repeat_blocks(sums_torch, block, 1000).numpy(),
+                                      tf_ops.repeat_blocks(tf.constant(sums_torch.numpy()), block, 1000).numpy())

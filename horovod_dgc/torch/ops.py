@@ -15,7 +15,9 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
           "float64": torch.float64, "int32": torch.int32, "int64": torch.int64,
           "uint8": torch.uint8, "bool": torch.bool}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+_GATHER_BITS = 0x0102040810204080
+# Row b: the eight signs (+1 for a set bit, -1 otherwise) that byte b packs, bit i first.
+_SIGN_TABLE = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).float() * 2 - 1
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -118,6 +120,8 @@ class TorchOps(TensorOps):
         return torch.cat([sums, x[whole * block:].abs().sum().reshape(1)])
 
     def repeat_blocks(self, values: torch.Tensor, block: int, n: int) -> torch.Tensor:
+        if block >= n:
+            return values[:1].expand(n)
         return values.repeat_interleave(block)[:n]
 
     def gather_blocks(self, x: torch.Tensor, blocks: torch.Tensor, block: int) -> torch.Tensor:
@@ -174,12 +178,14 @@ class TorchOps(TensorOps):
         return data.view(target)
 
     def pack_signs(self, x: torch.Tensor) -> torch.Tensor:
-        bits = (x.view(-1, 8) >= 0).to(torch.uint8)
-        return (bits << _BIT_SHIFTS.to(x.device)).sum(dim=1, dtype=torch.uint8)
+        # Eight 0/1 bytes read as one little-endian int64; the multiply gathers byte i's bit
+        # into bit 56 + i, so the top byte is the packed value (no carries reach it).
+        bits = (x >= 0).view(torch.uint8).view(torch.int64)
+        return ((bits * _GATHER_BITS) >> 56).to(torch.uint8)
 
     def unpack_signs(self, packed: torch.Tensor, dtype: str) -> torch.Tensor:
-        bits = (packed.unsqueeze(1) >> _BIT_SHIFTS.to(packed.device)) & 1
-        return (bits.reshape(-1).to(DTYPES[dtype]) * 2 - 1)
+        table = _SIGN_TABLE.to(device=packed.device, dtype=DTYPES[dtype])
+        return table.index_select(0, packed.to(torch.int64)).reshape(-1)
 
     def inspect(self, x: torch.Tensor, check: Callable[[list], None]) -> None:
         check(x.tolist())
