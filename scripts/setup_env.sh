@@ -132,7 +132,7 @@ ensure_horovod() {
 
 check_build() {
     export TF_CPP_MIN_LOG_LEVEL=3
-    "$VENV/bin/horovodrun" --check-build | tee "$CACHE/check-build.txt" >&2
+    "$VENV/bin/horovodrun" --check-build 2>"$CACHE/check-build.log" | tee "$CACHE/check-build.txt" >&2
     local missing
     missing=$(grep -E '\[ \] (TensorFlow|PyTorch|MPI|Gloo)$' "$CACHE/check-build.txt" || true)
     [ -z "$missing" ] || die "horovod was built without: $(echo "$missing" | tr '\n' ' ')"
