@@ -94,10 +94,6 @@ class BlockSign(TwoStageMethod):
         return wire.PartsLayout(name=name, method_id=self.method_id, numel=numel, capacity=shard,
                                 part_list=(("uint8", shard // 8), ("float32", scales)))
 
-    def message_bytes(self, numel: int, grad_dtype: str, ctx: StepContext) -> Tuple[int, int]:
-        nbytes = self.layout(ctx.name, numel, ctx.world_size).nbytes
-        return ctx.world_size * nbytes, nbytes
-
     def _valid(self, numel: int, shard: int, j: int) -> int:
         return max(0, min(shard, numel - j * shard))
 

@@ -81,10 +81,6 @@ class TwoStageMethod(ABC):
     def finish(self, ops: TensorOps, received: Tensor, pending: Pending) -> Tensor:
         """The averaged update (flat, the gradient's dtype) from what SECOND delivered."""
 
-    def message_bytes(self, numel: int, grad_dtype: str, ctx: StepContext) -> Tuple[int, int]:
-        """Bytes each worker hands to FIRST and to SECOND for one tensor."""
-        raise NotImplementedError
-
 
 def emulate(ops: TensorOps, kind: str, messages: Sequence[Tensor], root: int = 0) -> List[Tensor]:
     """What each of ``len(messages)`` workers receives from collective ``kind``."""

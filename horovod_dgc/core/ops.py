@@ -149,10 +149,6 @@ class TensorOps(ABC):
         """Boolean mask ``x >= threshold``."""
 
     @abstractmethod
-    def count(self, mask: Tensor) -> Scalar:
-        """Number of true entries of a boolean mask (int64 scalar)."""
-
-    @abstractmethod
     def size(self, x: Tensor) -> Scalar:
         """Length of a 1-D tensor whose length depends on data (int64 scalar)."""
 

@@ -76,11 +76,6 @@ class ScaleCom(TwoStageMethod):
         return wire.PartsLayout(name=name, method_id=self.method_id, numel=numel, capacity=k,
                                 part_list=((wire.index_dtype(numel), k),))
 
-    def message_bytes(self, numel: int, grad_dtype: str, ctx: StepContext) -> Tuple[int, int]:
-        k = top_count(ctx.density, numel)
-        value_bytes = wire.DTYPE_BYTES[allreduce_value_dtype(grad_dtype, self.config.value_dtype)]
-        return self.index_layout(ctx.name, numel, ctx.density).nbytes, k * value_bytes
-
     def leader_indices(self, ops: TensorOps, p: Tensor, k: int, ctx: StepContext) -> Tensor:
         """The leader's choice: exact top-k, or the top of each chunk."""
         if self.config.leader_selection == "exact":

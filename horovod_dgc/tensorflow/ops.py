@@ -287,9 +287,6 @@ class TFOps(TensorOps):
     def greater_equal(self, x: tf.Tensor, threshold: Scalar) -> tf.Tensor:
         return x >= _tensor(threshold, x.dtype)
 
-    def count(self, mask: tf.Tensor) -> tf.Tensor:
-        return tf.math.count_nonzero(mask, dtype=tf.int64)
-
     def size(self, x: tf.Tensor) -> tf.Tensor:
         return tf.size(x, out_type=tf.int64)
 

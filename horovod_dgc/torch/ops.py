@@ -143,9 +143,6 @@ class TorchOps(TensorOps):
     def greater_equal(self, x: torch.Tensor, threshold: Scalar) -> torch.Tensor:
         return x >= threshold
 
-    def count(self, mask: torch.Tensor) -> torch.Tensor:
-        return mask.sum()
-
     def size(self, x: torch.Tensor) -> int:
         return x.numel()
 
