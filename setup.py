@@ -1,5 +1,5 @@
 """horovod_dgc: gradient compression (DGC, Top-k, Gaussian-k, ScaleCom, 1-bit) for Horovod."""
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 setup(
     name="horovod_dgc",
@@ -9,6 +9,10 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["horovod_dgc", "horovod_dgc.*"]),
     python_requires=">=3.9",
+    # Plain C against Python's headers only: built with the package, no torch at build time.
+    ext_modules=[Extension("horovod_dgc.torch.kernels._block_abs_max",
+                           ["horovod_dgc/torch/kernels/block_abs_max.c"],
+                           extra_compile_args=["-O3"])],
     install_requires=[],
     extras_require={
         # Horovod itself is compiled against the framework: see scripts/setup_env.sh.

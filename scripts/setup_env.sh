@@ -26,7 +26,8 @@ die() { printf 'setup: ERROR: %s\n' "$*" >&2; exit 1; }
 pinned() { sed -n "s/^$1==//p" "$CONSTRAINTS"; }
 
 setup_fingerprint() {
-    cat "$CONSTRAINTS" "$ROOT/setup.py" "${BASH_SOURCE[0]}" | sha256sum | cut -c1-16
+    cat "$CONSTRAINTS" "$ROOT/setup.py" "${BASH_SOURCE[0]}" "$ROOT"/horovod_dgc/torch/kernels/*.c \
+        | sha256sum | cut -c1-16
 }
 
 ensure_system_packages() {
