@@ -10,8 +10,8 @@ setup(
     packages=find_packages(include=["horovod_dgc", "horovod_dgc.*"]),
     python_requires=">=3.9",
     # Plain C against Python's headers only: built with the package, no torch at build time.
-    ext_modules=[Extension("horovod_dgc.torch.kernels._block_abs_max",
-                           ["horovod_dgc/torch/kernels/block_abs_max.c"],
+    ext_modules=[Extension("horovod_dgc.torch.kernels._selection",
+                           ["horovod_dgc/torch/kernels/selection.c"],
                            extra_compile_args=["-O3"])],
     install_requires=[],
     extras_require={

@@ -1,7 +1,8 @@
-"""The compiled block-maximum kernel against torch's two-reduction reference."""
+"""The compiled selection kernels against the torch compositions they replace."""
 import pytest
 import torch
 
+from horovod_dgc.core.ops import TensorOps
 from horovod_dgc.torch import kernels
 from horovod_dgc.torch.ops import TorchOps
 
@@ -48,3 +49,21 @@ def test_ops_block_abs_max_includes_the_partial_last_block(dtype):
     x = torch.randn(1000, dtype=dtype)
     expected = torch.cat([reference(x, 64), x[960:].abs().amax().reshape(1)])
     assert torch.equal(TorchOps().block_abs_max(x, 64), expected)
+
+
+@pytest.mark.parametrize("numel,block", [(1000, 64), (1024, 64), (37, 8), (5000, 1)])
+@pytest.mark.parametrize("threshold", [0.0, 1.5, 3.0, 100.0])
+def test_collect_matches_the_core_composition(numel, block, threshold):
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    x[3] = float("nan")
+    n_blocks = -(-numel // block)
+    blocks = torch.arange(0, n_blocks, 3, dtype=torch.int64)
+    blocks = torch.cat([blocks, torch.tensor([n_blocks - 1])]).unique()
+    expected = TensorOps.collect_at_least(TorchOps(), x, blocks, block, torch.tensor(threshold))
+    got = kernels.collect_at_least(x, blocks, block, threshold)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def test_collect_refuses_a_block_outside_the_tensor():
+    with pytest.raises(IndexError, match="block 2 of a tensor of 2 blocks"):
+        kernels.collect_at_least(torch.randn(100), torch.tensor([0, 2]), 64, 0.5)

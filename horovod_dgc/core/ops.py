@@ -140,6 +140,16 @@ class TensorOps(ABC):
         """The elements of the listed blocks (int64 block numbers), concatenated: entry
         ``i * block + j`` is ``x[blocks[i] * block + j]``, NaN past the end of ``x``."""
 
+    def collect_at_least(self, x: Tensor, blocks: Tensor, block: int,
+                         threshold: Scalar) -> Tuple[Tensor, Tensor]:
+        """(positions, magnitudes) of the entries with ``|x| >= threshold`` inside the listed
+        blocks (int64 block numbers, ascending), in ascending order. This composition of the
+        primitives is the reference; an adapter may replace it with a fused kernel."""
+        magnitudes = self.abs(self.gather_blocks(x, blocks, block))
+        keep = self.nonzero(self.greater_equal(magnitudes, threshold))
+        positions = self.gather(blocks, keep // block) * block + keep % block
+        return positions, self.gather(magnitudes, keep)
+
     @abstractmethod
     def nonzero(self, mask: Tensor) -> Tensor:
         """Positions (int64) where the boolean ``mask`` is true, ascending."""

@@ -62,12 +62,8 @@ class _BlockFilter:
         """(positions, magnitudes) of every entry with ``|x| >= threshold``."""
         if self._last[0] is threshold:
             return self._last[1]
-        ops, block = self.ops, self.block
-        blocks = ops.nonzero(ops.greater_equal(self.block_max, threshold))
-        magnitudes = ops.abs(ops.gather_blocks(self.x, blocks, block))
-        keep = ops.nonzero(ops.greater_equal(magnitudes, threshold))
-        positions = ops.gather(blocks, keep // block) * block + keep % block
-        self._last = (threshold, (positions, ops.gather(magnitudes, keep)))
+        blocks = self.ops.nonzero(self.ops.greater_equal(self.block_max, threshold))
+        self._last = (threshold, self.ops.collect_at_least(self.x, blocks, self.block, threshold))
         return self._last[1]
 
     def count(self, threshold: Scalar) -> Scalar:

@@ -104,7 +104,7 @@ class TorchOps(TensorOps):
 
     def block_abs_max(self, x: torch.Tensor, block: int) -> torch.Tensor:
         whole = x.numel() // block
-        if x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous():
+        if kernels.supports(x):
             maxima = kernels.block_abs_max(x.reshape(-1), block)
         else:
             rows = x[:whole * block].view(-1, block)
@@ -141,6 +141,12 @@ class TorchOps(TensorOps):
         if blocks.numel() and int(blocks[-1]) == whole:
             rows[-1] = tail
         return rows.reshape(-1)
+
+    def collect_at_least(self, x: torch.Tensor, blocks: torch.Tensor, block: int,
+                         threshold: Scalar) -> Tuple[torch.Tensor, torch.Tensor]:
+        if kernels.supports(x):
+            return kernels.collect_at_least(x.reshape(-1), blocks, block, float(threshold))
+        return super().collect_at_least(x, blocks, block, threshold)
 
     def nonzero(self, mask: torch.Tensor) -> torch.Tensor:
         return torch.nonzero(mask).reshape(-1)

@@ -1,0 +1,123 @@
+/* The two steps of DGC's block filter (core/selection.py) on float32 arrays, fused.
+ *
+ * block_abs_max: the largest |x| of every block in one read pass. PyTorch has no fused
+ * abs-max reduction: amax and amin over the blocks read the tensor twice, and abs().amax()
+ * writes a full-size temporary first. A NaN in a block makes its maximum NaN, as amax does.
+ * Calls run with the GIL released, so the adapter runs one call per thread on separate
+ * ranges of blocks.
+ *
+ * collect_at_least: positions and magnitudes of the entries with |x| >= threshold inside a
+ * list of blocks, in one pass over those blocks; torch needs a gather, abs, compare, nonzero
+ * and index arithmetic, each a separate pass with its own temporary. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+
+/* Independent running maxima: the element-wise comparison vectorises, a single running
+ * maximum would be a serial dependency chain. */
+#define LANES 16
+
+static void block_abs_max_range(const float *x, int64_t n_blocks, int64_t block, float *out)
+{
+    for (int64_t b = 0; b < n_blocks; ++b) {
+        const float *row = x + b * block;
+        float lane[LANES] = {0.0f};
+        int64_t i = 0;
+        for (; i + LANES <= block; i += LANES)
+            for (int j = 0; j < LANES; ++j) {
+                float a = fabsf(row[i + j]);
+                lane[j] = (a > lane[j] || a != a) ? a : lane[j];
+            }
+        float largest = 0.0f;
+        for (; i < block; ++i) {
+            float a = fabsf(row[i]);
+            largest = (a > largest || a != a) ? a : largest;
+        }
+        for (int j = 0; j < LANES; ++j)
+            largest = (lane[j] > largest || lane[j] != lane[j]) ? lane[j] : largest;
+        out[b] = largest;
+    }
+}
+
+static PyObject *block_abs_max(PyObject *self, PyObject *args)
+{
+    unsigned long long x_address, out_address;
+    long long n_blocks, block;
+    if (!PyArg_ParseTuple(args, "KLLK", &x_address, &n_blocks, &block, &out_address))
+        return NULL;
+    if (n_blocks < 0 || block < 1) {
+        PyErr_Format(PyExc_ValueError, "block_abs_max: n_blocks=%lld, block=%lld", n_blocks, block);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    block_abs_max_range((const float *)(uintptr_t)x_address, n_blocks, block,
+                        (float *)(uintptr_t)out_address);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static int64_t collect_at_least_range(const float *x, int64_t numel, const int64_t *blocks,
+                                      int64_t n_blocks, int64_t block, float threshold,
+                                      int64_t *positions, float *magnitudes)
+{
+    int64_t count = 0;
+    for (int64_t b = 0; b < n_blocks; ++b) {
+        int64_t start = blocks[b] * block;
+        int64_t end = start + block < numel ? start + block : numel;
+        for (int64_t p = start; p < end; ++p) {
+            float a = fabsf(x[p]);
+            if (a >= threshold) {
+                positions[count] = p;
+                magnitudes[count] = a;
+                ++count;
+            }
+        }
+    }
+    return count;
+}
+
+static PyObject *collect_at_least(PyObject *self, PyObject *args)
+{
+    unsigned long long x_address, blocks_address, positions_address, magnitudes_address;
+    long long numel, n_blocks, block;
+    float threshold;
+    if (!PyArg_ParseTuple(args, "KLKLLfKK", &x_address, &numel, &blocks_address, &n_blocks,
+                          &block, &threshold, &positions_address, &magnitudes_address))
+        return NULL;
+    if (numel < 0 || n_blocks < 0 || block < 1) {
+        PyErr_Format(PyExc_ValueError, "collect_at_least: numel=%lld, n_blocks=%lld, block=%lld",
+                     numel, n_blocks, block);
+        return NULL;
+    }
+    const int64_t *blocks = (const int64_t *)(uintptr_t)blocks_address;
+    int64_t block_count = (numel + block - 1) / block;
+    for (int64_t b = 0; b < n_blocks; ++b)
+        if (blocks[b] < 0 || blocks[b] >= block_count) {
+            PyErr_Format(PyExc_IndexError, "collect_at_least: block %lld of a tensor of %lld blocks",
+                         (long long)blocks[b], (long long)block_count);
+            return NULL;
+        }
+    int64_t count;
+    Py_BEGIN_ALLOW_THREADS
+    count = collect_at_least_range((const float *)(uintptr_t)x_address, numel, blocks, n_blocks,
+                                   block, threshold, (int64_t *)(uintptr_t)positions_address,
+                                   (float *)(uintptr_t)magnitudes_address);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLongLong(count);
+}
+
+static PyMethodDef methods[] = {
+    {"block_abs_max", block_abs_max, METH_VARARGS,
+     "block_abs_max(x_address, n_blocks, block, out_address): out[b] = max |x[b*block:(b+1)*block]| "
+     "for contiguous float32 buffers given by address."},
+    {"collect_at_least", collect_at_least, METH_VARARGS,
+     "collect_at_least(x_address, numel, blocks_address, n_blocks, block, threshold, "
+     "positions_address, magnitudes_address) -> count: the entries of the listed int64 blocks "
+     "with |x| >= threshold, ascending; the outputs need room for n_blocks * block entries."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_selection", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__selection(void) { return PyModule_Create(&module); }
