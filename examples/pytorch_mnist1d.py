@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import horovod.torch as hvd
@@ -26,6 +25,7 @@ from torch import nn
 from tqdm import tqdm
 
 from _data import NUM_CLASSES, Split, load_mnist1d
+from horovod_dgc.core.stats import CompressionStats
 from horovod_dgc.torch import Compression
 
 METHODS = ("none", "fp16", "dgc", "topk", "gaussiank", "scalecom", "blocksign")
@@ -97,35 +97,18 @@ def make_optimizer(args: argparse.Namespace, model: nn.Module, compression) -> t
                                     compression=compression)
 
 
-@dataclass
-class Traffic:
-    """Bytes handed to Horovod and their dense equivalent, over some steps."""
-
-    steps: int = 0
-    bytes_sent: float = 0.0
-    dense_bytes: float = 0.0
-
-    @property
-    def ratio(self) -> float:
-        return self.dense_bytes / self.bytes_sent if self.bytes_sent else float("nan")
-
-    def __add__(self, other: "Traffic") -> "Traffic":
-        return Traffic(self.steps + other.steps, self.bytes_sent + other.bytes_sent,
-                       self.dense_bytes + other.dense_bytes)
-
-    def line(self) -> str:
-        return (f"{self.ratio:.1f}x (bytes sent {self.bytes_sent / self.steps / 1e3:.1f} kB/step "
-                f"vs dense {self.dense_bytes / self.steps / 1e3:.1f} kB/step)")
+def traffic_line(traffic: CompressionStats) -> str:
+    return (f"{traffic.ratio:.1f}x (bytes sent {traffic.bytes_sent_per_step / 1e3:.1f} kB/step "
+            f"vs dense {traffic.dense_bytes_per_step / 1e3:.1f} kB/step)")
 
 
-def epoch_traffic(compression, model: nn.Module, steps: int) -> Traffic:
+def epoch_traffic(compression, model: nn.Module, steps: int) -> CompressionStats:
     """This epoch's traffic: the compressor's statistics, or the dense tensors' sizes."""
     if hasattr(compression, "stats"):
-        s = compression.stats()
-        return Traffic(s.steps, s.bytes_sent, s.dense_bytes)
+        return compression.stats()
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
     sent = dense // 2 if compression is Compression.fp16 else dense
-    return Traffic(steps, steps * sent, steps * dense)
+    return CompressionStats(steps=steps, bytes_sent=steps * sent, dense_bytes=steps * dense)
 
 
 def train_epoch(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, shard: Split,
@@ -183,7 +166,7 @@ def main(args: argparse.Namespace) -> None:
 
 
 def fit(args: argparse.Namespace, model: nn.Module, compression, optimizer: torch.optim.Optimizer,
-        shard: Split, test: Split) -> Tuple[List[dict], Traffic, Traffic]:
+        shard: Split, test: Split) -> Tuple[List[dict], CompressionStats, CompressionStats]:
     """Train for ``args.epochs``; rank 0 evaluates after every epoch. Returns the per-epoch
     metrics (rank 0), the whole run's traffic and the last epoch's."""
     generator = torch.Generator().manual_seed(args.seed * 1009 + hvd.rank())
@@ -191,7 +174,7 @@ def fit(args: argparse.Namespace, model: nn.Module, compression, optimizer: torc
     # Annealing to zero makes the final accuracy a property of the run, not of its last step.
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, args.epochs * steps_per_epoch)
     history: List[dict] = []
-    total, last = Traffic(), Traffic()
+    total = last = CompressionStats()
     for epoch in range(args.epochs):
         if hasattr(compression, "set_epoch"):
             compression.set_epoch(epoch)
@@ -210,7 +193,7 @@ def fit(args: argparse.Namespace, model: nn.Module, compression, optimizer: torc
 
 
 def report(args: argparse.Namespace, model: nn.Module, compression, history: List[dict],
-           total: Traffic, last: Traffic, wall_s: float) -> None:
+           total: CompressionStats, last: CompressionStats, wall_s: float) -> None:
     """Rank 0's summary (last two lines: accuracy and ratio) and the optional JSON file."""
     acc = history[-1]["accuracy"]
     params = sum(p.numel() for p in model.parameters())
@@ -219,9 +202,9 @@ def report(args: argparse.Namespace, model: nn.Module, compression, history: Lis
     print(f"compression: {describe(args)}")
     if hasattr(compression, "stats"):
         print(f"last epoch: {compression.stats().summary()}")
-        print(f"whole run (warm-up included): {total.line()}")
+        print(f"whole run (warm-up included): {traffic_line(total)}")
     print(f"final test accuracy: {acc:.4f}")
-    print(f"compression ratio: {last.line()}", flush=True)
+    print(f"compression ratio: {traffic_line(last)}", flush=True)
     if args.json:
         metrics = dict(compression=args.compression, accuracy=acc, ratio=last.ratio,
                        ratio_whole_run=total.ratio, epochs=args.epochs, density=args.density,

@@ -49,6 +49,14 @@ class CompressionStats:
     def selection_time_per_step_s(self) -> float:
         return self.selection_time_s / self.steps if self.steps else 0.0
 
+    def __add__(self, other: "CompressionStats") -> "CompressionStats":
+        """Totals of two spans of steps (e.g. epochs) taken one after the other."""
+        return CompressionStats(self.steps + other.steps, self.bytes_sent + other.bytes_sent,
+                                self.dense_bytes + other.dense_bytes,
+                                self.elements_sent + other.elements_sent,
+                                self.elements_compressed + other.elements_compressed,
+                                self.selection_time_s + other.selection_time_s)
+
     def summary(self) -> str:
         return (f"{self.steps} steps: {self.bytes_sent_per_step / 1e3:.1f} kB/step sent vs "
                 f"{self.dense_bytes_per_step / 1e3:.1f} kB/step dense ({self.ratio:.1f}x smaller), "
