@@ -60,6 +60,7 @@ class MethodCompressor(CompressorControls, Compressor):
         self._lock = threading.Lock()
         self._engine: Optional[Engine] = None
         self._optimizer_checked = False
+        self._memory_numels: Optional[Dict[str, int]] = None
         if named_parameters is not None:
             self.bind(named_parameters)
 
@@ -89,11 +90,19 @@ class MethodCompressor(CompressorControls, Compressor):
         return self._engine
 
     def state_dict(self) -> dict:
-        """Memories, step counters and epoch, for checkpoints."""
+        """This rank's memories, step counters and epoch, for checkpoints: save every rank's."""
         return self.engine.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        self.engine.load_state_dict(state)
+        """Restore this rank's part (same method, config, world size and rank, and tensors
+        of the same sizes; ValueError otherwise)."""
+        numels = self._memory_numels or {name: p.numel() for name, p in self._params.items()}
+        self.engine.load_state_dict(state, numels)
+
+    def expect_memories(self, numels: Dict[str, int]) -> None:
+        """Name the tensors this compressor keeps memories for, when they are not the bound
+        parameters (the fused optimizer's buckets), with their elements."""
+        self._memory_numels = dict(numels)
 
     # -- Horovod's interface -----------------------------------------------------------------------
     def _lookup(self, tensor: torch.Tensor) -> Tuple[str, torch.nn.Parameter]:
@@ -133,6 +142,9 @@ class MethodCompressor(CompressorControls, Compressor):
     def start_exchange(self, name: str, tensor: torch.Tensor, param: torch.nn.Parameter):
         """Launch the exchange of a compressed tensor; returns the context for decompress."""
         raise NotImplementedError
+
+    def abandon_exchanges(self) -> None:
+        """Forget the exchanges of a step interrupted by an elastic reset."""
 
     def finish_exchange(self, ctx) -> torch.Tensor:
         raise NotImplementedError
@@ -189,6 +201,10 @@ class TwoStageCompressor(MethodCompressor):
         with self._lock:
             self._in_flight[name] = stages
         return stages
+
+    def abandon_exchanges(self) -> None:
+        with self._lock:
+            self._in_flight.clear()
 
     def launch_second_stages(self) -> None:
         """Stage 2 of every tensor whose stage 1 is in flight, in name order."""

@@ -7,6 +7,7 @@ averaged dense gradient. ``compression.py`` (stock ``hvd.DistributedOptimizer``)
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass
@@ -18,6 +19,11 @@ from ..core.sparse import SparseMethod, StepContext
 from ..core.stats import CompressionStats, StatsRecorder
 from ..core.wire import MessageLayout
 from .ops import TorchOps, dtype_name
+
+STATE_FORMAT = 1
+# State keys sharded across the ranks rather than kept per worker: blocksign's server residual
+# (rank j holds shard j); every other key has one entry per element of the tensor.
+SHARDED_KEYS = ("server",)
 
 
 @dataclass
@@ -170,12 +176,71 @@ class Engine:
 
     # -- checkpointing --------------------------------------------------------------------------
     def state_dict(self) -> dict:
+        """This rank's part: memories, step counters and epoch, tagged with the method, its
+        config and the world they belong to (checked by :meth:`load_state_dict`)."""
         with self._lock:
-            return {"epoch": self.epoch, "steps": dict(self._steps),
+            return {"format": STATE_FORMAT, "method": type(self.method).__name__,
+                    "config": dataclasses.asdict(self.config),
+                    "world_size": self.world_size, "rank": self.rank,
+                    "epoch": self.epoch, "steps": dict(self._steps),
                     "states": {n: {k: v.clone() for k, v in s.items()} for n, s in self._states.items()}}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, numels: Optional[Dict[str, int]] = None) -> None:
+        """Restore this rank's part saved by :meth:`state_dict`.
+
+        Args:
+            state: the part saved by this rank (same world size and rank).
+            numels: elements of every tensor this compressor may keep a memory for; a state
+                holding another tensor, or one of another size, is refused.
+        """
+        check_compatible(state, self.method, numels)
+        if (state["world_size"], state["rank"]) != (self.world_size, self.rank):
+            raise ValueError(
+                f"compressor state was saved by rank {state['rank']} of {state['world_size']} "
+                f"workers; this is rank {self.rank} of {self.world_size}: load every rank's part "
+                f"with horovod_dgc.torch.checkpoint.redistribute(parts, world_size, rank) instead")
         with self._lock:
-            self.epoch = state["epoch"]
+            self.epoch = float(state["epoch"])
             self._steps = dict(state["steps"])
             self._states = {n: {k: v.clone() for k, v in s.items()} for n, s in state["states"].items()}
+
+    def join(self, world_size: int, rank: int) -> None:
+        """Take a new place in a resized world (elastic reset); load a matching state next."""
+        with self._lock:
+            self.world_size, self.rank = world_size, rank
+
+
+def check_format(state: dict) -> None:
+    """Raise ValueError unless ``state`` looks like what :meth:`Engine.state_dict` returns."""
+    missing = {"format", "method", "config", "world_size", "rank", "epoch", "steps",
+               "states"} - set(state) if isinstance(state, dict) else {"everything"}
+    if missing:
+        raise ValueError(f"not a horovod_dgc compressor state (missing {sorted(missing)})")
+    if state["format"] != STATE_FORMAT:
+        raise ValueError(f"compressor state format {state['format']} is not {STATE_FORMAT}")
+
+
+def check_compatible(state: dict, method, numels: Optional[Dict[str, int]]) -> None:
+    """Raise ValueError unless ``state`` is a compressor state of ``method`` (same class and
+    config) whose tensors are among ``numels`` with the same number of elements."""
+    check_format(state)
+    mine = type(method).__name__
+    if state["method"] != mine:
+        raise ValueError(f"compressor state is from method {state['method']}, this compressor "
+                         f"runs {mine}")
+    config = dataclasses.asdict(method.config)
+    differing = {k: (state["config"].get(k), v) for k, v in config.items() if state["config"].get(k) != v}
+    if differing or set(state["config"]) != set(config):
+        listed = ", ".join(f"{k}: saved {old!r}, now {new!r}" for k, (old, new) in differing.items())
+        raise ValueError(f"compressor state of {mine} was saved with another config ({listed})")
+    if numels is None:
+        return
+    unknown = sorted(set(state["states"]) - set(numels))
+    if unknown:
+        raise ValueError(f"compressor state holds tensors this model does not have: {unknown[:5]}"
+                         f"{' ...' if len(unknown) > 5 else ''}")
+    for name, tensors in state["states"].items():
+        for key, value in tensors.items():
+            if key not in SHARDED_KEYS and value.numel() != numels[name]:
+                raise ValueError(f"compressor state of tensor {name!r} has {value.numel()} "
+                                 f"elements in {key!r}, the tensor has {numels[name]}")

@@ -42,6 +42,7 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         self._delay = {p: backward_passes_per_step for p in self._params}
         self._buckets = self._make_buckets(bucket_cap_mb)
         self._bucket_of = {p: i for i, bucket in enumerate(self._buckets) for p in bucket}
+        compression.expect_memories(self._memory_numels())
         self._reset_step()
         self._synchronized = False
         self._should_synchronize = True
@@ -172,6 +173,15 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).load_state_dict(state_dict)
         if compression_state is not None:
             self._compression.load_state_dict(compression_state)
+
+    def _memory_numels(self) -> Dict[str, int]:
+        """Elements of every tensor the compressor may keep a memory for: the parameters
+        and, for a two-stage method, each bucket (compressed as one tensor)."""
+        numels = {name: p.numel() for p, name in self._names.items()}
+        if isinstance(self._compression, TwoStageCompressor):
+            numels.update({f"bucket{i}": sum(p.numel() for p in bucket)
+                           for i, bucket in enumerate(self._buckets)})
+        return numels
 
 
 def _move_sgd_hyperparameters(optimizer: torch.optim.Optimizer,

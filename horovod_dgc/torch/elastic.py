@@ -1,0 +1,87 @@
+"""Elastic Horovod: the compressor's memories as part of the committed state.
+
+    state = horovod_dgc.torch.elastic.TorchState(model, optimizer, compression=compression,
+                                                 epoch=0, batch=0)
+
+``commit()`` pools the memories of all workers (:mod:`.checkpoint`: per-worker memories
+averaged by an all-reduce, blocksign's server shards gathered), which costs one dense
+all-reduce of the memories per commit. After a reset, whether a worker was lost or added,
+every rank takes its share of the last commit: the same averaged memories on every rank,
+its slice of the server residual, the committed step counters. What is owed to the
+parameters is what it was at the commit, so no gradient mass is lost, and the parameters,
+restored to the same commit, stay identical on every rank.
+
+Uncommitted memories (the steps since the last commit) are rolled back with the parameters.
+Supports compressors given to the stock ``hvd.DistributedOptimizer``.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import horovod.torch as hvd
+import torch
+from horovod.torch.elastic.state import StateHandler
+
+from .checkpoint import shard
+from .compression import MethodCompressor
+from .engine import SHARDED_KEYS, STATE_FORMAT
+
+
+def pool_across_ranks(compressor: MethodCompressor) -> dict:
+    """The pooled state (see :func:`.checkpoint.pool`) by collectives; every rank calls it,
+    at the same point of training."""
+    state = compressor.state_dict()
+    states: Dict[str, Dict[str, torch.Tensor]] = {}
+    for name in sorted(state["states"]):
+        tensors = state["states"][name]
+        numel = next((v.numel() for k, v in tensors.items() if k not in SHARDED_KEYS), 0)
+        states[name] = {}
+        for key in sorted(tensors):
+            value, label = tensors[key], f"horovod_dgc.pool.{key}.{name}"
+            if key in SHARDED_KEYS:
+                states[name][key] = hvd.allgather(value, name=label)[:numel].clone()
+            else:
+                total = hvd.allreduce(value.double(), op=hvd.Sum, name=label)
+                states[name][key] = (total / hvd.size()).to(value.dtype)
+    return {"format": STATE_FORMAT, "method": state["method"], "config": state["config"],
+            "epoch": state["epoch"], "steps": state["steps"], "world_size": None, "rank": None,
+            "states": states}
+
+
+class CompressorStateHandler(StateHandler):
+    """Commits, restores and synchronizes a compressor's memories (see the module doc)."""
+
+    def __init__(self, compressor: MethodCompressor):
+        super().__init__(compressor)
+        self._committed: Optional[dict] = None
+
+    def save(self) -> None:
+        self._committed = pool_across_ranks(self.value)
+
+    def restore(self) -> None:
+        self.rejoin()
+
+    def sync(self) -> None:
+        self._committed = hvd.broadcast_object(self._committed, root_rank=0,
+                                               name="horovod_dgc.committed")
+        self.rejoin()
+
+    def rejoin(self) -> None:
+        """Take this rank's place in the current world and its share of the last commit."""
+        engine = self.value.engine
+        engine.join(hvd.size(), hvd.rank())
+        self.value.abandon_exchanges()
+        if self._committed is not None:
+            self.value.load_state_dict(shard(self._committed, hvd.size(), hvd.rank()))
+
+
+class TorchState(hvd.elastic.TorchState):
+    """``hvd.elastic.TorchState`` that also commits ``compression``'s memories."""
+
+    def __init__(self, model=None, optimizer=None, compression: Optional[MethodCompressor] = None,
+                 **kwargs):
+        super().__init__(model, optimizer, **kwargs)
+        if compression is not None:
+            handler = CompressorStateHandler(compression)
+            self._handlers["compression"] = handler
+            self.register_reset_callbacks([handler.rejoin])

@@ -1,0 +1,33 @@
+"""Elastic Horovod (Gloo) with a compressor: a worker dies mid-interval, the others roll back
+to the last commit and go on; parameters identical, gradient mass conserved
+(tests/workers/elastic_torch.py checks both on every rank)."""
+import socket
+import subprocess
+import sys
+
+from conftest import BIN, ROOT, WORKERS, worker_env
+
+# Three names of this machine: horovodrun treats them as three hosts (each resolves to a
+# local address, so workers start without ssh), and blacklists the one whose worker fails.
+HOSTS = ("localhost", "127.0.0.1", socket.gethostname())
+VICTIM = "127.0.0.1"
+
+
+def test_worker_lost_mid_interval_rolls_back_and_conserves_gradient_mass(tmp_path):
+    discovery = tmp_path / "discover_hosts.sh"
+    discovery.write_text("#!/bin/sh\n" + "".join(f"echo {h}:1\n" for h in HOSTS))
+    discovery.chmod(0o755)
+    marker = tmp_path / "victim_died"
+    cmd = [str(BIN / "horovodrun"), "-np", "3", "--min-np", "2", "--max-np", "3",
+           "--host-discovery-script", str(discovery), "--gloo", "--gloo-timeout-seconds", "10",
+           sys.executable, str(WORKERS / "elastic_torch.py"), "--victim", VICTIM,
+           "--marker", str(marker)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=300)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-6000:]
+    assert marker.read_text() == "killed at step 12"
+    assert out.count("of 3 entry at step 0: identical and conserved ok") == 3, out[-6000:]
+    # The commit before the failure was at step 10: the survivors resume there, two of them.
+    assert out.count("of 2 entry at step 10: identical and conserved ok") == 2, out[-6000:]
+    assert out.count("of 2 final at step 24: identical and conserved ok") == 2, out[-6000:]

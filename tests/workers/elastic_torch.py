@@ -1,0 +1,109 @@
+"""Elastic training with Top-k error feedback where every quantity can be checked exactly.
+
+Each rank's gradient at step t is a fixed float64 tensor g(t, rank, size); plain SGD with
+lr = 1 applies the averaged update. ``grad_sum``, committed with the model, accumulates the
+average gradient of every step that was kept. Conservation of gradient mass:
+
+    W0 - W  +  mean over ranks of the residual  ==  grad_sum
+
+(the bias is not compressed: ``b0 - b == grad_sum``). The worker on host ``--victim`` kills
+itself in the middle of the commit interval; survivors roll back to the last commit and go
+on with fewer workers. On every entry into the training function (after each reset) every
+rank checks that the parameters and residuals are identical on all ranks and that the law
+holds; at the end it checks the law again.
+"""
+import argparse
+import os
+import signal
+from pathlib import Path
+
+import horovod.torch as hvd
+import torch
+
+from horovod_dgc.torch import Compression
+from horovod_dgc.torch.elastic import TorchState
+
+STEPS = 24
+COMMIT_EVERY = 5
+KILL_AT = 12  # two steps after the commit at step 10
+
+
+def make_model() -> torch.nn.Linear:
+    torch.manual_seed(0)
+    return torch.nn.Linear(64, 48).double()  # weight 3072 elements: compressed; bias: dense
+
+
+def gradients(step: int, rank: int, size: int, model: torch.nn.Linear) -> dict:
+    gen = torch.Generator().manual_seed(1_000 * step + 10 * rank + size)
+    return {n: torch.randn(p.shape, generator=gen, dtype=torch.float64)
+            for n, p in model.named_parameters()}
+
+
+def average_gradient(step: int, size: int, model) -> dict:
+    every = [gradients(step, r, size, model) for r in range(size)]
+    return {n: sum(g[n] for g in every) / size for n in every[0]}
+
+
+def check(state, model, compression, initial: dict, label: str, same_residuals: bool) -> None:
+    """Identical parameters on all ranks; conservation of gradient mass."""
+    for name, p in model.named_parameters():
+        everyone = hvd.allgather_object(p.detach().clone(), name=f"check.{label}.{name}")
+        assert all(torch.equal(everyone[0], q) for q in everyone), \
+            f"rank {hvd.rank()} {label}: {name} differs between ranks"
+    residual = compression.state_dict()["states"].get("weight", {}).get("residual")
+    residual = torch.zeros(model.weight.numel(), dtype=torch.float64) if residual is None else residual
+    if same_residuals:
+        everyone = hvd.allgather_object(residual.clone(), name=f"check.{label}.residual")
+        assert all(torch.equal(everyone[0], r) for r in everyone), \
+            f"rank {hvd.rank()} {label}: residuals differ between ranks after the reset"
+    mean_residual = hvd.allreduce(residual, op=hvd.Average, name=f"check.{label}.mean").view_as(model.weight)
+    weight_law = initial["weight"] - model.weight.detach() + mean_residual
+    torch.testing.assert_close(weight_law, state.grad_sum["weight"], rtol=0, atol=1e-12,
+                               msg=f"{label}: weight mass not conserved")
+    torch.testing.assert_close(initial["bias"] - model.bias.detach(), state.grad_sum["bias"],
+                               rtol=0, atol=1e-12, msg=f"{label}: bias mass not conserved")
+    print(f"rank {hvd.rank()} of {hvd.size()} {label} at step {state.step}: identical and "
+          f"conserved ok", flush=True)
+
+
+def main(victim: str, marker: Path) -> None:
+    hvd.init()
+    torch.set_num_threads(1)
+    model = make_model()
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    compression = Compression.topk(named_parameters=model.named_parameters(), density=0.05)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0),
+                                         named_parameters=model.named_parameters(),
+                                         compression=compression)
+    state = TorchState(model, optimizer, compression=compression, step=0,
+                       grad_sum={n: torch.zeros_like(p) for n, p in initial.items()})
+    host = os.environ.get("HOROVOD_HOSTNAME", "")
+
+    @hvd.elastic.run
+    def train(state):
+        check(state, model, compression, initial, "entry", same_residuals=True)
+        while state.step < STEPS:
+            if host == victim and state.step == KILL_AT and not marker.exists():
+                marker.write_text(f"killed at step {state.step}")
+                os.kill(os.getpid(), signal.SIGKILL)
+            grads = gradients(state.step, hvd.rank(), hvd.size(), model)
+            optimizer.zero_grad()
+            loss = sum((p * grads[n]).sum() for n, p in model.named_parameters())
+            loss.backward()
+            optimizer.step()
+            average = average_gradient(state.step, hvd.size(), model)
+            state.grad_sum = {n: state.grad_sum[n] + average[n] for n in average}
+            state.step += 1
+            if state.step % COMMIT_EVERY == 0:
+                state.commit()
+
+    train(state)
+    check(state, model, compression, initial, "final", same_residuals=False)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--victim", required=True, help="host name whose worker dies")
+    parser.add_argument("--marker", type=Path, required=True, help="file written when it dies")
+    args = parser.parse_args()
+    main(args.victim, args.marker)
