@@ -3,7 +3,7 @@ VENV   := .venv
 PYTHON := $(VENV)/bin/python
 NP     ?= 2
 
-.PHONY: setup test test-slow demo bench-compress clean-venv
+.PHONY: setup test test-slow demo imagenet-demo bench-compress bench-convergence cluster-bench clean-venv
 
 setup:
 	@bash scripts/setup_env.sh
@@ -21,9 +21,30 @@ demo: setup
 	TF_CPP_MIN_LOG_LEVEL=3 $(VENV)/bin/horovodrun -np $(NP) -H localhost:$(NP) --gloo \
 		$(PYTHON) examples/pytorch_mnist1d.py --compression dgc --epochs 8
 
+## ResNet-50 on a generated 4-class ImageFolder (tiny images, CPU), 3 epochs of DGC with
+## checkpoints in build/imagenet-demo/; run it again with EPOCHS=5 to resume from epoch 3.
+EPOCHS ?= 3
+imagenet-demo: setup
+	$(PYTHON) examples/_imagefolder.py build/imagenet-demo/train --classes 4 --images-per-class 32
+	TF_CPP_MIN_LOG_LEVEL=3 $(VENV)/bin/horovodrun -np $(NP) -H localhost:$(NP) --gloo \
+		$(PYTHON) examples/pytorch_imagenet_resnet50.py --train-dir build/imagenet-demo/train \
+		--image-size 32 --batch-size 4 --steps-per-epoch 3 --epochs $(EPOCHS) --warmup-epochs 1 \
+		--base-lr 0.002 --density 0.01 --sparsity-warmup-epochs 1 --loader-workers 0 \
+		--checkpoint-dir build/imagenet-demo/checkpoints
+
 ## Time the selection of one ResNet-50-sized gradient with each method.
 bench-compress: setup
 	$(PYTHON) examples/bench_compress.py
+
+## Dense vs every method, 4 workers, MNIST-1D: curves (PNG) and final accuracies (Markdown).
+bench-convergence: setup
+	$(PYTHON) examples/bench_convergence.py --np 4
+
+## Training-step benchmark of every method on a 4-host network-namespace cluster at three link
+## rates (needs root): results/cluster/ (CSV, Markdown, PNG). QUICK=1: 2 hosts, unshaped and
+## 100 Mbit/s, dense and dgc, a few steps (under 5 minutes).
+cluster-bench: setup
+	$(PYTHON) scripts/cluster_bench.py --check $(if $(QUICK),--quick)
 
 clean-venv:
 	rm -rf $(VENV)

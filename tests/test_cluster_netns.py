@@ -1,0 +1,247 @@
+"""The network-namespace cluster (scripts/netns_cluster.py, scripts/cluster_bench.py): real
+namespaces, real tc shaping, real Horovod workers started by ``python -m horovod_dgc.cluster``.
+
+Needs root and iproute2 (skipped otherwise); every test checks that ``ip netns list`` and
+``/etc/netns`` are as they were before it.
+"""
+import csv
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, worker_env
+
+SCRIPTS = ROOT / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+from cluster_job import ClusterJob  # noqa: E402
+from netns_cluster import ClusterError, NetnsCluster, netns_names, parse_link  # noqa: E402
+
+HAVE_ROOT_AND_IP = os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc")
+pytestmark = pytest.mark.skipif(not HAVE_ROOT_AND_IP,
+                                reason="needs root and iproute2 (ip, tc) for network namespaces")
+ETC_NETNS = Path("/etc/netns")
+TINY_RUN = ["--hosts", "2", "--methods", "dense,dgc", "--model", "tiny", "--batch-size", "8"]
+KILL_DEADLINE_S = 30.0
+
+
+def unique_prefix() -> str:
+    return f"hdgct{uuid.uuid4().hex[:10]}"
+
+
+def etc_netns_entries() -> set:
+    return set(os.listdir(ETC_NETNS)) if ETC_NETNS.is_dir() else set()
+
+
+@pytest.fixture
+def netns_unchanged():
+    """Fail the test if it leaves a namespace or an /etc/netns entry behind."""
+    namespaces, etc = set(netns_names()), etc_netns_entries()
+    yield
+    assert set(netns_names()) == namespaces
+    assert etc_netns_entries() == etc
+
+
+def bench_args(out: Path, *extra: str) -> list:
+    return [sys.executable, str(SCRIPTS / "cluster_bench.py"), "--out", str(out),
+            "--prefix", unique_prefix(), *extra]
+
+
+def test_smoke_cluster_dense_and_dgc(tmp_path, netns_unchanged):
+    proc = subprocess.run(bench_args(tmp_path, *TINY_RUN, "--links", "unshaped,100mbit",
+                                     "--warmup-steps", "1", "--steps", "3"),
+                          cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(tmp_path / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["link"], r["method"]) for r in rows] == [
+        ("unshaped", "dense"), ("unshaped", "dgc"), ("100mbit", "dense"), ("100mbit", "dgc")]
+    for link in ("unshaped", "100mbit"):
+        dense, dgc = (next(r for r in rows if r["link"] == link and r["method"] == m)
+                      for m in ("dense", "dgc"))
+        gradient_bytes = 4 * int(dense["params"])
+        # A 2-worker ring all-reduce sends each worker's whole gradient once.
+        assert float(dense["tx_bytes_per_step"]) >= 0.9 * gradient_bytes, dense
+        assert float(dgc["tx_bytes_per_step"]) < float(dense["tx_bytes_per_step"]) / 3, dgc
+        assert all(int(r["workers"]) == 2 and float(r["median_step_s"]) > 0 for r in (dense, dgc))
+    table = (tmp_path / "results.md").read_text()
+    assert "| 100mbit | dgc | horovod_dgc.torch.DistributedOptimizer | density 0.001 |" in table
+    assert "| 100mbit | dgc |" in proc.stdout
+    for plot in ("step_time.png", "bytes_per_step.png"):
+        assert (tmp_path / plot).stat().st_size > 1000
+
+
+class LineReader:
+    """Collects a process's output lines in a thread; waits for one that contains a text."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.lines, self._found = [], threading.Event()
+        self._marker = None
+        self._thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self._thread.start()
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            self.lines.append(line)
+            if self._marker and self._marker in line:
+                self._found.set()
+
+    def wait_for(self, marker: str, timeout_s: float) -> bool:
+        self._marker = marker
+        if any(marker in line for line in self.lines):
+            return True
+        return self._found.wait(timeout_s)
+
+    def text(self) -> str:
+        self._thread.join(timeout=10)
+        return "".join(self.lines)
+
+
+def start_long_run(tmp_path: Path) -> tuple:
+    """A cluster run far longer than the test; returns once rank 0 has started benchmarking."""
+    args = bench_args(tmp_path, *TINY_RUN, "--links", "unshaped", "--steps", "100000")
+    proc = subprocess.Popen(args, cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    reader = LineReader(proc)
+    if not reader.wait_for("bench_cluster: 2 workers", timeout_s=120):
+        proc.kill()
+        pytest.fail("the workers did not start:\n" + reader.text()[-3000:])
+    time.sleep(1.0)
+    return proc, reader, args[args.index("--prefix") + 1]
+
+
+def no_process_mentions(text: str) -> bool:
+    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    return text not in out
+
+
+def test_killing_a_worker_ends_the_run_with_a_clear_error(tmp_path, netns_unchanged):
+    proc, reader, prefix = start_long_run(tmp_path)
+    pids = subprocess.run(["ip", "netns", "pids", f"{prefix}-h1"], capture_output=True,
+                          text=True).stdout.split()
+    assert pids, "no process in host 1's namespace"
+    killed_at = time.monotonic()
+    for pid in pids:
+        os.kill(int(pid), signal.SIGKILL)
+    try:
+        proc.wait(timeout=KILL_DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"the run did not end within {KILL_DEADLINE_S} s of the kill")
+    output = reader.text()
+    assert proc.returncode == 1, output[-3000:]
+    assert "cluster-bench: ERROR: worker rank1 was killed by SIGKILL" in output, output[-3000:]
+    assert time.monotonic() - killed_at < KILL_DEADLINE_S
+    assert no_process_mentions(str(tmp_path))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_interrupting_the_run_removes_everything(tmp_path, netns_unchanged, signum):
+    proc, reader, _ = start_long_run(tmp_path)
+    proc.send_signal(signum)
+    proc.wait(timeout=KILL_DEADLINE_S)
+    output = reader.text()
+    assert proc.returncode == 130, output[-3000:]
+    assert "cluster-bench: interrupted; the namespaces were removed" in output
+    assert no_process_mentions(str(tmp_path))
+
+
+def test_a_job_past_its_time_limit_is_stopped(tmp_path, netns_unchanged):
+    started = time.monotonic()
+    with NetnsCluster(2, unique_prefix()) as cluster:
+        with pytest.raises(ClusterError, match="the job ran past its 3 s limit"):
+            ClusterJob(cluster, ["sleep", "600"], tmp_path, timeout_s=3, echo_rank0=False).run()
+    assert time.monotonic() - started < 20
+    assert no_process_mentions("sleep 600")
+
+
+def test_without_root_it_refuses_in_one_sentence(tmp_path):
+    nobody = str(pwd.getpwnam("nobody").pw_uid)
+    before = set(netns_names())
+    proc = subprocess.run(["setpriv", f"--reuid={nobody}", f"--regid={nobody}", "--clear-groups",
+                           *bench_args(tmp_path, "--quick")],
+                          cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr == ("cluster-bench: ERROR: creating network namespaces needs root: run "
+                           "this command as root (for example with sudo).\n")
+    assert set(netns_names()) == before
+
+
+TRANSFER_SERVER = """
+import socket, sys
+with socket.create_server((sys.argv[1], 5001)) as server:
+    print("listening", flush=True)
+    conn, _ = server.accept()
+    while conn.recv(1 << 16):
+        pass
+    conn.sendall(b"k")
+"""
+TRANSFER_CLIENT = """
+import socket, sys, time
+for _ in range(100):
+    try:
+        conn = socket.create_connection((sys.argv[1], 5001))
+        break
+    except OSError:
+        time.sleep(0.1)
+start = time.perf_counter()
+conn.sendall(bytes(int(sys.argv[2])))
+conn.shutdown(socket.SHUT_WR)
+conn.recv(1)
+print(time.perf_counter() - start)
+"""
+
+
+def transfer_s(cluster: NetnsCluster, nbytes: int) -> float:
+    """Seconds to send ``nbytes`` from host 1 to host 0 over TCP."""
+    server = subprocess.Popen(cluster.exec_args(cluster.host_ns[0], [
+        sys.executable, "-c", TRANSFER_SERVER, cluster.address(0)]), stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "listening"
+        client = subprocess.run(cluster.exec_args(cluster.host_ns[1], [
+            sys.executable, "-c", TRANSFER_CLIENT, cluster.address(0), str(nbytes)]),
+            capture_output=True, text=True, timeout=60)
+        assert client.returncode == 0, client.stderr
+        return float(client.stdout)
+    finally:
+        server.wait(timeout=10)
+
+
+def qdiscs(ns: str, dev: str) -> str:
+    return subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", dev], capture_output=True,
+                          text=True, check=True).stdout
+
+
+def test_links_are_shaped_in_both_directions(netns_unchanged):
+    nbytes = 4_000_000
+    with NetnsCluster(2, unique_prefix()) as cluster:
+        cluster.shape(parse_link("100mbit"))
+        for rank in range(2):
+            for ns, dev in ((cluster.host_ns[rank], "eth0"), (cluster.bridge_ns, f"port{rank}")):
+                assert "tbf" in qdiscs(ns, dev) and "rate 100Mbit" in qdiscs(ns, dev)
+        shaped = transfer_s(cluster, nbytes)
+        cluster.shape(parse_link("unshaped"))
+        assert "tbf" not in qdiscs(cluster.host_ns[0], "eth0")
+        unshaped = transfer_s(cluster, nbytes)
+    ideal = nbytes * 8 / 100e6
+    assert 0.8 * ideal <= shaped <= 3 * ideal, (shaped, ideal)
+    assert unshaped < shaped / 2, (unshaped, shaped)
+
+
+def test_a_delay_needs_netem_or_says_so(netns_unchanged):
+    with NetnsCluster(1, unique_prefix()) as cluster:
+        try:
+            cluster.shape(parse_link("100mbit+2ms"))
+        except ClusterError as error:
+            assert "this kernel has no netem qdisc" in str(error)
+        else:
+            shown = qdiscs(cluster.host_ns[0], "eth0")
+            assert "netem" in shown and "delay 2ms" in shown, shown

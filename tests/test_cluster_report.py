@@ -1,0 +1,74 @@
+"""scripts/cluster_report.py: ratios to dense on the unshaped link, the table, the claims."""
+import json
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "scripts"))
+from cluster_report import claims, load_records, markdown_table, write_report  # noqa: E402
+
+
+def record(link: str, method: str, step_s: float, sent_bytes: float) -> dict:
+    return {"link": link, "method": method, "optimizer": "opt", "setting": "s", "workers": 4,
+            "model": "resnet50", "params": 25557032, "batch_size": 32, "image_size": 32,
+            "warmup_steps": 2, "steps": 5, "median_step_s": step_s, "images_per_s": 128 / step_s,
+            "tx_bytes_per_step": sent_bytes, "tx_bytes_per_step_max": sent_bytes,
+            "step_s": [step_s] * 5}
+
+
+def write_records(path, records) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_ratios_are_to_dense_on_the_unshaped_link(tmp_path):
+    write_records(tmp_path / "r.jsonl", [record("unshaped", "dense", 2.0, 150e6),
+                                         record("unshaped", "dgc", 2.2, 1e6),
+                                         record("100mbit", "dense", 14.0, 152e6)])
+    rows = load_records(tmp_path / "r.jsonl")
+    assert [r["step_vs_dense"] for r in rows] == pytest.approx([1.0, 1.1, 7.0])
+    assert [r["bytes_vs_dense"] for r in rows] == pytest.approx([1.0, 1 / 150, 152 / 150])
+    assert "| 100mbit | dense | opt | s | 14.000 | 9.1 | 152.000 | 7 | 1.01 |" in markdown_table(rows)
+
+
+def test_without_dense_unshaped_the_ratios_are_blank(tmp_path):
+    write_records(tmp_path / "r.jsonl", [record("100mbit", "dgc", 2.0, 1e6)])
+    rows = load_records(tmp_path / "r.jsonl")
+    assert rows[0]["step_vs_dense"] is None
+    assert markdown_table(rows).endswith("| 1.000 |  |  |")
+
+
+def test_no_records_is_an_error(tmp_path):
+    (tmp_path / "r.jsonl").write_text("")
+    with pytest.raises(ValueError, match="holds no records"):
+        load_records(tmp_path / "r.jsonl")
+
+
+@pytest.mark.parametrize("dgc_100_s, dgc_1g_s, dgc_bytes, expected", [
+    (4.0, 2.5, 1.4e6, [True, True, True]),
+    (5.0, 2.7, 1.6e6, [False, False, False]),
+])
+def test_claims_hold_or_fail_at_their_thresholds(tmp_path, dgc_100_s, dgc_1g_s, dgc_bytes, expected):
+    rows = [record("unshaped", "dense", 2.0, 150e6), record("unshaped", "dgc", 2.1, dgc_bytes),
+            record("1gbit", "dgc", dgc_1g_s, dgc_bytes), record("100mbit", "dense", 13.0, 152e6),
+            record("100mbit", "dgc", dgc_100_s, dgc_bytes)]
+    assert [c.passed for c in claims(rows)] == expected
+
+
+def test_claims_without_their_links_are_not_measured():
+    rows = [record("unshaped", "dense", 2.0, 150e6)]
+    found = claims(rows)
+    assert [c.passed for c in found] == [None, None, None]
+    assert found[0].line().startswith("- n/a: ")
+
+
+def test_report_files(tmp_path):
+    write_records(tmp_path / "r.jsonl", [record("unshaped", "dense", 2.0, 150e6),
+                                         record("unshaped", "dgc", 2.1, 1e6)])
+    report = write_report(load_records(tmp_path / "r.jsonl"), tmp_path, "# header", 1.0)
+    assert (tmp_path / "results.md").read_text() == report["markdown"]
+    assert report["markdown"].startswith("# header\n\n| link |")
+    assert "PASS: dgc sends at least 100x fewer bytes per step than dense (reduction): 150" in report["markdown"]
+    assert (tmp_path / "results.csv").read_text().splitlines()[0].startswith("link,method,optimizer")
+    assert all(p.stat().st_size > 1000 for p in report["plots"])
