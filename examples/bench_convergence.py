@@ -37,6 +37,8 @@ def parse_args(argv: Sequence[str] = None) -> argparse.Namespace:
                    help="methods to run ('none' is dense and always runs first)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for the results")
     p.add_argument("--timeout-s", type=float, default=1800, help="limit for one run, seconds")
+    p.add_argument("--reuse", action="store_true",
+                   help="keep the runs whose <method>.json is already in --out (after a failure)")
     return p.parse_args(argv)
 
 
@@ -57,6 +59,7 @@ def run_method(args: argparse.Namespace, method: str) -> Dict:
         raise SystemExit(f"{method}: horovodrun exited {proc.returncode}; see {log_path}")
     metrics = json.loads(metrics_path.read_text())
     metrics["launch_wall_s"] = time.perf_counter() - started
+    metrics_path.write_text(json.dumps(metrics, indent=2))
     return metrics
 
 
@@ -100,6 +103,10 @@ def main(args: argparse.Namespace) -> None:
     bar = tqdm(methods, desc="methods", unit="run")
     for method in bar:
         bar.set_postfix(running=method)
+        finished = args.out / f"{method}.json"
+        if args.reuse and finished.exists():
+            results[method] = json.loads(finished.read_text())
+            continue
         results[method] = run_method(args, method)
         tqdm.write(f"{method:10s} accuracy {results[method]['accuracy']:.4f} "
                    f"({results[method]['launch_wall_s']:.0f} s)")
