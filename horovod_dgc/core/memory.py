@@ -100,5 +100,6 @@ class LowPassMemory:
 
     def update(self, ops: TensorOps, state: State, indices: Tensor, sent: Tensor) -> State:
         if self.beta != 1.0:
-            sent = ops.scale(sent, self.beta)
+            # A copy: ``sent`` may be the very values the caller sends (scale may work in place).
+            sent = ops.scale(ops.copy(sent), self.beta)
         return {"memory": ops.scatter_sub(state["memory"], indices, sent)}
