@@ -1,5 +1,7 @@
 """Real Horovod jobs (Gloo) through the stock DistributedGradientTape, eagerly and inside
-tf.function: aggregation equals the dense reference, misuse is named, traffic is counted."""
+tf.function: aggregation equals the dense reference (the N-worker simulation for the
+two-stage methods), misuse is named, traffic is counted; horovod_dgc's own tape takes
+Keras 3 variables."""
 import json
 
 import pytest
@@ -28,3 +30,17 @@ def test_dgc_hands_horovod_300x_fewer_bytes_than_dense():
               f"{dgc['bytes_per_step']:.0f} B/step, {ratio:.0f}x fewer")
         assert ratio >= 300, figures
         assert dgc["stats_bytes_per_step"] == pytest.approx(dgc["bytes_per_step"]), "stats() disagrees"
+
+
+def test_scalecom_and_blocksign_match_the_n_worker_simulation():
+    out = horovodrun("twostage_tensorflow.py", 2, timeout_s=600)
+    for mode in MODES:
+        for kind in ("scalecom", "blocksign", "blocksign64"):
+            assert out.count(f"{kind} {mode} twostage ok") == 2, out
+
+
+def test_own_tape_takes_keras_3_variables_and_matches_the_stock_tape():
+    out = horovodrun("keras3_tape_tensorflow.py", 2, timeout_s=600)
+    for mode in MODES:
+        for method in ("dgc", "scalecom"):
+            assert out.count(f"{method} {mode} keras3 tape ok") == 2, out

@@ -16,7 +16,11 @@ from horovod_dgc.core import (DGC, DGCConfig, GaussianK, GaussianKConfig, Messag
                               NonFiniteGradientError, StepContext, TopK, TopKConfig, wire)
 from horovod_dgc.tensorflow import Compression, TFOps
 from horovod_dgc.tensorflow.compression import SparseCompressor
+from horovod_dgc.core.blocksign import BlockSign, BlockSignConfig
+from horovod_dgc.core.exchange import simulate_step
+from horovod_dgc.core.scalecom import ScaleCom, ScaleComConfig
 from horovod_dgc.tensorflow.engine import Engine
+from horovod_dgc.tensorflow.twostage import TwoStageEngine, emulated_single_worker
 from horovod_dgc.torch.engine import Engine as TorchEngine
 from horovod_dgc.torch.ops import TorchOps
 
@@ -360,3 +364,123 @@ def test_sign_packing_and_block_operations_match_torch():
                                    rtol=1e-6)
         np.testing.assert_array_equal(torch_ops.repeat_blocks(sums_torch, block, 1000).numpy(),
                                       tf_ops.repeat_blocks(tf.constant(sums_torch.numpy()), block, 1000).numpy())
+
+
+# -- the two-stage methods ---------------------------------------------------------------------
+TWO_STAGE = {
+    "scalecom": lambda: ScaleCom(ScaleComConfig(density=0.01)),
+    "scalecom-chunked-lowpass": lambda: ScaleCom(ScaleComConfig(density=0.01, beta=0.5,
+                                                                leader_selection="chunked")),
+    "blocksign": lambda: BlockSign(BlockSignConfig()),
+    "blocksign64-momentum": lambda: BlockSign(BlockSignConfig(block_size=64, momentum=0.9)),
+}
+
+
+def _two_stage_steps(ops, method, grads, to_tensor, simulate) -> list:
+    """Each step's (FIRST messages, results, states) of 2 simulated workers, as arrays."""
+    states = [method.init_state(ops, to_tensor(np.zeros(N, np.float32)), True) for _ in range(2)]
+    history = []
+    for t in range(STEPS):
+        ctxs = [StepContext("w", r, 2, t, method.config.density_at(0)) for r in range(2)]
+        worker_grads = [to_tensor(grads[t]), to_tensor(grads[(t + 3) % STEPS])]
+        firsts, results, states = simulate(method, states, worker_grads, ctxs)
+        history.append(([m.numpy() for m in firsts], [r.numpy() for r in results],
+                        [{k: v.numpy().copy() for k, v in s.items()} for s in states]))
+    return history
+
+
+def _simulate_recording(ops):
+    """simulate_step that also returns each worker's FIRST message (its selection)."""
+    def simulate(method, states, grads, ctxs):
+        copies = [{k: ops.copy(v) for k, v in s.items()} for s in states]  # first() may update in place
+        firsts = [method.first(ops, s, g, c)[0] for s, g, c in zip(copies, grads, ctxs)]
+        results, states = simulate_step(ops, method, states, grads, ctxs)
+        return firsts, results, states
+    return simulate
+
+
+@pytest.mark.parametrize("name", list(TWO_STAGE))
+def test_two_stage_methods_give_identical_selections_and_memories_for_10_steps(name):
+    """Two workers simulated eagerly in each framework (the engine test below covers
+    graph mode). ScaleCom: identical leader indices, values and memories. Blocksign:
+    identical packed signs; block scales and residuals agree to float32 rounding (each
+    framework sums a block's magnitudes in its own order)."""
+    method = TWO_STAGE[name]()
+    _, grads = gradients()
+    tf_simulate = _simulate_recording(tf_ops)
+    expected = _two_stage_steps(torch_ops, method, grads, torch.from_numpy, _simulate_recording(torch_ops))
+    got = _two_stage_steps(tf_ops, method, grads, tf.constant, tf_simulate)
+    exact = isinstance(method, ScaleCom)
+
+    def compare(a, b, what):
+        if exact:
+            np.testing.assert_array_equal(a, b, err_msg=what)
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=what)
+
+    for t, ((firsts_a, results_a, states_a), (firsts_b, results_b, states_b)) in enumerate(zip(expected, got)):
+        layout = method.index_layout("w", N, method.config.density) if exact else method.layout("w", N, 2)
+        for a, b in zip(firsts_a, firsts_b):
+            # ScaleCom: the leader's indices as a set (top-k's order is each framework's own);
+            # blocksign: the packed signs of the first shard.
+            (header_a, (part_a, *_)), (header_b, (part_b, *_)) = [
+                wire.split_parts(torch_ops, torch.from_numpy(m[:layout.nbytes]), layout) for m in (a, b)]
+            np.testing.assert_array_equal(header_a.numpy(), header_b.numpy())
+            np.testing.assert_array_equal(np.sort(part_a.numpy()) if exact else part_a.numpy(),
+                                          np.sort(part_b.numpy()) if exact else part_b.numpy(),
+                                          err_msg=f"selection at step {t}")
+        for a, b in zip(results_a, results_b):
+            compare(a, b, f"result at step {t}")
+        for a, b in zip(states_a, states_b):
+            for key in a:
+                compare(a[key], b[key], f"{key} at step {t}")
+
+
+@pytest.mark.parametrize("name", list(TWO_STAGE))
+def test_two_stage_engine_in_tf_function_matches_the_torch_simulation(name):
+    """The TensorFlow engine (memories in variables, run-time step and leader, headers
+    checked against them) for one worker, in one trace, against the core on PyTorch."""
+    method = TWO_STAGE[name]()
+    shape = (311, 97)
+    engine = TwoStageEngine(method, [tf.TensorSpec(shape, tf.float32, "w")], world_size=1, rank=0)
+
+    @tf.function
+    def tf_step(grad):
+        return engine.exchange("w", grad, None, emulated_single_worker, "w")[0]
+
+    states = [method.init_state(torch_ops, torch.zeros(311 * 97), True)]
+    rs = np.random.RandomState(1)
+    for t in range(STEPS):
+        grad = rs.standard_normal(shape).astype(np.float32)
+        results, states = simulate_step(torch_ops, method, states, [torch.from_numpy(grad).reshape(-1)],
+                                        [StepContext("w", 0, 1, t, method.config.density_at(0))])
+        got = tf_step(tf.constant(grad)).numpy().reshape(-1)
+        if isinstance(method, ScaleCom):
+            np.testing.assert_array_equal(results[0].numpy(), got, err_msg=f"step {t}")
+        else:
+            np.testing.assert_allclose(results[0].numpy(), got, rtol=1e-5, atol=1e-5, err_msg=f"step {t}")
+        for key, value in states[0].items():
+            np.testing.assert_allclose(value.numpy(), engine._states["w"][key].numpy(), rtol=1e-5, atol=1e-5)
+    assert tf_step.experimental_get_tracing_count() == 1
+    assert engine.stats().steps == STEPS
+
+
+def _tampered(field: str, value: int):
+    """An emulated one-worker collective that rewrites a header word of the FIRST stage."""
+    def collective(kind, message, name, root):
+        if not name.endswith(".1"):
+            return tf.identity(message)
+        words = tf.bitcast(tf.reshape(message[:wire.HEADER_WORDS * 4], [-1, 4]), tf.int32)
+        words = tf.tensor_scatter_nd_update(words, [[wire.HEADER_FIELDS.index(field)]], [value])
+        return tf.concat([tf.reshape(tf.bitcast(words, tf.uint8), [-1]), message[wire.HEADER_WORDS * 4:]], 0)
+    return collective
+
+
+@pytest.mark.parametrize("name,field,value,match", [("scalecom", "step", 7, "step is 7, expected 0"),
+                                                    ("scalecom", "sender rank", 3, "sender rank is 3"),
+                                                    ("blocksign", "tensor id", 5, "tensor id is 5")])
+def test_two_stage_malformed_message_is_refused_in_graph_mode_with_rank_and_tensor(name, field, value, match):
+    engine = TwoStageEngine(TWO_STAGE[name](), [tf.TensorSpec([40, 100], tf.float32, "fc.weight")], 1, 0)
+    step = tf.function(lambda g: engine.exchange("fc.weight", g, None, _tampered(field, value), "x")[0])
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"rank 0 .*fc\.weight.*" + match):
+        step(tf.ones([40, 100]))

@@ -98,12 +98,15 @@ class ScaleCom(TwoStageMethod):
         grad = ops.cond(finite, lambda: grad, lambda: ops.zeros(n, ops.dtype(grad), like=grad))
         p, state = self.memory.accumulate(ops, state, grad)
         layout = self.index_layout(ctx.name, n, ctx.density)
-        if ctx.rank == self.root(ctx):
+
+        def leader_message() -> Tensor:
             indices = ops.cast(self.leader_indices(ops, p, layout.capacity, ctx), layout.parts[0][0])
             header = layout.header(ctx.rank, ctx.step, layout.capacity, 0)
-            message = wire.encode_parts(ops, layout, header, [indices])
-        else:
-            message = ops.zeros(layout.nbytes, "uint8", like=grad)
+            return wire.encode_parts(ops, layout, header, [indices])
+
+        # ops.cond: in a TensorFlow graph the step, hence the leader, is known only at run time.
+        message = ops.cond(ctx.rank == self.root(ctx), leader_message,
+                           lambda: ops.zeros(layout.nbytes, "uint8", like=grad))
         pending = Pending(ctx, n, ops.dtype(grad), {"p": p, "layout": layout})
         return message, state, pending
 

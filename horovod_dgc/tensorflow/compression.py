@@ -6,7 +6,8 @@ one gradient after another in the order of the tape's ``sources`` (``None`` grad
 skipped), always while tracing a ``tf.function``: an eagerly executed tape runs it through a
 ``tf.function`` of its own. A sparse compressor launches a named allgather of the message from
 ``compress`` and hands Horovod a one-element placeholder; ``decompress`` rebuilds the
-averaged gradient from the gathered messages.
+averaged gradient from the gathered messages. A two-stage compressor (ScaleCom,
+blocksign) runs its whole exchange in ``compress`` and hands the result to ``decompress``.
 
 **Which variable a gradient belongs to.** ``compress`` gets only the gradient, and inside a
 trace a gradient tensor carries nothing that names its variable (eagerly executed tapes hand
@@ -25,17 +26,21 @@ from __future__ import annotations
 
 import re
 import weakref
-from typing import Any, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Iterable, List, Optional, Tuple
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
 from horovod.tensorflow.compression import Compression as HorovodCompression
 from horovod.tensorflow.compression import Compressor
 
-from ..core import DGC, DGCConfig, GaussianK, GaussianKConfig, SparseMethod, TopK, TopKConfig
+from ..core import DGC, DGCConfig, GaussianK, GaussianKConfig, TopK, TopKConfig
+from ..core.blocksign import BlockSign, BlockSignConfig
 from ..core.controls import CompressorControls
+from ..core.exchange import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST
+from ..core.scalecom import ScaleCom, ScaleComConfig
 from ..core.wire import tensor_id
-from .engine import Engine, SparseOutcome
+from .engine import Engine
+from .twostage import TwoStageEngine
 
 ALLGATHER_PREFIX = "horovod_dgc."
 # Each rank all-reduces 1.0: Horovod's average is 1.0 only with op=hvd.Average.
@@ -76,16 +81,16 @@ def _outermost_graph(tensor: tf.Tensor) -> Optional[tf.Graph]:
 
 
 class _Pending:
-    """Context between compress and decompress: the gathered messages and the outcome."""
+    """Context between compress and decompress: how to finish the exchange."""
 
-    __slots__ = ("gathered", "outcome")
+    __slots__ = ("finish",)
 
-    def __init__(self, gathered: tf.Tensor, outcome: SparseOutcome):
-        self.gathered, self.outcome = gathered, outcome
+    def __init__(self, finish: Callable[[], tf.Tensor]):
+        self.finish = finish
 
 
-class SparseCompressor(CompressorControls, Compressor):
-    """A sparse method as a Horovod compressor; built by ``Compression.dgc()`` and friends.
+class MethodCompressor(CompressorControls, Compressor):
+    """A core method as a Horovod compressor: what every horovod_dgc compressor shares.
 
     Args:
         method: the core method (config included).
@@ -94,7 +99,9 @@ class SparseCompressor(CompressorControls, Compressor):
             memory and collectives, and give DGC the parameters for weight decay.
     """
 
-    def __init__(self, method: SparseMethod, variables: Optional[Iterable[Any]] = None):
+    engine_class = Engine
+
+    def __init__(self, method, variables: Optional[Iterable[Any]] = None):
         self.method = method
         self.config = method.config
         self._variables: List[Tuple[str, Any]] = []
@@ -118,6 +125,11 @@ class SparseCompressor(CompressorControls, Compressor):
         self._variables = list(zip(names, variables))
 
     @property
+    def bound(self) -> bool:
+        """Whether the variables are known."""
+        return bool(self._variables)
+
+    @property
     def engine(self) -> Engine:
         """Built at first use (``hvd.init()`` must have run), variables included."""
         if self._engine is None:
@@ -126,8 +138,31 @@ class SparseCompressor(CompressorControls, Compressor):
                                  f"the variables: Compression.{type(self.method).__name__.lower()}"
                                  f"(variables=model.trainable_variables, ...)")
             specs = [tf.TensorSpec(v.shape, v.dtype, name) for name, v in self._variables]
-            self._engine = Engine(self.method, specs, world_size=hvd.size(), rank=hvd.rank())
+            self._engine = self.engine_class(self.method, specs, world_size=hvd.size(),
+                                             rank=hvd.rank())
         return self._engine
+
+    def state_dict(self) -> dict:
+        """This rank's memories, step counters and epoch, for checkpoints (call it eagerly)."""
+        return self.engine.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` saved on this rank (call it eagerly)."""
+        self.engine.load_state_dict(state)
+
+    def check_optimizer(self, optimizer: Any) -> None:
+        """Raise ValueError if the Keras ``optimizer`` applying the result would apply the
+        momentum or weight decay the compressor already applies (DGC's). The Keras callback
+        :class:`~horovod_dgc.tensorflow.callbacks.CompressionWarmup` calls it at the start
+        of ``fit``; call it yourself in a custom loop."""
+        settings = optimizer.get_config()
+        for key in ("momentum", "weight_decay"):
+            mine, theirs = getattr(self.config, key, 0.0), settings.get(key) or 0.0
+            if mine and theirs:
+                raise ValueError(
+                    f"the optimizer {settings.get('name', type(optimizer).__name__)!r} has "
+                    f"{key}={theirs} but the compressor applies {key}={mine} itself: give the "
+                    f"optimizer {key}=0 (plain SGD applies DGC's result)")
 
     # -- Horovod's interface -----------------------------------------------------------------------
     def _lookup(self, tensor: tf.Tensor) -> Tuple[str, Any, int]:
@@ -155,15 +190,14 @@ class SparseCompressor(CompressorControls, Compressor):
         name, variable, occurrence = self._lookup(tensor)
         if not engine.compresses(tensor):
             return engine.dense(name, tensor, variable), None
-        outcome = engine.compress(name, tensor, variable)
         collective = collective_name(name, occurrence)
-        gathered = hvd.allgather(outcome.message, name=collective, ignore_name_scope=True)
+        step, finish = self.start_exchange(name, tensor, variable, collective)
         # Horovod's collectives are stateless ops to TensorFlow: Grappler would run the
         # all-reduce of a constant while optimizing the graph. The step counter is no constant.
-        value = tf.where(outcome.step >= 0, _PLACEHOLDER_VALUE, 0.0)
+        value = tf.where(step >= 0, _PLACEHOLDER_VALUE, 0.0)
         placeholder = tf.fill([1], value, name=f"{collective}.placeholder")
         engine.record_placeholder(placeholder.dtype.size)
-        return placeholder, _Pending(gathered, outcome)
+        return placeholder, _Pending(finish)
 
     @tf.autograph.experimental.do_not_convert
     def decompress(self, tensor: tf.Tensor, ctx: Optional[_Pending]) -> tf.Tensor:
@@ -174,7 +208,53 @@ class SparseCompressor(CompressorControls, Compressor):
             ops.check(tf.abs(tensor[0] - _PLACEHOLDER_VALUE) < 1e-3, ValueError(
                 "horovod_dgc compressors average the gradients: use op=hvd.Average"))
         with tf.control_dependencies(guards):
-            return self.engine.decompress(ctx.gathered, ctx.outcome)
+            return tf.identity(ctx.finish())
+
+    def start_exchange(self, name: str, tensor: tf.Tensor, variable: Any,
+                       collective: str) -> Tuple[tf.Tensor, Callable[[], tf.Tensor]]:
+        """Launch the exchange of a compressed tensor under the collective name ``collective``:
+        (its step counter, a function giving the averaged gradient)."""
+        raise NotImplementedError
+
+
+class SparseCompressor(MethodCompressor):
+    """A sparse method (DGC, Top-k, Gaussian-k): one allgather of (index, value) messages
+    per tensor; built by ``Compression.dgc()`` and friends."""
+
+    def start_exchange(self, name: str, tensor: tf.Tensor, variable: Any,
+                       collective: str) -> Tuple[tf.Tensor, Callable[[], tf.Tensor]]:
+        outcome = self.engine.compress(name, tensor, variable)
+        gathered = hvd.allgather(outcome.message, name=collective, ignore_name_scope=True)
+        return outcome.step, lambda: self.engine.decompress(gathered, outcome)
+
+
+class TwoStageCompressor(MethodCompressor):
+    """A two-stage method (ScaleCom, blocksign): the whole exchange runs in compress
+    (Horovod's collectives are asynchronous ops, so tensors never wait on each other);
+    built by ``Compression.scalecom()`` and ``Compression.blocksign()``."""
+
+    engine_class = TwoStageEngine
+
+    def start_exchange(self, name: str, tensor: tf.Tensor, variable: Any,
+                       collective: str) -> Tuple[tf.Tensor, Callable[[], tf.Tensor]]:
+        update, step = self.engine.exchange(name, tensor, variable, horovod_collective, collective)
+        return step, lambda: update
+
+
+def horovod_collective(kind: str, message: tf.Tensor, name: str, root: Any) -> tf.Tensor:
+    """Horovod's collective ``kind`` on ``message``. A broadcast whose root is known only at
+    run time (ScaleCom's leader) is an allgather to which only the root contributes."""
+    if kind == BROADCAST:
+        mine = tf.cond(tf.equal(tf.cast(root, tf.int64), hvd.rank()),
+                       lambda: message, lambda: message[:0])
+        return hvd.allgather(mine, name=name, ignore_name_scope=True)
+    if kind == ALLREDUCE:
+        return hvd.allreduce(message, op=hvd.Average, name=name, ignore_name_scope=True)
+    if kind == ALLTOALL:
+        return hvd.alltoall(message, name=name, ignore_name_scope=True)
+    if kind == ALLGATHER:
+        return hvd.allgather(message, name=name, ignore_name_scope=True)
+    raise ValueError(f"unknown collective {kind!r}")
 
 
 class Compression:
@@ -204,3 +284,15 @@ class Compression:
     def gaussiank(variables: Optional[Iterable[Any]] = None, **options) -> SparseCompressor:
         """Gaussian-k with error feedback; options: :class:`~horovod_dgc.core.GaussianKConfig`."""
         return SparseCompressor(GaussianK(GaussianKConfig(**options)), variables)
+
+    @staticmethod
+    def scalecom(variables: Optional[Iterable[Any]] = None, **options) -> TwoStageCompressor:
+        """ScaleCom's cyclic local top-k, values all-reduced; options:
+        :class:`~horovod_dgc.core.scalecom.ScaleComConfig`."""
+        return TwoStageCompressor(ScaleCom(ScaleComConfig(**options)), variables)
+
+    @staticmethod
+    def blocksign(variables: Optional[Iterable[Any]] = None, **options) -> TwoStageCompressor:
+        """Blockwise scaled 1-bit sign with worker and server error feedback; options:
+        :class:`~horovod_dgc.core.blocksign.BlockSignConfig`."""
+        return TwoStageCompressor(BlockSign(BlockSignConfig(**options)), variables)

@@ -16,10 +16,12 @@ TensorFlow op:
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
+import numpy as np
 import tensorflow as tf
 
 from ..core.sparse import SparseMethod, StepContext, decode_and_average
@@ -28,6 +30,7 @@ from ..core.wire import HEADER_FIELDS, HEADER_WORDS, MessageLayout
 from .ops import TFOps, checked_call, dtype_name
 
 State = Dict[str, tf.Variable]
+STATE_FORMAT = 1  # the layout of state_dict(), as PyTorch's engine writes it
 _STEP_BYTE = HEADER_FIELDS.index("step") * 4  # where the step word starts in a message
 _INT31 = 2 ** 31
 _TOTALS = {"bytes_sent": tf.int64, "dense_bytes": tf.int64, "elements_sent": tf.int64,
@@ -67,7 +70,7 @@ class Engine:
         self.world_size = world_size
         self.rank = rank
         self.epoch = 0.0
-        epochs = range(method.config.warmup_epochs + 1)
+        epochs = range(getattr(method.config, "warmup_epochs", 0) + 1)
         self.densities = tuple(sorted({method.config.density_at(e) for e in epochs}, reverse=True))
         with tf.init_scope():
             self._density_index = tf.Variable(self.densities.index(self.density), trainable=False,
@@ -130,6 +133,59 @@ class Engine:
     def record_placeholder(self, nbytes: int) -> None:
         """Count the bytes of the placeholder Horovod all-reduces beside a sparse message."""
         self._record(bytes_sent=nbytes)
+
+    # -- checkpointing --------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's part: memories (NumPy arrays), step counters and epoch, tagged with
+        the method, its config and the world they belong to (call it eagerly)."""
+        return {"format": STATE_FORMAT, "method": type(self.method).__name__,
+                "config": dataclasses.asdict(self.config), "world_size": self.world_size,
+                "rank": self.rank, "epoch": self.epoch,
+                "steps": {n: int(step.numpy()) for n, step in self._steps.items()},
+                "states": {n: {k: v.numpy().copy() for k, v in s.items()} for n, s in self._states.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore this rank's part saved by :meth:`state_dict` (call it eagerly); a state of
+        another method, config, world, rank, tensor set or shape is refused whole."""
+        self._check_loadable(state)
+        for name, tensors in state["states"].items():
+            for key, value in tensors.items():
+                self._states[name][key].assign(value)
+        for name, step in state["steps"].items():
+            self._steps[name].assign(step)
+        self.set_epoch(state["epoch"])
+        self._steps_at_reset = self._max_step()
+
+    def _check_loadable(self, state: dict) -> None:
+        missing = ({"format", "method", "config", "world_size", "rank", "epoch", "steps", "states"}
+                   - set(state)) if isinstance(state, dict) else {"everything"}
+        if missing:
+            raise ValueError(f"not a horovod_dgc compressor state (missing {sorted(missing)})")
+        mine = type(self.method).__name__
+        if state["format"] != STATE_FORMAT or state["method"] != mine:
+            raise ValueError(f"compressor state is from method {state['method']} (format "
+                             f"{state['format']}), this compressor runs {mine} (format {STATE_FORMAT})")
+        config = dataclasses.asdict(self.config)
+        if state["config"] != config:
+            changed = sorted(k for k in set(config) | set(state["config"])
+                             if state["config"].get(k) != config.get(k))
+            raise ValueError(f"compressor state of {mine} was saved with another config ({changed})")
+        if (state["world_size"], state["rank"]) != (self.world_size, self.rank):
+            raise ValueError(f"compressor state was saved by rank {state['rank']} of "
+                             f"{state['world_size']} workers; this is rank {self.rank} of "
+                             f"{self.world_size}")
+        if set(state["states"]) != set(self._states) or set(state["steps"]) != set(self._steps):
+            raise ValueError(f"compressor state holds tensors {sorted(state['states'])[:5]}..., "
+                             f"this compressor {sorted(self._states)[:5]}...: another model?")
+        for name, tensors in state["states"].items():
+            if set(tensors) != set(self._states[name]):
+                raise ValueError(f"compressor state of tensor {name!r} holds {sorted(tensors)}, "
+                                 f"expected {sorted(self._states[name])}")
+            for key, value in tensors.items():
+                want = tuple(self._states[name][key].shape)
+                if np.shape(value) != want:
+                    raise ValueError(f"compressor state of tensor {name!r} has shape "
+                                     f"{np.shape(value)} in {key!r}, expected {want}")
 
     # -- which path -------------------------------------------------------------------------
     def compresses(self, tensor: Any) -> bool:

@@ -1,0 +1,137 @@
+"""TensorFlow: bad settings of the two-stage methods fail at construction, an optimizer that
+would apply DGC's momentum twice is refused, and compressor state survives a save/load round
+trip while a state of another method, tensor set or shape is refused."""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from horovod_dgc.core import DGC, DGCConfig, TopK, TopKConfig
+from horovod_dgc.core.blocksign import BlockSign, BlockSignConfig
+from horovod_dgc.core.scalecom import ScaleCom, ScaleComConfig
+from horovod_dgc.tensorflow import Compression
+from horovod_dgc.tensorflow.callbacks import CompressionWarmup
+from horovod_dgc.tensorflow.engine import Engine
+from horovod_dgc.tensorflow.twostage import TwoStageEngine, emulated_single_worker
+
+
+@pytest.mark.parametrize("factory,options,field", [
+    (Compression.scalecom, dict(density=0.0), "density"),
+    (Compression.scalecom, dict(beta=0.0), "beta"),
+    (Compression.scalecom, dict(leader_selection="random"), "leader_selection"),
+    (Compression.scalecom, dict(chunks=0), "chunks"),
+    (Compression.blocksign, dict(block_size=0), "block_size"),
+    (Compression.blocksign, dict(momentum=1.0), "momentum"),
+    (Compression.blocksign, dict(nonfinite="ignore"), "nonfinite")])
+def test_bad_two_stage_settings_raise_value_error_at_construction(factory, options, field):
+    with pytest.raises(ValueError, match=field):
+        factory(**options)
+
+
+def test_unknown_two_stage_option_is_a_type_error():
+    with pytest.raises(TypeError):
+        Compression.blocksign(density=0.01)
+
+
+@pytest.mark.parametrize("optimizer,refused", [
+    (keras.optimizers.SGD(0.1, momentum=0.9), "momentum=0.9"),
+    (keras.optimizers.SGD(0.1, weight_decay=1e-4), None),
+    (keras.optimizers.SGD(0.1), None)])
+def test_optimizer_with_momentum_is_refused_with_dgc(optimizer, refused):
+    compression = Compression.dgc(momentum=0.9)
+    if refused:
+        with pytest.raises(ValueError, match=refused):
+            compression.check_optimizer(optimizer)
+    else:
+        compression.check_optimizer(optimizer)
+    Compression.topk().check_optimizer(optimizer)  # no momentum of its own: anything goes
+
+
+def test_dgc_weight_decay_with_optimizer_weight_decay_is_refused():
+    with pytest.raises(ValueError, match="weight_decay"):
+        Compression.dgc(weight_decay=1e-4).check_optimizer(keras.optimizers.SGD(0.1, weight_decay=1e-4))
+
+
+def test_warmup_callback_needs_a_horovod_dgc_compressor_and_checks_the_optimizer():
+    with pytest.raises(TypeError, match="horovod_dgc compressor"):
+        CompressionWarmup(Compression.fp16)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+    callback = CompressionWarmup(Compression.dgc(density=0.01, warmup_epochs=2))
+    callback.set_model(model)
+    with pytest.raises(ValueError, match="momentum"):
+        callback.on_train_begin()
+
+
+# -- state_dict / load_state_dict ------------------------------------------------------------
+SHAPES = {"fc/kernel": (64, 100), "fc/bias": (100,)}
+METHODS = {"dgc": lambda: DGC(DGCConfig(density=0.01, warmup_epochs=2)),
+           "topk": lambda: TopK(TopKConfig(density=0.01)),
+           "scalecom": lambda: ScaleCom(ScaleComConfig(density=0.01)),
+           "blocksign": lambda: BlockSign(BlockSignConfig(block_size=64, momentum=0.9))}
+
+
+def _engine(name: str, shapes=SHAPES):
+    method = METHODS[name]()
+    specs = [tf.TensorSpec(shape, tf.float32, tensor) for tensor, shape in shapes.items()]
+    engine_class = TwoStageEngine if name in ("scalecom", "blocksign") else Engine
+    return engine_class(method, specs, world_size=1, rank=0)
+
+
+def _stepper(engine):
+    """A tf.function running one step of every tensor; returns the updates."""
+    @tf.function
+    def step(grads):
+        updates = []
+        for tensor, grad in zip(SHAPES, grads):
+            if not engine.compresses(grad):
+                updates.append(engine.dense(tensor, grad, None))
+            elif isinstance(engine, TwoStageEngine):
+                updates.append(engine.exchange(tensor, grad, None, emulated_single_worker, tensor)[0])
+            else:
+                outcome = engine.compress(tensor, grad, None)
+                updates.append(engine.decompress(outcome.message, outcome))
+        return updates
+    return step
+
+
+def _grads(seed: int):
+    rs = np.random.RandomState(seed)
+    return [tf.constant(rs.standard_normal(shape).astype(np.float32)) for shape in SHAPES.values()]
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_state_round_trip_restores_identical_state_and_continues_identically(name):
+    saved = _engine(name)
+    step = _stepper(saved)
+    saved.set_epoch(1)
+    for t in range(3):
+        step(_grads(t))
+    state = saved.state_dict()
+    restored = _engine(name)
+    restored.load_state_dict(state)
+    again = restored.state_dict()
+    assert again["steps"] == state["steps"] and again["epoch"] == state["epoch"] == 1.0
+    assert any(np.any(v) for v in state["states"]["fc/kernel"].values()), "nothing was saved"
+    for tensor, tensors in state["states"].items():
+        for key, value in tensors.items():
+            np.testing.assert_array_equal(value, again["states"][tensor][key])
+    for a, b in zip(step(_grads(9)), _stepper(restored)(_grads(9))):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_state_of_another_method_config_tensor_set_or_shape_is_refused():
+    state = _engine("topk").state_dict()
+    with pytest.raises(ValueError, match="from method TopK"):
+        _engine("dgc").load_state_dict(state)
+    other_config = _engine("topk")
+    other_config.method = TopK(TopKConfig(density=0.02))
+    with pytest.raises(ValueError, match="another config.*density"):
+        other_config.load_state_dict(state)
+    with pytest.raises(ValueError, match="another model"):
+        _engine("topk", {"fc/kernel": (64, 100)}).load_state_dict(state)
+    with pytest.raises(ValueError, match="shape"):
+        _engine("topk", {"fc/kernel": (64, 101), "fc/bias": (100,)}).load_state_dict(
+            {**state, "states": {**state["states"], "fc/kernel": {"residual": np.zeros(64 * 100 - 1)}}})
+    with pytest.raises(ValueError, match="not a horovod_dgc compressor state"):
+        _engine("topk").load_state_dict({"states": {}})
