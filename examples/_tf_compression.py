@@ -1,33 +1,12 @@
-"""``--compression`` and the method's options for the TensorFlow examples."""
+"""The compressor the TensorFlow examples build from ``--compression`` and its options
+(flags in ``_flags.py``)."""
 from __future__ import annotations
 
 import argparse
 from typing import Any, Sequence
 
+from _flags import DENSE_METHODS, MOMENTUM_IN_COMPRESSOR, SPARSE_METHODS
 from horovod_dgc.tensorflow import Compression
-
-METHODS = ("none", "fp16", "dgc", "topk", "gaussiank", "scalecom", "blocksign")
-DENSE_METHODS = ("none", "fp16")
-SPARSE_METHODS = ("dgc", "topk", "gaussiank", "scalecom")
-# Methods that apply the momentum themselves (the optimizer then has none).
-MOMENTUM_IN_COMPRESSOR = ("dgc", "blocksign")
-
-
-def add_flags(p: argparse.ArgumentParser) -> None:
-    """The compression flags (those of examples/pytorch_imagenet_resnet50.py)."""
-    comp = p.add_argument_group("gradient compression")
-    comp.add_argument("--compression", choices=METHODS, default="dgc",
-                      help="none and fp16: Horovod's dense all-reduce; the others: horovod_dgc's")
-    comp.add_argument("--density", type=float, default=0.001,
-                      help="final fraction of each compressed tensor sent per step (sparse methods)")
-    comp.add_argument("--sparsity-warmup-epochs", type=int, default=4,
-                      help="epochs of warm-up sparsity (densities 25%%, 6.25%%, ... down to --density)")
-    comp.add_argument("--value-dtype", choices=("float32", "float16"), default="float32",
-                      help="wire dtype of the values sent (sparse methods)")
-    comp.add_argument("--min-numel", type=int, default=1024, help="tensors with fewer elements travel dense")
-    comp.add_argument("--beta", type=float, default=1.0, help="scalecom: low-pass filter of the memory")
-    comp.add_argument("--block-size", type=int, help="blocksign: elements per scaled sign block "
-                      "(default: one block per tensor)")
 
 
 def make(args: argparse.Namespace, variables: Sequence[Any]):

@@ -23,8 +23,9 @@ from typing import Dict, List, Sequence
 
 from tqdm import tqdm
 
+from _flags import METHODS
+
 EXAMPLE = Path(__file__).resolve().parent / "pytorch_mnist1d.py"
-METHODS = ("none", "fp16", "dgc", "topk", "gaussiank", "scalecom", "blocksign")
 DEFAULT_OUT = Path("results") / "convergence"
 
 

@@ -24,6 +24,7 @@ import horovod.tensorflow.keras as hvd  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import _tf_compression  # noqa: E402
+from _flags import add_compression_flags  # noqa: E402
 import _tf_data  # noqa: E402
 from horovod_dgc.tensorflow.callbacks import CompressionWarmup  # noqa: E402
 
@@ -42,7 +43,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.01, help="learning rate per worker (scaled by their number)")
     p.add_argument("--momentum", type=float, default=0.9,
                    help="SGD momentum (inside the compressor for dgc and blocksign)")
-    _tf_compression.add_flags(p)
+    add_compression_flags(p)
     return p.parse_args(argv)
 
 

@@ -25,14 +25,9 @@ from torch import nn
 from tqdm import tqdm
 
 from _data import NUM_CLASSES, Split, load_mnist1d
+from _flags import DENSE_METHODS, METHODS, MOMENTUM_IN_COMPRESSOR, SPARSE_METHODS
 from horovod_dgc.core.stats import CompressionStats
 from horovod_dgc.torch import Compression
-
-METHODS = ("none", "fp16", "dgc", "topk", "gaussiank", "scalecom", "blocksign")
-DENSE_METHODS = ("none", "fp16")
-# Methods that apply the momentum themselves (the wrapped SGD then has none).
-MOMENTUM_IN_COMPRESSOR = ("dgc", "blocksign")
-SPARSE_METHODS = ("dgc", "topk", "gaussiank", "scalecom")
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:

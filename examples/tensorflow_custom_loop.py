@@ -22,6 +22,7 @@ import tensorflow as tf
 from tqdm import tqdm
 
 import _tf_compression
+from _flags import add_compression_flags
 import _tf_data
 import horovod_dgc.tensorflow as hdgc
 
@@ -40,7 +41,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.01, help="learning rate per worker (scaled by their number)")
     p.add_argument("--momentum", type=float, default=0.9,
                    help="SGD momentum (inside the compressor for dgc and blocksign)")
-    _tf_compression.add_flags(p)
+    add_compression_flags(p)
     return p.parse_args(argv)
 
 

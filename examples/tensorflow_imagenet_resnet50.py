@@ -36,65 +36,21 @@ from tqdm import tqdm
 
 import _tf_compression
 import _tf_data
-from _tf_compression import MOMENTUM_IN_COMPRESSOR
+from _flags import MOMENTUM_IN_COMPRESSOR, imagenet_parser, parse_imagenet_args
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Every flag of the example, documented (those of the PyTorch example)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    data = p.add_argument_group("data")
-    data.add_argument("--train-dir", type=Path, help="ImageFolder directory to train on")
-    data.add_argument("--val-dir", type=Path, help="ImageFolder directory to validate on after "
-                      "every epoch (optional)")
-    data.add_argument("--synthetic", action="store_true", help="random images and labels instead of --train-dir")
-    data.add_argument("--synthetic-images", type=int, default=12800, help="images per epoch with --synthetic")
-    data.add_argument("--num-classes", type=int, default=1000,
-                      help="classes with --synthetic (an ImageFolder has its own)")
-    data.add_argument("--image-size", type=int, default=224, help="side of the input images, pixels")
-    data.add_argument("--loader-workers", type=int, default=2,
-                      help="images decoded in parallel per rank (tf.data map calls)")
-
-    train = p.add_argument_group("training")
-    train.add_argument("--epochs", type=int, default=90,
-                       help="epochs to train in all, counting those of the checkpoint resumed from")
-    train.add_argument("--batch-size", type=int, default=32, help="images per backward pass, per rank")
-    train.add_argument("--val-batch-size", type=int, default=32, help="images per forward pass in validation, per rank")
-    train.add_argument("--batches-per-allreduce", type=int, default=1,
-                       help="backward passes accumulated locally before each exchange")
-    train.add_argument("--steps-per-epoch", type=int, help="stop each epoch after this many exchanges "
-                       "(None: the whole shard)")
-    train.add_argument("--base-lr", type=float, default=0.0125,
-                       help="learning rate per worker and per --batch-size images; scaled by the number "
-                       "of workers and --batches-per-allreduce")
-    train.add_argument("--warmup-epochs", type=float, default=5, help="epochs of linear learning-rate warm-up from --base-lr")
-    train.add_argument("--lr-decay-epochs", type=str, default="30,60,80",
-                       help="epochs at which the learning rate drops tenfold (comma separated)")
-    train.add_argument("--momentum", type=float, default=0.9,
-                       help="SGD momentum (inside the compressor for dgc and blocksign)")
-    train.add_argument("--wd", type=float, default=5e-5, help="weight decay (inside the compressor for dgc)")
-    train.add_argument("--optimizer", choices=("horovod",), default="horovod",
-                       help="horovod: Horovod's all-reduce with compression= (the PyTorch example's "
-                       "fused optimizer has no TensorFlow counterpart)")
-    train.add_argument("--seed", type=int, default=42, help="seed of the initial weights and of the data order")
-    _tf_compression.add_flags(p)
-
-    ckpt = p.add_argument_group("checkpoints")
-    ckpt.add_argument("--checkpoint-dir", type=Path, default=Path("checkpoints"),
-                      help="where checkpoints are written every epoch and resumed from")
-    ckpt.add_argument("--keep-checkpoints", type=int, default=2,
-                      help="most recent epochs whose checkpoints are kept (0: keep all)")
-    p.add_argument("--json", type=Path, help="write this run's per-epoch metrics here (rank 0)")
-    return p
+    """Every flag of the example, documented (those of the PyTorch twin)."""
+    return imagenet_parser(__doc__.split("\n")[0],
+                           loader_workers_help="images decoded in parallel per rank (tf.data map "
+                           "calls)",
+                           optimizers=("horovod",),
+                           optimizer_help="horovod: Horovod's all-reduce with compression= (the "
+                           "PyTorch example's fused optimizer has no TensorFlow counterpart)")
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = build_parser()
-    args = p.parse_args(argv)
-    if not args.synthetic and args.train_dir is None:
-        p.error("give --train-dir DIR (an ImageFolder directory) or --synthetic")
-    args.lr_decay_epochs = [int(e) for e in args.lr_decay_epochs.split(",") if e]
-    return args
+    return parse_imagenet_args(build_parser(), argv)
 
 
 def learning_rate(args: argparse.Namespace, epoch: float) -> float:

@@ -1,0 +1,102 @@
+"""Method names and command-line flags the examples share, PyTorch and TensorFlow alike.
+
+Framework-free, so that the twins of an example (``pytorch_imagenet_resnet50.py`` and
+``tensorflow_imagenet_resnet50.py``) take the very same flags from one place.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+METHODS = ("none", "fp16", "dgc", "topk", "gaussiank", "scalecom", "blocksign")
+DENSE_METHODS = ("none", "fp16")
+SPARSE_METHODS = ("dgc", "topk", "gaussiank", "scalecom")
+# Methods that apply the momentum themselves (the wrapped optimizer then has none).
+MOMENTUM_IN_COMPRESSOR = ("dgc", "blocksign")
+
+
+def add_compression_flags(p: argparse.ArgumentParser) -> None:
+    """``--compression`` and the methods' options."""
+    comp = p.add_argument_group("gradient compression")
+    comp.add_argument("--compression", choices=METHODS, default="dgc",
+                      help="none and fp16: Horovod's dense all-reduce; dgc, topk, gaussiank, "
+                      "scalecom, blocksign: horovod_dgc's methods (README's table)")
+    comp.add_argument("--density", type=float, default=0.001,
+                      help="final fraction of each compressed tensor sent per step (dgc, topk, "
+                      "gaussiank, scalecom)")
+    comp.add_argument("--sparsity-warmup-epochs", type=int, default=4,
+                      help="epochs of DGC's warm-up sparsity (densities 25%%, 6.25%%, ... down "
+                      "to --density); sparse methods")
+    comp.add_argument("--value-dtype", choices=("float32", "float16"), default="float32",
+                      help="wire dtype of the values sent (sparse methods)")
+    comp.add_argument("--min-numel", type=int, default=1024,
+                      help="tensors with fewer elements travel dense")
+    comp.add_argument("--beta", type=float, default=1.0, help="scalecom: low-pass filter of the memory")
+    comp.add_argument("--block-size", type=int, help="blocksign: elements per scaled sign block "
+                      "(default: one block per tensor)")
+
+
+def imagenet_parser(description: str, *, loader_workers_help: str, optimizers: Sequence[str],
+                    optimizer_help: str) -> argparse.ArgumentParser:
+    """Every flag of the ImageNet examples, documented; the twins differ only in the data
+    loader's parallelism and in which distributed optimizers they offer."""
+    p = argparse.ArgumentParser(description=description,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    data = p.add_argument_group("data")
+    data.add_argument("--train-dir", type=Path, help="ImageFolder directory to train on")
+    data.add_argument("--val-dir", type=Path, help="ImageFolder directory to validate on "
+                      "after every epoch (optional)")
+    data.add_argument("--synthetic", action="store_true",
+                      help="random images and labels instead of --train-dir")
+    data.add_argument("--synthetic-images", type=int, default=12800,
+                      help="images per epoch with --synthetic")
+    data.add_argument("--num-classes", type=int, default=1000,
+                      help="classes with --synthetic (an ImageFolder has its own)")
+    data.add_argument("--image-size", type=int, default=224, help="side of the input images, pixels")
+    data.add_argument("--loader-workers", type=int, default=2, help=loader_workers_help)
+
+    train = p.add_argument_group("training")
+    train.add_argument("--epochs", type=int, default=90, help="epochs to train in all, "
+                       "counting those of the checkpoint resumed from")
+    train.add_argument("--batch-size", type=int, default=32, help="images per backward pass, per rank")
+    train.add_argument("--val-batch-size", type=int, default=32, help="images per forward pass "
+                       "in validation, per rank")
+    train.add_argument("--batches-per-allreduce", type=int, default=1,
+                       help="backward passes accumulated locally before each exchange")
+    train.add_argument("--steps-per-epoch", type=int,
+                       help="stop each epoch after this many exchanges (None: the whole shard)")
+    train.add_argument("--base-lr", type=float, default=0.0125,
+                       help="learning rate per worker and per --batch-size images; scaled by "
+                       "the number of workers and --batches-per-allreduce")
+    train.add_argument("--warmup-epochs", type=float, default=5,
+                       help="epochs of linear learning-rate warm-up from --base-lr")
+    train.add_argument("--lr-decay-epochs", type=str, default="30,60,80",
+                       help="epochs at which the learning rate drops tenfold (comma separated)")
+    train.add_argument("--momentum", type=float, default=0.9,
+                       help="SGD momentum (inside the compressor for dgc and blocksign)")
+    train.add_argument("--wd", type=float, default=5e-5,
+                       help="weight decay (inside the compressor for dgc)")
+    train.add_argument("--optimizer", choices=tuple(optimizers), default=optimizers[0],
+                       help=optimizer_help)
+    train.add_argument("--seed", type=int, default=42,
+                       help="seed of the model's initial weights and of the data order")
+    add_compression_flags(p)
+
+    ckpt = p.add_argument_group("checkpoints")
+    ckpt.add_argument("--checkpoint-dir", type=Path, default=Path("checkpoints"),
+                      help="where checkpoints are written every epoch and resumed from")
+    ckpt.add_argument("--keep-checkpoints", type=int, default=2,
+                      help="most recent epochs whose checkpoints are kept (0: keep all)")
+    p.add_argument("--json", type=Path, help="write this run's per-epoch metrics here (rank 0)")
+    return p
+
+
+def parse_imagenet_args(p: argparse.ArgumentParser,
+                        argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """Parse and check what both twins check; ``lr_decay_epochs`` becomes a list of ints."""
+    args = p.parse_args(argv)
+    if not args.synthetic and args.train_dir is None:
+        p.error("give --train-dir DIR (an ImageFolder directory) or --synthetic")
+    args.lr_decay_epochs = [int(e) for e in args.lr_decay_epochs.split(",") if e]
+    return args
