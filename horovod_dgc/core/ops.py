@@ -129,7 +129,9 @@ class TensorOps(ABC):
 
     @abstractmethod
     def block_abs_sum(self, x: Tensor, block: int) -> Tensor:
-        """Sum of ``|x|`` over consecutive blocks of ``block`` elements (last one may be short)."""
+        """Sum of ``|x|`` over consecutive blocks of ``block`` elements (last one may be short),
+        in ``x``'s dtype. Accumulate in float64: each framework sums in its own order, and a
+        float64 sum rounded once to float32 agrees across frameworks where float32 sums do not."""
 
     @abstractmethod
     def repeat_blocks(self, values: Tensor, block: int, n: int) -> Tensor:

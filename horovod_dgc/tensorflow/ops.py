@@ -264,10 +264,11 @@ class TFOps(TensorOps):
     def block_abs_sum(self, x: tf.Tensor, block: int) -> tf.Tensor:
         n = self.numel(x)
         whole = n // block
-        sums = tf.reduce_sum(tf.abs(tf.reshape(x[:whole * block], [whole, block])), 1)
-        if whole * block == n:
-            return sums
-        return tf.concat([sums, tf.reduce_sum(tf.abs(x[whole * block:]))[None]], 0)
+        magnitudes = tf.cast(tf.abs(x), tf.float64)
+        sums = tf.reduce_sum(tf.reshape(magnitudes[:whole * block], [whole, block]), 1)
+        if whole * block != n:
+            sums = tf.concat([sums, tf.reduce_sum(magnitudes[whole * block:])[None]], 0)
+        return tf.cast(sums, x.dtype)
 
     def repeat_blocks(self, values: tf.Tensor, block: int, n: int) -> tf.Tensor:
         return tf.repeat(values, block)[:n]

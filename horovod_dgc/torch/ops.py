@@ -119,10 +119,10 @@ class TorchOps(TensorOps):
 
     def block_abs_sum(self, x: torch.Tensor, block: int) -> torch.Tensor:
         whole = x.numel() // block
-        sums = x[:whole * block].view(-1, block).abs().sum(dim=1)
-        if whole * block == x.numel():
-            return sums
-        return torch.cat([sums, x[whole * block:].abs().sum().reshape(1)])
+        sums = x[:whole * block].view(-1, block).abs().sum(dim=1, dtype=torch.float64)
+        if whole * block != x.numel():
+            sums = torch.cat([sums, x[whole * block:].abs().sum(dtype=torch.float64).reshape(1)])
+        return sums.to(x.dtype)
 
     def repeat_blocks(self, values: torch.Tensor, block: int, n: int) -> torch.Tensor:
         if block >= n:
