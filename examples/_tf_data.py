@@ -3,6 +3,7 @@
 decoded by TensorFlow itself. Each rank reads its own shard."""
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Tuple
 
@@ -56,3 +57,25 @@ def image_folder(root: Path, image_size: int, batch_size: int, rank: int, size: 
 
     batches = data.map(load, num_parallel_calls=parallel_calls).batch(batch_size, drop_remainder=train)
     return batches.prefetch(AUTOTUNE), len(classes)
+
+
+def add_training_flags(p: argparse.ArgumentParser) -> None:
+    """The data and training flags of the small TensorFlow examples (custom loop, Keras fit)."""
+    p.add_argument("--data-dir", type=Path, help="ImageFolder directory (default: synthetic data)")
+    p.add_argument("--image-size", type=int, default=64, help="side of the input images, pixels")
+    p.add_argument("--num-classes", type=int, default=1000, help="classes of the synthetic data")
+    p.add_argument("--epochs", type=int, default=2, help="epochs to train")
+    p.add_argument("--steps-per-epoch", type=int, default=20, help="steps per epoch (synthetic data)")
+    p.add_argument("--batch-size", type=int, default=16, help="images per step, per rank")
+    p.add_argument("--lr", type=float, default=0.01,
+                   help="learning rate per worker (scaled by their number)")
+    p.add_argument("--momentum", type=float, default=0.9,
+                   help="SGD momentum (inside the compressor for dgc and blocksign)")
+
+
+def training_data(args: argparse.Namespace, rank: int, size: int) -> Tuple[tf.data.Dataset, int]:
+    """(this rank's training batches, number of classes) for the flags above."""
+    if args.data_dir:
+        return image_folder(args.data_dir, args.image_size, args.batch_size, rank, size, train=True)
+    return (synthetic(args.num_classes, args.image_size, args.batch_size,
+                      args.steps_per_epoch * args.batch_size, rank), args.num_classes)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 from typing import List, Optional
 
 import horovod.tensorflow as hvd
@@ -30,17 +29,9 @@ import horovod_dgc.tensorflow as hdgc
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--data-dir", type=Path, help="ImageFolder directory (default: synthetic data)")
-    p.add_argument("--image-size", type=int, default=64, help="side of the input images, pixels")
-    p.add_argument("--num-classes", type=int, default=1000, help="classes of the synthetic data")
+    _tf_data.add_training_flags(p)
     p.add_argument("--model", choices=("small", "resnet50"), default="small",
                    help="small: a 4-layer CNN; resnet50: keras.applications.ResNet50(weights=None)")
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--steps-per-epoch", type=int, default=20, help="steps per epoch (synthetic data)")
-    p.add_argument("--batch-size", type=int, default=16, help="images per step, per rank")
-    p.add_argument("--lr", type=float, default=0.01, help="learning rate per worker (scaled by their number)")
-    p.add_argument("--momentum", type=float, default=0.9,
-                   help="SGD momentum (inside the compressor for dgc and blocksign)")
     add_compression_flags(p)
     return p.parse_args(argv)
 
@@ -59,13 +50,7 @@ def build_model(name: str, image_size: int, num_classes: int) -> keras.Model:
 def main(args: argparse.Namespace) -> None:
     hvd.init()
     keras.utils.set_random_seed(0)
-    if args.data_dir:
-        data, num_classes = _tf_data.image_folder(args.data_dir, args.image_size, args.batch_size,
-                                                  hvd.rank(), hvd.size(), train=True)
-    else:
-        num_classes = args.num_classes
-        data = _tf_data.synthetic(num_classes, args.image_size, args.batch_size,
-                                  args.steps_per_epoch * args.batch_size, hvd.rank())
+    data, num_classes = _tf_data.training_data(args, hvd.rank(), hvd.size())
     model = build_model(args.model, args.image_size, num_classes)
     compression = _tf_compression.make(args, model.trainable_variables)
     optimizer = keras.optimizers.SGD(args.lr * hvd.size(), momentum=_tf_compression.optimizer_momentum(args))
