@@ -5,7 +5,7 @@ import torch
 from conftest import horovodrun
 from horovod_dgc.core.blocksign import shard_length
 from horovod_dgc.torch.checkpoint import redistribute
-from horovod_dgc.torch.engine import STATE_FORMAT
+from horovod_dgc.core.state import STATE_FORMAT
 
 METHODS = ("dgc", "topk", "gaussiank", "scalecom", "blocksign")
 

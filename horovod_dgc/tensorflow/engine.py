@@ -16,7 +16,6 @@ TensorFlow op:
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
@@ -25,12 +24,12 @@ import numpy as np
 import tensorflow as tf
 
 from ..core.sparse import SparseMethod, StepContext, decode_and_average
+from ..core.state import check_method, state_frame
 from ..core.stats import CompressionStats
 from ..core.wire import HEADER_FIELDS, HEADER_WORDS, MessageLayout
 from .ops import TFOps, checked_call, dtype_name
 
 State = Dict[str, tf.Variable]
-STATE_FORMAT = 1  # the layout of state_dict(), as PyTorch's engine writes it
 _STEP_BYTE = HEADER_FIELDS.index("step") * 4  # where the step word starts in a message
 _INT31 = 2 ** 31
 _TOTALS = {"bytes_sent": tf.int64, "dense_bytes": tf.int64, "elements_sent": tf.int64,
@@ -138,11 +137,10 @@ class Engine:
     def state_dict(self) -> dict:
         """This rank's part: memories (NumPy arrays), step counters and epoch, tagged with
         the method, its config and the world they belong to (call it eagerly)."""
-        return {"format": STATE_FORMAT, "method": type(self.method).__name__,
-                "config": dataclasses.asdict(self.config), "world_size": self.world_size,
-                "rank": self.rank, "epoch": self.epoch,
-                "steps": {n: int(step.numpy()) for n, step in self._steps.items()},
-                "states": {n: {k: v.numpy().copy() for k, v in s.items()} for n, s in self._states.items()}}
+        return state_frame(self.method, world_size=self.world_size, rank=self.rank, epoch=self.epoch,
+                           steps={n: int(step.numpy()) for n, step in self._steps.items()},
+                           states={n: {k: v.numpy().copy() for k, v in s.items()}
+                                   for n, s in self._states.items()})
 
     def load_state_dict(self, state: dict) -> None:
         """Restore this rank's part saved by :meth:`state_dict` (call it eagerly); a state of
@@ -157,19 +155,7 @@ class Engine:
         self._steps_at_reset = self._max_step()
 
     def _check_loadable(self, state: dict) -> None:
-        missing = ({"format", "method", "config", "world_size", "rank", "epoch", "steps", "states"}
-                   - set(state)) if isinstance(state, dict) else {"everything"}
-        if missing:
-            raise ValueError(f"not a horovod_dgc compressor state (missing {sorted(missing)})")
-        mine = type(self.method).__name__
-        if state["format"] != STATE_FORMAT or state["method"] != mine:
-            raise ValueError(f"compressor state is from method {state['method']} (format "
-                             f"{state['format']}), this compressor runs {mine} (format {STATE_FORMAT})")
-        config = dataclasses.asdict(self.config)
-        if state["config"] != config:
-            changed = sorted(k for k in set(config) | set(state["config"])
-                             if state["config"].get(k) != config.get(k))
-            raise ValueError(f"compressor state of {mine} was saved with another config ({changed})")
+        check_method(state, self.method)
         if (state["world_size"], state["rank"]) != (self.world_size, self.rank):
             raise ValueError(f"compressor state was saved by rank {state['rank']} of "
                              f"{state['world_size']} workers; this is rank {self.rank} of "

@@ -12,12 +12,13 @@ of the new world starts from the same memories.
 """
 from __future__ import annotations
 
-from typing import Dict, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 
 from ..core.blocksign import shard_length
-from .engine import SHARDED_KEYS, STATE_FORMAT, check_format
+from ..core.state import check_format
+from .engine import SHARDED_KEYS
 
 
 def redistribute(parts: Sequence[dict], world_size: int, rank: int) -> dict:
@@ -59,7 +60,7 @@ def pool(parts: Sequence[dict]) -> dict:
                               if key in SHARDED_KEYS else
                               mean([p["states"][name][key] for p in parts]))
                         for key in first}
-    return {**_header(parts[0]), "world_size": None, "rank": None, "states": states}
+    return with_states(parts[0], None, None, states)
 
 
 def shard(pooled: dict, world_size: int, rank: int) -> dict:
@@ -75,7 +76,7 @@ def shard(pooled: dict, world_size: int, rank: int) -> dict:
                 padded = torch.nn.functional.pad(value, (0, world_size * length - value.numel()))
                 value = padded[rank * length:(rank + 1) * length]
             states[name][key] = value.clone()
-    return {**_header(pooled), "world_size": world_size, "rank": rank, "states": states}
+    return with_states(pooled, world_size, rank, states)
 
 
 def mean(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -100,7 +101,9 @@ def _numel(name: str, tensors: Dict[str, torch.Tensor]) -> int:
     raise ValueError(f"compressor state of {name!r} holds only sharded keys {sorted(tensors)}")
 
 
-def _header(state: dict) -> dict:
-    return {"format": STATE_FORMAT, "method": state["method"], "config": state["config"],
-            "epoch": state["epoch"], "steps": dict(state["steps"])}
-
+def with_states(state: dict, world_size: Optional[int], rank: Optional[int],
+                states: Dict[str, Dict[str, torch.Tensor]]) -> dict:
+    """``state``'s frame (method, config, epoch, steps) around other memories, for the given
+    place in the world (None, None: pooled, of no world)."""
+    return {**state, "steps": dict(state["steps"]), "world_size": world_size, "rank": rank,
+            "states": states}

@@ -22,9 +22,9 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.elastic.state import StateHandler
 
-from .checkpoint import shard
+from .checkpoint import shard, with_states
 from .compression import MethodCompressor
-from .engine import SHARDED_KEYS, STATE_FORMAT
+from .engine import SHARDED_KEYS
 
 
 def pool_across_ranks(compressor: MethodCompressor) -> dict:
@@ -43,9 +43,7 @@ def pool_across_ranks(compressor: MethodCompressor) -> dict:
             else:
                 total = hvd.allreduce(value.double(), op=hvd.Sum, name=label)
                 states[name][key] = (total / hvd.size()).to(value.dtype)
-    return {"format": STATE_FORMAT, "method": state["method"], "config": state["config"],
-            "epoch": state["epoch"], "steps": state["steps"], "world_size": None, "rank": None,
-            "states": states}
+    return with_states(state, None, None, states)
 
 
 class CompressorStateHandler(StateHandler):

@@ -7,7 +7,6 @@ averaged dense gradient. ``compression.py`` (stock ``hvd.DistributedOptimizer``)
 """
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from dataclasses import dataclass
@@ -16,11 +15,11 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from ..core.sparse import SparseMethod, StepContext
+from ..core.state import check_method, state_frame
 from ..core.stats import CompressionStats, StatsRecorder
 from ..core.wire import MessageLayout
 from .ops import TorchOps, dtype_name
 
-STATE_FORMAT = 1
 # State keys sharded across the ranks rather than kept per worker: blocksign's server residual
 # (rank j holds shard j); every other key has one entry per element of the tensor.
 SHARDED_KEYS = ("server",)
@@ -179,11 +178,10 @@ class Engine:
         """This rank's part: memories, step counters and epoch, tagged with the method, its
         config and the world they belong to (checked by :meth:`load_state_dict`)."""
         with self._lock:
-            return {"format": STATE_FORMAT, "method": type(self.method).__name__,
-                    "config": dataclasses.asdict(self.config),
-                    "world_size": self.world_size, "rank": self.rank,
-                    "epoch": self.epoch, "steps": dict(self._steps),
-                    "states": {n: {k: v.clone() for k, v in s.items()} for n, s in self._states.items()}}
+            return state_frame(self.method, world_size=self.world_size, rank=self.rank,
+                               epoch=self.epoch, steps=self._steps,
+                               states={n: {k: v.clone() for k, v in s.items()}
+                                       for n, s in self._states.items()})
 
     def load_state_dict(self, state: dict, numels: Optional[Dict[str, int]] = None) -> None:
         """Restore this rank's part saved by :meth:`state_dict`.
@@ -210,29 +208,10 @@ class Engine:
             self.world_size, self.rank = world_size, rank
 
 
-def check_format(state: dict) -> None:
-    """Raise ValueError unless ``state`` looks like what :meth:`Engine.state_dict` returns."""
-    missing = {"format", "method", "config", "world_size", "rank", "epoch", "steps",
-               "states"} - set(state) if isinstance(state, dict) else {"everything"}
-    if missing:
-        raise ValueError(f"not a horovod_dgc compressor state (missing {sorted(missing)})")
-    if state["format"] != STATE_FORMAT:
-        raise ValueError(f"compressor state format {state['format']} is not {STATE_FORMAT}")
-
-
 def check_compatible(state: dict, method, numels: Optional[Dict[str, int]]) -> None:
     """Raise ValueError unless ``state`` is a compressor state of ``method`` (same class and
     config) whose tensors are among ``numels`` with the same number of elements."""
-    check_format(state)
-    mine = type(method).__name__
-    if state["method"] != mine:
-        raise ValueError(f"compressor state is from method {state['method']}, this compressor "
-                         f"runs {mine}")
-    config = dataclasses.asdict(method.config)
-    differing = {k: (state["config"].get(k), v) for k, v in config.items() if state["config"].get(k) != v}
-    if differing or set(state["config"]) != set(config):
-        listed = ", ".join(f"{k}: saved {old!r}, now {new!r}" for k, (old, new) in differing.items())
-        raise ValueError(f"compressor state of {mine} was saved with another config ({listed})")
+    check_method(state, method)
     if numels is None:
         return
     unknown = sorted(set(state["states"]) - set(numels))
