@@ -1,0 +1,148 @@
+"""``make cluster-bench``: the training-step benchmark on a network-namespace cluster.
+
+    python -m benchmarks.cluster.run [--hosts 4] [--links unshaped,1gbit,100mbit]
+        [--out results/cluster] [--quick] [--check] [BENCHMARK FLAGS ...]
+
+Builds ``--hosts`` namespaces (``netns.py``), then for each link shape
+launches ``benchmarks/cluster/step.py`` once on every host through ``python -m
+horovod_dgc.cluster`` (``job.py``); each launch runs every method in turn.
+Flags this script does not know (``--methods``, ``--model``, ``--steps``, ...) go to the
+benchmark unchanged: its ``--help`` lists them and their defaults. Writes ``results.jsonl``,
+``results.csv``, ``results.md`` (table and claims), ``step_time.png``, ``bytes_per_step.png``
+and ``logs/<link>/`` under ``--out``.
+
+``--quick``: 2 hosts, unshaped and 100 Mbit/s, dense and dgc, 1+3 steps. ``--check``: exit 1
+when a claim the run measured fails (at 100 Mbit/s dgc at least 3x faster than dense, or just
+faster with ``--quick``; dgc at 1 Gbit/s within 1.3x of dense unshaped; 100x fewer bytes).
+
+Needs root. Every namespace is removed on exit, Ctrl-C, SIGTERM and failure; the script
+checks that ``ip netns list`` is back to what it was.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+from .job import ROOT, ClusterJob
+from .netns import (ClusterError, NetnsCluster, netns_names, parse_link,
+                           require_root_and_tools, stop_on_sigterm)
+
+BENCH = ROOT / "benchmarks" / "cluster" / "step.py"
+QUICK_HOSTS = 2
+QUICK_LINKS = "unshaped,100mbit"
+QUICK_BENCH_FLAGS = ["--methods", "dense,dgc", "--warmup-steps", "1", "--steps", "3"]
+DEFAULT_TIMEOUT_S = 1500.0
+# Horovod's background loop negotiates every cycle even when idle: about 300 kB/s per worker
+# at its default 1 ms, measured here; 5 ms cuts that idle traffic about 4x.
+DEFAULT_CYCLE_TIME_MS = 5.0
+MIN_SPEEDUP_100MBIT = 3.0
+MIN_SPEEDUP_100MBIT_QUICK = 1.0
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """This script's flags; the rest, in ``args.bench_flags``, go to the benchmark."""
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0],
+        epilog="Other flags go to benchmarks/cluster/step.py (see its --help).")
+    p.add_argument("--hosts", type=int, default=4, help="namespaces, one worker each")
+    p.add_argument("--links", default="unshaped,1gbit,100mbit",
+                   help="comma-separated: unshaped, 100mbit, 1gbit, <R>mbit, <R>gbit, "
+                        "optionally +<D>ms of delay per direction (needs netem)")
+    p.add_argument("--out", type=Path, default=ROOT / "results" / "cluster")
+    p.add_argument("--prefix", default=f"hdgc{os.getpid()}",
+                   help="start of the namespace names (unique per run)")
+    p.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
+                   help="limit for each link's launch")
+    p.add_argument("--cycle-time-ms", type=float, default=DEFAULT_CYCLE_TIME_MS,
+                   help="HOROVOD_CYCLE_TIME of the workers (Horovod's default: 1 ms)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"{QUICK_HOSTS} hosts, links {QUICK_LINKS}, {' '.join(QUICK_BENCH_FLAGS)}")
+    p.add_argument("--check", action="store_true", help="exit 1 when a measured claim fails")
+    args, args.bench_flags = p.parse_known_args(argv)
+    for flag in ("--link", "--out", "--iface"):
+        if any(f == flag or f.startswith(flag + "=") for f in args.bench_flags):
+            p.error(f"{flag} is set by this script for each launch")
+    if not args.cycle_time_ms > 0:
+        p.error("--cycle-time-ms must be > 0")
+    if args.quick:
+        args.hosts, args.links = QUICK_HOSTS, QUICK_LINKS
+        args.bench_flags = QUICK_BENCH_FLAGS + args.bench_flags
+    try:
+        args.links = [parse_link(text.strip()) for text in args.links.split(",") if text.strip()]
+    except ValueError as error:
+        p.error(f"--links: {error}")
+    if len({link.name for link in args.links}) != len(args.links) or not args.links:
+        p.error("--links must name at least one link, each once")
+    return args
+
+
+def bench_command(args: argparse.Namespace, link_name: str, records: Path) -> List[str]:
+    return [sys.executable, str(BENCH), *args.bench_flags, "--link", link_name,
+            "--out", str(records)]
+
+
+def run_links(args: argparse.Namespace, records: Path) -> None:
+    with NetnsCluster(args.hosts, args.prefix) as cluster:
+        for link in args.links:
+            cluster.shape(link)
+            ClusterJob(cluster, bench_command(args, link.name, records),
+                       args.out / "logs" / link.name, args.timeout_s,
+                       env={"HOROVOD_CYCLE_TIME": f"{args.cycle_time_ms:g}"}).run()
+
+
+def header(args: argparse.Namespace, first: dict, wall_s: float, load: tuple) -> str:
+    return (f"# Cluster benchmark\n\n{args.hosts} hosts (network namespaces), one worker each; "
+            f"model {first['model']}, batch {first['batch_size']} of "
+            f"{first['image_size']}x{first['image_size']} per worker, {first['warmup_steps']}+"
+            f"{first['steps']} steps per method, HOROVOD_CYCLE_TIME={args.cycle_time_ms:g} ms. "
+            f"Wall time {wall_s:.0f} s on {os.cpu_count()} CPU cores; load average "
+            f"{load[0]:.2f} at the start.")
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    try:
+        require_root_and_tools()
+    except ClusterError as error:
+        print(f"cluster-bench: ERROR: {error}", file=sys.stderr)
+        return 1
+    stop_on_sigterm()
+    before = set(netns_names())
+    args.out.mkdir(parents=True, exist_ok=True)
+    records = args.out / "results.jsonl"
+    records.unlink(missing_ok=True)
+    load, started = os.getloadavg(), time.monotonic()
+    try:
+        run_links(args, records)
+    except ClusterError as error:
+        print(f"cluster-bench: ERROR: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("cluster-bench: interrupted; the namespaces were removed", file=sys.stderr)
+        return 130
+    finally:
+        left = sorted(set(netns_names()) - before)
+        if left:
+            print(f"cluster-bench: ERROR: namespaces left behind: {left}", file=sys.stderr)
+    from .report import load_records, write_report
+
+    rows = load_records(records)
+    minimum = MIN_SPEEDUP_100MBIT_QUICK if args.quick else MIN_SPEEDUP_100MBIT
+    report = write_report(rows, args.out, header(args, rows[0], time.monotonic() - started, load),
+                          minimum)
+    print("\n" + report["markdown"])
+    print(f"cluster-bench: wrote {args.out}/results.csv, results.md, "
+          f"{', '.join(p.name for p in report['plots'])}")
+    if left:
+        return 1
+    if args.check and any(c.passed is False for c in report["claims"]):
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

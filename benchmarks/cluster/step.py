@@ -1,0 +1,277 @@
+"""Training-step benchmark on a cluster: step time, images/s and bytes on the wire per method.
+
+Run on every host of a cluster, one worker per host (``python -m horovod_dgc.cluster worker --
+python benchmarks/cluster/step.py``; ``python -m benchmarks.cluster.run`` does it on network
+namespaces, ``benchmarks/docker/docker-compose.yml`` on containers)::
+
+    python benchmarks/cluster/step.py [--methods dense,dgc,...] [--model resnet50|tiny]
+        [--batch-size 32] [--image-size 32] [--warmup-steps 2] [--steps 5]
+        [--link NAME] [--out results.jsonl]
+
+Every method trains the same model (same initial weights on every rank, synthetic data of
+``--image-size`` pixels: small images keep the compute modest while the gradient keeps
+ResNet-50's 25,557,032 parameters) for ``--warmup-steps`` untimed steps, then
+``--steps`` timed ones. Methods, all from the same SGD (lr 0.01, momentum 0.9):
+
+* ``dense``, ``fp16``: the stock ``hvd.DistributedOptimizer`` with Horovod's own compression;
+* ``dgc``, ``topk``, ``gaussiank``, ``scalecom``, ``blocksign``: ``horovod_dgc.torch``'s own
+  ``DistributedOptimizer`` (fused buckets) with each method's default settings;
+* ``powersgd``: the outside reference, PyTorch DDP over Gloo with the PowerSGD communication
+  hook (``--powersgd-rank``, one gradient bucket), on a process group set up beside Horovod.
+
+Per method, rank 0 prints and (``--out``) appends one JSON line: the median over the timed
+steps of the slowest worker's step time, images/s of the whole cluster, and the bytes each
+worker sent per step, read from its interface's ``tx_bytes`` counter (the interface Gloo
+uses, ``HOROVOD_GLOO_IFACE``) before and after the timed steps.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import socket
+import sys
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, List, Optional, Tuple
+
+import horovod.torch as hvd
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import horovod_dgc.torch as hdgc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from _resnet import resnet50  # noqa: E402
+
+LR = 0.01
+MOMENTUM = 0.9
+SEED = 0
+RESNET_CLASSES = 1000
+TINY_CLASSES = 10
+POWERSGD_START_ITER = 2  # PowerSGD's smallest start with error feedback; earlier steps go dense
+TORCH_DIST_TIMEOUT_S = 120
+SPARSE_METHODS = ("dgc", "topk", "gaussiank", "scalecom", "blocksign")
+METHODS = ("dense", "fp16", *SPARSE_METHODS, "powersgd")
+
+Step = Callable[[], None]
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help=f"comma-separated, from {','.join(METHODS)}")
+    p.add_argument("--model", choices=("resnet50", "tiny"), default="resnet50",
+                   help="tiny: a 3-layer CNN for smoke tests")
+    p.add_argument("--batch-size", type=int, default=32, help="images per worker per step")
+    p.add_argument("--image-size", type=int, default=32, help="pixels per side")
+    p.add_argument("--warmup-steps", type=int, default=2, help="untimed steps per method")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per method")
+    p.add_argument("--powersgd-rank", type=int, default=4,
+                   help="PowerSGD's matrix_approximation_rank")
+    p.add_argument("--link", default="unknown", help="label of the network, for the records")
+    p.add_argument("--iface", default=os.environ.get("HOROVOD_GLOO_IFACE"),
+                   help="interface whose tx_bytes are read (default: HOROVOD_GLOO_IFACE)")
+    p.add_argument("--out", type=Path, help="rank 0 appends one JSON line per method here")
+    args = p.parse_args(argv)
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = sorted(set(args.methods) - set(METHODS))
+    if unknown or not args.methods:
+        p.error(f"--methods: unknown {unknown}; choose from {','.join(METHODS)}")
+    for name in ("batch_size", "image_size", "steps", "powersgd_rank"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup_steps < 0:
+        p.error("--warmup-steps must be >= 0")
+    if not args.iface:
+        p.error("--iface is not given and HOROVOD_GLOO_IFACE is not set")
+    return args
+
+
+@dataclass(frozen=True)
+class Record:
+    """One method's result on one link (what rank 0 writes); ``step_s``: the slowest
+    worker's time of each timed step."""
+
+    link: str
+    method: str
+    optimizer: str
+    setting: str
+    workers: int
+    model: str
+    params: int
+    batch_size: int
+    image_size: int
+    warmup_steps: int
+    steps: int
+    median_step_s: float
+    images_per_s: float
+    tx_bytes_per_step: float
+    tx_bytes_per_step_max: float
+    step_s: Tuple[float, ...]
+
+
+class TinyNet(nn.Module):
+    """Three small layers, two of them large enough (>= 1024 elements) to be compressed."""
+
+    def __init__(self, classes: int = TINY_CLASSES):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 32, 3, padding=1)
+        self.conv2 = nn.Conv2d(32, 64, 3, stride=2, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(4)
+        self.fc = nn.Linear(64 * 16, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.conv2(F.relu(self.conv1(x))))
+        return self.fc(torch.flatten(self.pool(x), 1))
+
+
+def build_model(name: str) -> Tuple[nn.Module, int]:
+    """The model, with the same initial weights on every rank, and its number of classes."""
+    torch.manual_seed(SEED)
+    if name == "resnet50":
+        return resnet50(num_classes=RESNET_CLASSES), RESNET_CLASSES
+    return TinyNet(), TINY_CLASSES
+
+
+def tx_bytes(iface: str) -> int:
+    """Bytes this host's ``iface`` has sent so far (the kernel's counter)."""
+    return int(Path(f"/sys/class/net/{iface}/statistics/tx_bytes").read_text())
+
+
+def interface_address(iface: str) -> str:
+    import psutil
+
+    for address in psutil.net_if_addrs().get(iface, []):
+        if address.family == socket.AF_INET:
+            return address.address
+    raise RuntimeError(f"rank {hvd.rank()}: interface {iface} has no IPv4 address")
+
+
+def init_torch_distributed(iface: str) -> None:
+    """A Gloo process group for DDP, its store on rank 0's address (shared through Horovod)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    endpoint = None
+    if hvd.rank() == 0:
+        address = interface_address(iface)
+        with socket.socket() as probe:
+            probe.bind((address, 0))
+            endpoint = (address, probe.getsockname()[1])
+    address, port = hvd.broadcast_object(endpoint, root_rank=0, name="cluster_step.store")
+    dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=hvd.rank(),
+                            world_size=hvd.size(),
+                            timeout=datetime.timedelta(seconds=TORCH_DIST_TIMEOUT_S))
+
+
+def sgd(model: nn.Module) -> torch.optim.SGD:
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+
+
+def build_method(method: str, model: nn.Module, args: argparse.Namespace
+                 ) -> Tuple[nn.Module, torch.optim.Optimizer, str, str]:
+    """(module to call, optimizer, optimizer label, setting label) for ``method``."""
+    if method in ("dense", "fp16"):
+        compression = hvd.Compression.none if method == "dense" else hvd.Compression.fp16
+        optimizer = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters(),
+                                             compression=compression)
+        return model, optimizer, "hvd.DistributedOptimizer", "float32" if method == "dense" else "float16"
+    if method in SPARSE_METHODS:
+        compression = getattr(hdgc.Compression, method)()
+        optimizer = hdgc.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters(),
+                                              compression=compression)
+        density = getattr(compression.config, "density", None)
+        setting = f"density {density:g}" if density is not None else "1-bit signs"
+        return model, optimizer, "horovod_dgc.torch.DistributedOptimizer", setting
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+    from torch.nn.parallel import DistributedDataParallel
+
+    init_torch_distributed(args.iface)
+    # One bucket: PowerSGD issues each bucket's later collectives from completion callbacks, so
+    # with several buckets Gloo ranks can issue them in different orders (a collective mismatch).
+    gradient_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2 ** 20
+    ddp = DistributedDataParallel(model, init_sync=False, forward_sync_buffers=False,
+                                  bucket_cap_mb=math.ceil(gradient_mb) + 1)
+    state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
+                                   start_powerSGD_iter=POWERSGD_START_ITER)
+    ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+    return ddp, sgd(ddp), "torch DDP (Gloo) + PowerSGD hook", f"rank {args.powersgd_rank}"
+
+
+def time_steps(step: Step, warmup_steps: int, steps: int, iface: str) -> Tuple[List[float], int]:
+    """Run the warm-up, then the timed steps: (seconds per step, bytes sent meanwhile)."""
+    for _ in range(warmup_steps):
+        step()
+    hvd.barrier()
+    sent_before = tx_bytes(iface)
+    seconds = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        seconds.append(time.perf_counter() - start)
+    return seconds, tx_bytes(iface) - sent_before
+
+
+def bench_method(method: str, args: argparse.Namespace) -> Record:
+    model, classes = build_model(args.model)
+    params = sum(p.numel() for p in model.parameters())
+    module, optimizer, optimizer_label, setting = build_method(method, model, args)
+    generator = torch.Generator().manual_seed(SEED + 1 + hvd.rank())
+    images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=generator)
+    labels = torch.randint(0, classes, (args.batch_size,), generator=generator)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        F.cross_entropy(module(images), labels).backward()
+        optimizer.step()
+
+    warmup = max(args.warmup_steps, POWERSGD_START_ITER) if method == "powersgd" else args.warmup_steps
+    seconds, sent = time_steps(step, warmup, args.steps, args.iface)
+    all_seconds = hvd.allgather_object(seconds, name=f"cluster_step.seconds.{method}")
+    all_sent = hvd.allgather_object(sent, name=f"cluster_step.sent.{method}")
+    slowest = [max(per_rank[i] for per_rank in all_seconds) for i in range(args.steps)]
+    median_s = statistics.median(slowest)
+    per_step = [s / args.steps for s in all_sent]
+    return Record(link=args.link, method=method, optimizer=optimizer_label, setting=setting,
+                  workers=hvd.size(), model=args.model, params=params,
+                  batch_size=args.batch_size, image_size=args.image_size, warmup_steps=warmup,
+                  steps=args.steps,
+                  median_step_s=median_s, images_per_s=hvd.size() * args.batch_size / median_s,
+                  tx_bytes_per_step=statistics.mean(per_step), tx_bytes_per_step_max=max(per_step),
+                  step_s=tuple(slowest))
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    hvd.init()
+    if hvd.rank() == 0:
+        print(f"cluster step: {hvd.size()} workers, link {args.link}, model {args.model}, "
+              f"batch {args.batch_size} of {args.image_size}x{args.image_size} images per worker, "
+              f"{args.warmup_steps}+{args.steps} steps per method", flush=True)
+    for method in args.methods:
+        record = bench_method(method, args)
+        gc.collect()
+        if hvd.rank() == 0:
+            print(f"{record.link:>10} {method:>10}: {record.median_step_s:8.3f} s/step, "
+                  f"{record.images_per_s:8.1f} images/s, "
+                  f"{record.tx_bytes_per_step / 1e6:9.3f} MB sent per worker per step",
+                  flush=True)
+            if args.out is not None:
+                with open(args.out, "a") as out:
+                    out.write(json.dumps(asdict(record)) + "\n")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()

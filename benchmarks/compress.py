@@ -1,0 +1,336 @@
+"""Time the selection and the full compress step of each method on one gradient.
+
+One float32 gradient of ResNet-50's size (``torch.randn``, fixed seed) is timed through:
+
+* reference passes: one plain read (``x.sum()``, the unit every row is compared with) and
+  ``x.abs()`` (a pass that allocates its result);
+* selections: exact ``torch.topk(|x|, k)``, DGC's sampled threshold (``select_sampled`` with
+  ``DGCConfig()``'s defaults and a sampling offset that changes every repetition), Gaussian-k;
+* full compress steps through the core (memory update, selection, message encoding), each
+  from a zeroed memory, so that every method selects from the same gradient as above.
+
+Each row reports the median and minimum over the timed rounds (a round runs every row once),
+its cost in read passes and its speed-up over ``torch.topk``. Then DGC's selection is checked
+(exactly k indices, the exact top-k set) and compared with its two targets. Every method of
+the table (``horovod_dgc.core.methods``) gets a compress row; a selection is one line in
+``SELECTIONS``.
+
+    .venv/bin/python -m benchmarks.compress [--numel N] [--density D] [--repeat R]
+                                                [--threads T] [--json PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from horovod_dgc.core import CompressCall, DGCConfig, Method
+from horovod_dgc.core.methods import METHODS
+from horovod_dgc.core.selection import select_gaussian, select_sampled, top_count
+from horovod_dgc.torch.ops import TorchOps
+
+RESNET50_NUMEL = 25_557_032
+DEFAULT_DENSITY = 0.001  # DGC paper's density, at which the targets below are set
+DEFAULT_REPEAT = 11
+WARMUP = 2
+SEED = 0
+
+MAX_READ_PASSES = 5.0
+MIN_TOPK_SPEEDUP = 10.0
+
+READ_PASS = "read pass x.sum()"
+EXACT_TOPK = "exact torch.topk(|x|, k)"
+DGC_SELECTION = "DGC select_sampled"
+
+DGC_DEFAULTS = DGCConfig()
+
+Selector = Callable[[TorchOps, torch.Tensor, int, int], torch.Tensor]
+
+
+def exact_topk(ops: TorchOps, x: torch.Tensor, k: int, rep: int) -> torch.Tensor:
+    """The baseline: a full exact top-k of ``|x|``."""
+    return torch.topk(x.abs(), k).indices
+
+
+def dgc_selection(ops: TorchOps, x: torch.Tensor, k: int, rep: int) -> torch.Tensor:
+    """DGC's selection with its default settings; ``rep`` is the sampling offset."""
+    cfg = DGC_DEFAULTS
+    return select_sampled(ops, x, k, cfg.sample_ratio, rep, cfg.max_retries, cfg.retry_factor)
+
+
+def gaussian_selection(ops: TorchOps, x: torch.Tensor, k: int, rep: int) -> torch.Tensor:
+    """Gaussian-k's selection."""
+    return select_gaussian(ops, x, k)
+
+
+SELECTIONS: List[Tuple[str, Selector]] = [
+    (EXACT_TOPK, exact_topk),
+    (DGC_SELECTION, dgc_selection),
+    ("Gaussian-k select_gaussian", gaussian_selection),
+]
+
+# Each method keeps its default config: the density comes from the CompressCall. A
+# two-stage method's row is its stage 1 on rank 0, the leader of step 0 for ScaleCom.
+COMPRESSORS: List[Tuple[str, Callable[[], Method]]] = [
+    (f"{spec.name} {'compress' if spec.family == 'sparse' else 'stage 1'}", spec.build)
+    for spec in METHODS]
+
+
+@dataclass
+class Case:
+    """One row: ``run(rep)`` does the timed work, after the untimed ``before()``;
+    ``selected`` reads the number of entries chosen from ``run``'s result."""
+
+    section: str
+    name: str
+    run: Callable[[int], Any]
+    selected: Callable[[Any], Optional[int]] = lambda result: None
+    before: Callable[[], None] = lambda: None
+
+
+@dataclass
+class Row:
+    """Timings of one case, in milliseconds."""
+
+    section: str
+    name: str
+    times_ms: List[float]
+    selected: Optional[int]
+    median_ms: float = field(init=False)
+    min_ms: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.median_ms = statistics.median(self.times_ms)
+        self.min_ms = min(self.times_ms)
+
+
+class CompressStep:
+    """One compress step of a tensor (``step`` = the repetition) from a zeroed memory.
+
+    Carrying the memory over would feed the same gradient again and again: the residual
+    becomes a multiple of it with its top entries cut out, a distribution real training
+    never sees (Gaussian-k then sends a small fraction of k).
+    """
+
+    def __init__(self, ops: TorchOps, method: Method, grad: torch.Tensor, density: float):
+        self.ops, self.method, self.grad, self.density = ops, method, grad, density
+        self.state = method.init_state(ops, grad, compressed=True, world_size=1)
+
+    def reset(self) -> None:
+        for tensor in self.state.values():
+            tensor.zero_()
+
+    def __call__(self, rep: int) -> Any:
+        call = CompressCall(name="resnet50.flat_grad", rank=0, world_size=1, step=rep,
+                            density=self.density)
+        if self.method.family == "two-stage":
+            message, self.state, _ = self.method.first(self.ops, self.state, self.grad, call)
+            return message
+        compressed = self.method.compress(self.ops, self.state, self.grad, call)
+        self.state = compressed.state
+        return compressed
+
+
+def reference_cases(x: torch.Tensor) -> List[Case]:
+    return [Case("reference passes", READ_PASS, lambda rep: x.sum()),
+            Case("reference passes", "x.abs() (allocating)", lambda rep: x.abs())]
+
+
+def selection_cases(ops: TorchOps, x: torch.Tensor, k: int) -> List[Case]:
+    return [Case("selection", name, lambda rep, select=select: select(ops, x, k, rep), len)
+            for name, select in SELECTIONS]
+
+
+def compress_case(ops: TorchOps, name: str, method: Method, x: torch.Tensor,
+                  density: float) -> Case:
+    step = CompressStep(ops, method, x, density)
+    return Case("full compress (memory + selection + encoding)", name, step,
+                lambda out: int(out.count) if hasattr(out, "count") else None, step.reset)
+
+
+def compress_cases(ops: TorchOps, x: torch.Tensor, density: float) -> List[Case]:
+    return [compress_case(ops, name, make(), x, density) for name, make in COMPRESSORS]
+
+
+def time_call(case: Case, rep: int) -> Tuple[float, Optional[int]]:
+    """Milliseconds taken by ``case.run(rep)``, and the entry count of its result (which is
+    freed on return, before the next call)."""
+    case.before()
+    start = time.perf_counter()
+    result = case.run(rep)
+    elapsed = (time.perf_counter() - start) * 1e3
+    return elapsed, case.selected(result)
+
+
+def measure(cases: Sequence[Case], repeat: int) -> List[Row]:
+    """Time ``WARMUP + repeat`` rounds (round ``rep`` calls ``run(rep)``), keeping the last
+    ``repeat``. Each round runs every case once, so that a burst of load from other processes
+    lands on all rows alike instead of on one."""
+    times: List[List[float]] = [[] for _ in cases]
+    selected: List[Optional[int]] = [None] * len(cases)
+    for rep in range(WARMUP + repeat):
+        for i, case in enumerate(cases):
+            elapsed, selected[i] = time_call(case, rep)
+            if rep >= WARMUP:
+                times[i].append(elapsed)
+    return [Row(case.section, case.name, case_times, count)
+            for case, case_times, count in zip(cases, times, selected)]
+
+
+def find_row(rows: Sequence[Row], name: str) -> Row:
+    return next(row for row in rows if row.name == name)
+
+
+def summarize(rows: Sequence[Row]) -> List[Dict[str, Any]]:
+    """Each row as a dict, with its cost in read passes and its speed-up over torch.topk."""
+    read, topk = find_row(rows, READ_PASS), find_row(rows, EXACT_TOPK)
+    return [dict(vars(row), read_passes=row.median_ms / read.median_ms,
+                 topk_speedup=topk.median_ms / row.median_ms) for row in rows]
+
+
+def print_table(summary: Sequence[Dict[str, Any]]) -> None:
+    header = (f"{'':<34} {'median ms':>10} {'min ms':>9} {'x read':>8} {'vs topk':>8} "
+              f"{'selected':>9}")
+    print(header)
+    section = None
+    for row in summary:
+        if row["section"] != section:
+            section = row["section"]
+            print(f"-- {section} " + "-" * max(0, len(header) - len(section) - 4))
+        selected = "" if row["selected"] is None else str(row["selected"])
+        print(f"  {row['name']:<32} {row['median_ms']:>10.2f} {row['min_ms']:>9.2f} "
+              f"{row['read_passes']:>7.1f}x {row['topk_speedup']:>7.1f}x {selected:>9}")
+
+
+def check_dgc_selection(ops: TorchOps, x: torch.Tensor, k: int, offsets: range) -> Dict[str, Any]:
+    """Compare DGC's selection at each offset with the exact top-k set.
+
+    A mismatch made only of entries whose magnitude equals the k-th largest is a tie, which
+    any exact top-k may break either way; it is counted apart from real errors.
+    """
+    magnitudes = x.abs()
+    exact = torch.topk(magnitudes, k).indices
+    kth = magnitudes[exact].min()
+    result = {"offsets": len(offsets), "exactly_k": 0, "unique": 0, "equal_set": 0,
+              "equal_up_to_ties": 0}
+    for offset in offsets:
+        chosen = dgc_selection(ops, x, k, offset)
+        result["exactly_k"] += chosen.numel() == k
+        result["unique"] += torch.unique(chosen).numel() == chosen.numel()
+        extra = chosen[~torch.isin(chosen, exact)]
+        missing = exact[~torch.isin(exact, chosen)]
+        if chosen.numel() == k and extra.numel() == 0:
+            result["equal_set"] += 1
+        elif chosen.numel() == k and bool((magnitudes[torch.cat([extra, missing])] == kth).all()):
+            result["equal_up_to_ties"] += 1
+    return result
+
+
+def print_dgc_check(check: Dict[str, Any], k: int) -> bool:
+    n, ties = check["offsets"], check["equal_up_to_ties"]
+    equal = check["equal_set"] + ties
+    correct = check["exactly_k"] == check["unique"] == equal == n
+    tie_note = f" ({ties} of them only up to ties)" if ties else ""
+    print(f"DGC selection check over {n} sampling offsets: exactly k={k} indices in "
+          f"{check['exactly_k']}/{n}, no duplicates in {check['unique']}/{n}, equal to the "
+          f"torch.topk set in {equal}/{n}{tie_note}: {'OK' if correct else 'FAILED'}")
+    return correct
+
+
+def verdicts(rows: Sequence[Row]) -> List[Dict[str, Any]]:
+    """Each target, judged on medians; minima are shown too, since on a shared machine they
+    are the closest to the cost without interference."""
+    read, topk, dgc = (find_row(rows, name) for name in (READ_PASS, EXACT_TOPK, DGC_SELECTION))
+    passes, speedup = dgc.median_ms / read.median_ms, topk.median_ms / dgc.median_ms
+    return [
+        {"target": f"DGC selection <= {MAX_READ_PASSES:g}x one read pass",
+         "met": passes <= MAX_READ_PASSES,
+         "detail": f"median {dgc.median_ms:.2f} ms = {passes:.2f}x the read pass "
+                   f"({read.median_ms:.2f} ms); minima {dgc.min_ms:.2f} ms = "
+                   f"{dgc.min_ms / read.min_ms:.2f}x ({read.min_ms:.2f} ms)"},
+        {"target": f"DGC selection >= {MIN_TOPK_SPEEDUP:g}x faster than torch.topk",
+         "met": speedup >= MIN_TOPK_SPEEDUP,
+         "detail": f"medians {speedup:.1f}x ({topk.median_ms:.2f} ms vs {dgc.median_ms:.2f} ms); "
+                   f"minima {topk.min_ms / dgc.min_ms:.1f}x ({topk.min_ms:.2f} ms vs "
+                   f"{dgc.min_ms:.2f} ms)"},
+    ]
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--numel", type=int, default=RESNET50_NUMEL,
+                        help=f"gradient elements (default: ResNet-50's {RESNET50_NUMEL})")
+    parser.add_argument("--density", type=float, default=DEFAULT_DENSITY,
+                        help=f"fraction of entries selected (default: {DEFAULT_DENSITY})")
+    parser.add_argument("--repeat", type=int, default=DEFAULT_REPEAT,
+                        help=f"timed rounds over all rows, after {WARMUP} warm-up rounds "
+                             f"(default: {DEFAULT_REPEAT})")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads (default: torch's own choice)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results to PATH as JSON")
+    return parser.parse_args()
+
+
+def print_header(numel: int, density: float, k: int, repeat: int) -> None:
+    cfg = DGC_DEFAULTS
+    print(f"gradient: {numel} float32 (randn, seed {SEED}), density {density:g} -> k={k}; "
+          f"torch {torch.__version__}, threads: {torch.get_num_threads()}; "
+          f"{WARMUP} warm-up + {repeat} timed rounds over all rows")
+    print(f"DGC defaults: sample_ratio={cfg.sample_ratio}, max_retries={cfg.max_retries}, "
+          f"retry_factor={cfg.retry_factor}\n")
+
+
+def write_json(path: str, args: argparse.Namespace, k: int, load: Tuple[float, float],
+               summary: List[Dict[str, Any]], check: Dict[str, Any],
+               targets: List[Dict[str, Any]]) -> None:
+    cfg = DGC_DEFAULTS
+    report = {"numel": args.numel, "density": args.density, "k": k, "seed": SEED,
+              "repeat": args.repeat, "warmup": WARMUP, "threads": torch.get_num_threads(),
+              "torch": torch.__version__, "load_average": list(load),
+              "dgc_defaults": {"sample_ratio": cfg.sample_ratio, "max_retries": cfg.max_retries,
+                               "retry_factor": cfg.retry_factor},
+              "rows": summary, "dgc_check": check, "targets": targets}
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    ops = TorchOps()
+    x = torch.randn(args.numel, generator=torch.Generator().manual_seed(SEED))
+    k = top_count(args.density, args.numel)
+    print_header(args.numel, args.density, k, args.repeat)
+
+    cases = reference_cases(x) + selection_cases(ops, x, k) + compress_cases(ops, x, args.density)
+    load_before = os.getloadavg()[0]
+    rows = measure(cases, args.repeat)
+    load = (load_before, os.getloadavg()[0])
+    del cases  # the compress memories hold several gradient-sized tensors
+    summary = summarize(rows)
+    print_table(summary)
+    # Other processes on these cores stall every parallel region: rows are comparable only
+    # with runs on an equally loaded machine.
+    print(f"1-minute load average: {load[0]:.1f} before, {load[1]:.1f} after "
+          f"({os.cpu_count()} CPUs)\n")
+
+    check = check_dgc_selection(ops, x, k, range(WARMUP + args.repeat))
+    check["correct"] = print_dgc_check(check, k)
+    targets = verdicts(rows)
+    for target in targets:
+        print(f"{target['target']}: {'met' if target['met'] else 'NOT met'} ({target['detail']})")
+    if args.json:
+        write_json(args.json, args, k, load, summary, check, targets)
+    if not check["correct"]:
+        raise SystemExit("DGC's selection is not the exact top-k")
+
+
+if __name__ == "__main__":
+    main()
