@@ -34,17 +34,17 @@ imagenet-demo: setup
 
 ## Time the selection of one ResNet-50-sized gradient with each method.
 bench-compress: setup
-	$(PYTHON) examples/bench_compress.py
+	$(PYTHON) -m benchmarks.compress
 
 ## Dense vs every method, 4 workers, MNIST-1D: curves (PNG) and final accuracies (Markdown).
 bench-convergence: setup
-	$(PYTHON) examples/bench_convergence.py --np 4
+	$(PYTHON) -m benchmarks.convergence --np 4
 
 ## Training-step benchmark of every method on a 4-host network-namespace cluster at three link
 ## rates (needs root): results/cluster/ (CSV, Markdown, PNG). QUICK=1: 2 hosts, unshaped and
 ## 100 Mbit/s, dense and dgc, a few steps (under 5 minutes).
 cluster-bench: setup
-	$(PYTHON) scripts/cluster_bench.py --check $(if $(QUICK),--quick)
+	$(PYTHON) -m benchmarks.cluster.run --check $(if $(QUICK),--quick)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -9,22 +9,27 @@ import argparse
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-METHODS = ("none", "fp16", "dgc", "topk", "gaussiank", "scalecom", "blocksign")
-DENSE_METHODS = ("none", "fp16")
-SPARSE_METHODS = ("dgc", "topk", "gaussiank", "scalecom")
+from horovod_dgc.core.methods import METHODS as TABLE
+
+# Horovod's own uncompressed exchanges, by the names the examples and benchmarks give them,
+# and the name of each in Horovod's ``Compression`` namespace.
+BASELINES = {"dense": "none", "fp16": "fp16"}
+METHODS = (*BASELINES, *(spec.name for spec in TABLE))
+SPARSE_METHODS = tuple(spec.name for spec in TABLE if spec.takes_density)
 # Methods that apply the momentum themselves (the wrapped optimizer then has none).
-MOMENTUM_IN_COMPRESSOR = ("dgc", "blocksign")
+MOMENTUM_IN_COMPRESSOR = tuple(spec.name for spec in TABLE if spec.momentum_in_compressor)
 
 
 def add_compression_flags(p: argparse.ArgumentParser) -> None:
     """``--compression`` and the methods' options."""
     comp = p.add_argument_group("gradient compression")
     comp.add_argument("--compression", choices=METHODS, default="dgc",
-                      help="none and fp16: Horovod's dense all-reduce; dgc, topk, gaussiank, "
-                      "scalecom, blocksign: horovod_dgc's methods (README's table)")
+                      help="dense and fp16: Horovod's own all-reduce (Compression.none and .fp16); "
+                      f"{', '.join(spec.name for spec in TABLE)}: horovod_dgc's methods "
+                      "(README's table)")
     comp.add_argument("--density", type=float, default=0.001,
-                      help="final fraction of each compressed tensor sent per step (dgc, topk, "
-                      "gaussiank, scalecom)")
+                      help=f"final fraction of each compressed tensor sent per step "
+                      f"({', '.join(SPARSE_METHODS)})")
     comp.add_argument("--sparsity-warmup-epochs", type=int, default=4,
                       help="epochs of DGC's warm-up sparsity (densities 25%%, 6.25%%, ... down "
                       "to --density); sparse methods")

@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 from typing import Any, Sequence
 
-from _flags import DENSE_METHODS, MOMENTUM_IN_COMPRESSOR, SPARSE_METHODS
+from _flags import BASELINES, MOMENTUM_IN_COMPRESSOR, SPARSE_METHODS
 from horovod_dgc.tensorflow import Compression
 
 
 def make(args: argparse.Namespace, variables: Sequence[Any]):
     """Horovod's compressor for ``args.compression``, keyed by ``variables``."""
-    if args.compression in DENSE_METHODS:
-        return getattr(Compression, args.compression)
+    if args.compression in BASELINES:
+        return getattr(Compression, BASELINES[args.compression])
     options: dict = dict(min_numel=args.min_numel)
     if args.compression in SPARSE_METHODS:
         options.update(density=args.density, warmup_epochs=args.sparsity_warmup_epochs,

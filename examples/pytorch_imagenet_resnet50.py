@@ -35,7 +35,7 @@ from torch import nn
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _flags import (DENSE_METHODS, MOMENTUM_IN_COMPRESSOR, SPARSE_METHODS,  # noqa: E402
+from _flags import (BASELINES, MOMENTUM_IN_COMPRESSOR, SPARSE_METHODS,  # noqa: E402
                     imagenet_parser, parse_imagenet_args)
 from _imagefolder import ImageFolder, SyntheticImages  # noqa: E402
 from _resnet import resnet50  # noqa: E402
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = build_parser()
     args = parse_imagenet_args(p, argv)
-    if args.optimizer == "fused" and args.compression in DENSE_METHODS:
+    if args.optimizer == "fused" and args.compression in BASELINES:
         p.error("--optimizer fused needs a compressing method, not --compression "
                 f"{args.compression}")
     return args
@@ -66,9 +66,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 # -- model, compressor and optimizer ----------------------------------------------------------------
 def make_compression(args: argparse.Namespace, model: nn.Module):
     """The compressor for ``--compression`` (sparse ones keyed by parameter name)."""
+    if args.compression in BASELINES:
+        return getattr(hdgc.Compression, BASELINES[args.compression])
     factory = getattr(hdgc.Compression, args.compression)
-    if args.compression in DENSE_METHODS:
-        return factory
     options = dict(min_numel=args.min_numel)
     if args.compression in SPARSE_METHODS:
         options.update(density=args.density, warmup_epochs=args.sparsity_warmup_epochs,
@@ -279,7 +279,7 @@ def validate(model: nn.Module, loader) -> tuple:
 
 
 def describe(args: argparse.Namespace) -> str:
-    if args.compression in DENSE_METHODS:
+    if args.compression in BASELINES:
         return f"{args.compression} (dense)"
     if args.compression == "blocksign":
         return f"blocksign (1 bit per entry, block size {args.block_size or 'one per tensor'})"

@@ -9,7 +9,7 @@ the traffic per epoch, then a summary whose last two lines are the final test ac
 and the compression ratio (of the last epoch, after the warm-up).
 
 With the defaults (30 epochs, density 0.1%, 4 warm-up epochs) DGC ends within a point of
-dense training (``--compression none``); tests/test_convergence_torch.py checks that.
+dense training (``--compression dense``); tests/test_convergence_torch.py checks that.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from torch import nn
 from tqdm import tqdm
 
 from _data import NUM_CLASSES, Split, load_mnist1d
-from _flags import DENSE_METHODS, METHODS, MOMENTUM_IN_COMPRESSOR, SPARSE_METHODS
+from _flags import BASELINES, METHODS, MOMENTUM_IN_COMPRESSOR, SPARSE_METHODS
 from horovod_dgc.core.stats import CompressionStats
 from horovod_dgc.torch import Compression
 
@@ -72,9 +72,9 @@ class ConvNet(nn.Module):
 
 def make_compression(args: argparse.Namespace, model: nn.Module):
     """Horovod's compressor for ``--compression`` (sparse ones keyed by parameter name)."""
+    if args.compression in BASELINES:
+        return getattr(Compression, BASELINES[args.compression])
     factory = getattr(Compression, args.compression)
-    if args.compression in DENSE_METHODS:
-        return factory
     options = {}
     if args.compression in SPARSE_METHODS:
         options.update(density=args.density, warmup_epochs=args.warmup_epochs)
@@ -136,7 +136,7 @@ def accuracy(model: nn.Module, split: Split) -> float:
 
 
 def describe(args: argparse.Namespace) -> str:
-    if args.compression in DENSE_METHODS:
+    if args.compression in BASELINES:
         return f"{args.compression} (dense, SGD momentum {args.momentum})"
     if args.compression not in SPARSE_METHODS:
         return f"{args.compression} (1 bit per entry, momentum {args.momentum})"

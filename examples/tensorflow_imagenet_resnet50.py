@@ -11,8 +11,8 @@ exchange), warms up linearly and decays tenfold at ``--lr-decay-epochs``; DGC's 
 warm-up follows the epochs. After every epoch rank 0 saves the weights and the optimizer,
 and every rank its own part of the compressor state (residuals and momentum: gradient not
 yet sent); a new run with the same ``--checkpoint-dir`` resumes from the latest complete
-epoch. A resume on another number of workers is refused (TensorFlow compressor states are
-not redistributed; the PyTorch example redistributes them).
+epoch, on any number of workers: the compressor memories are redistributed without losing
+gradient mass (their average is kept; see horovod_dgc/tensorflow/checkpoint.py).
 
 On a CPU, ``--image-size 32 --batch-size 4 --steps-per-epoch 3`` keeps an epoch short while
 the gradient stays ResNet-50's (25.6 M parameters).
@@ -37,6 +37,7 @@ from tqdm import tqdm
 import _tf_compression
 import _tf_data
 from _flags import MOMENTUM_IN_COMPRESSOR, imagenet_parser, parse_imagenet_args
+from horovod_dgc.tensorflow.checkpoint import redistribute
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,13 +104,15 @@ class Checkpoints:
             variable.assign(saved[f"arr_{i}"])
         if not hasattr(compression, "load_state_dict"):
             return
-        part = folder / f"compressor-rank{hvd.rank()}-of-{hvd.size()}.pkl"
-        if not part.exists():
-            found = sorted(p.name for p in folder.glob("compressor-*.pkl"))
-            raise SystemExit(f"{folder} holds compressor states {found[:4]}, none for rank {hvd.rank()} of "
-                             f"{hvd.size()}: resume on the number of workers that saved it")
-        with open(part, "rb") as f:
-            compression.load_state_dict(pickle.load(f))
+        files = sorted(folder.glob("compressor-rank*-of-*.pkl"))
+        worlds = {int(f.stem.rsplit("-of-", 1)[1]) for f in files}
+        if len(worlds) != 1 or len(files) != next(iter(worlds)):
+            raise SystemExit(f"{folder} lacks compressor parts: found {[f.name for f in files]}, "
+                             f"need one per rank of the saving run")
+        saved_world = worlds.pop()
+        parts = [pickle.loads((folder / f"compressor-rank{r}-of-{saved_world}.pkl").read_bytes())
+                 for r in range(saved_world)]
+        compression.load_state_dict(redistribute(parts, hvd.size(), hvd.rank()))
 
 
 @dataclass

@@ -10,6 +10,7 @@ from typing import List, Sequence
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the benchmarks package, imported by some tests
 WORKERS = Path(__file__).resolve().parent / "workers"
 BIN = Path(sys.executable).parent
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from horovod_dgc.core import DGC, DGCConfig, GaussianKConfig, MessageError, StepContext, TopKConfig
+from horovod_dgc.core import DGC, CompressCall, DGCConfig, MessageError, TopKConfig
 from horovod_dgc.core.sparse import decode_and_average
 from horovod_dgc.torch import Compression
 from horovod_dgc.torch.ops import TorchOps
@@ -46,8 +46,8 @@ def _messages(world_size: int, name: str = "fc.weight"):
     grad = torch.randn(4000)
     parts, layout = [], None
     for rank in range(world_size):
-        state = method.init_state(ops, grad, True)
-        result = method.compress(ops, state, grad, StepContext(name, rank, world_size, 0, 0.01))
+        state = method.init_state(ops, grad, True, world_size)
+        result = method.compress(ops, state, grad, CompressCall(name, rank, world_size, 0, 0.01))
         parts.append(result.message)
         layout = result.layout
     return method, parts, layout
@@ -81,15 +81,15 @@ def test_message_from_a_rank_claiming_another_rank_is_refused():
 def test_truncated_message_is_refused_with_sizes():
     _, parts, layout = _messages(3)
     parts[2] = parts[2][:-8]
-    with pytest.raises(MessageError, match=r"expected 3 ranks x \d+"):
+    with pytest.raises(MessageError, match=r"received \d+ bytes for tensor\(s\) .fc.weight., expected \d+"):
         _decode(parts, layout)
 
 
 def test_rank_with_another_density_is_named():
     method, parts, layout = _messages(3)
     grad = torch.randn(4000)
-    other = method.compress(ops, method.init_state(ops, grad, True), grad,
-                            StepContext("fc.weight", 1, 3, 0, 0.02))
+    other = method.compress(ops, method.init_state(ops, grad, True, 3), grad,
+                            CompressCall("fc.weight", 1, 3, 0, 0.02))
     with pytest.raises(MessageError, match=r"rank 1 .*'fc.weight'.*capacity is 80, expected 40"):
         _decode([parts[0], other.message, parts[2]], layout)
 

@@ -1,4 +1,4 @@
-"""The network-namespace cluster (scripts/netns_cluster.py, scripts/cluster_bench.py): real
+"""The network-namespace cluster (benchmarks/cluster/netns.py, benchmarks/cluster/run.py): real
 namespaces, real tc shaping, real Horovod workers started by ``python -m horovod_dgc.cluster``.
 
 Needs root and iproute2 (skipped otherwise); every test checks that ``ip netns list`` and
@@ -20,10 +20,8 @@ import pytest
 
 from conftest import ROOT, worker_env
 
-SCRIPTS = ROOT / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-from cluster_job import ClusterJob  # noqa: E402
-from netns_cluster import ClusterError, NetnsCluster, netns_names, parse_link  # noqa: E402
+from benchmarks.cluster.job import ClusterJob
+from benchmarks.cluster.netns import ClusterError, NetnsCluster, netns_names, parse_link
 
 HAVE_ROOT_AND_IP = os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc")
 pytestmark = pytest.mark.skipif(not HAVE_ROOT_AND_IP,
@@ -51,7 +49,7 @@ def netns_unchanged():
 
 
 def bench_args(out: Path, *extra: str) -> list:
-    return [sys.executable, str(SCRIPTS / "cluster_bench.py"), "--out", str(out),
+    return [sys.executable, "-m", "benchmarks.cluster.run", "--out", str(out),
             "--prefix", unique_prefix(), *extra]
 
 
@@ -111,7 +109,7 @@ def start_long_run(tmp_path: Path) -> tuple:
     proc = subprocess.Popen(args, cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     reader = LineReader(proc)
-    if not reader.wait_for("bench_cluster: 2 workers", timeout_s=120):
+    if not reader.wait_for("cluster step: 2 workers", timeout_s=120):
         proc.kill()
         pytest.fail("the workers did not start:\n" + reader.text()[-3000:])
     time.sleep(1.0)

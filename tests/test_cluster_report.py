@@ -1,13 +1,9 @@
-"""scripts/cluster_report.py: ratios to dense on the unshaped link, the table, the claims."""
+"""benchmarks/cluster/report.py: ratios to dense on the unshaped link, the table, the claims."""
 import json
-import sys
 
 import pytest
 
-from conftest import ROOT
-
-sys.path.insert(0, str(ROOT / "scripts"))
-from cluster_report import claims, load_records, markdown_table, write_report  # noqa: E402
+from benchmarks.cluster.report import claims, load_records, markdown_table, write_report
 
 
 def record(link: str, method: str, step_s: float, sent_bytes: float) -> dict:

@@ -32,7 +32,7 @@ def train(tmp_path: Path, *args: str) -> dict:
 
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory) -> dict:
-    return train(tmp_path_factory.mktemp("dense"), "--compression", "none")
+    return train(tmp_path_factory.mktemp("dense"), "--compression", "dense")
 
 
 # (method, its options, accuracy points it may lose against dense, smallest traffic ratio)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from horovod_dgc.core import (DGC, DGCConfig, GaussianK, GaussianKConfig, NonFiniteGradientError,
-                              StepContext, TopK, TopKConfig)
+                              CompressCall, TopK, TopKConfig)
 from horovod_dgc.core.selection import top_count
 from horovod_dgc.core.sparse import decode_and_average
 from horovod_dgc.torch.ops import TorchOps
@@ -15,7 +15,7 @@ ops = TorchOps()
 
 def step(method, state, grad, t, world_size=1, name="w", param=None):
     """One compress; returns (dense tensor of what receivers decode, new state)."""
-    ctx = StepContext(name=name, rank=0, world_size=world_size, step=t,
+    ctx = CompressCall(name=name, rank=0, world_size=world_size, step=t,
                       density=method.config.density, param=param)
     result = method.compress(ops, state, grad, ctx)
     sent = decode_and_average(ops, result.message, [result.layout], 1, t, [ops.dtype(grad)])[0]
@@ -37,7 +37,7 @@ def test_conservation_sent_plus_residual_equals_sum_of_gradients_over_1000_steps
     gen = torch.Generator().manual_seed(0)
     n = 4096
     grad = torch.zeros(n)
-    state = method.init_state(ops, grad, True)
+    state = method.init_state(ops, grad, True, 1)
     sent_total = torch.zeros(n, dtype=torch.float64)
     grad_total = torch.zeros(n, dtype=torch.float64)
     for t in range(1000):
@@ -79,7 +79,7 @@ def test_dgc_momentum_correction_and_masking_match_the_equations_for_10_steps(ne
     gen = torch.Generator().manual_seed(1)
     grads = [torch.randn(n, generator=gen) for _ in range(10)]
     method = DGC(DGCConfig(density=density, momentum=0.9, nesterov=nesterov, clip_norm=clip_norm))
-    state = method.init_state(ops, grads[0], True)
+    state = method.init_state(ops, grads[0], True, 1)
     expected = reference_dgc(grads, top_count(density, n), 0.9, nesterov, clip_norm, world_size)
     for t, (grad, (ref_sent, ref_u, ref_v)) in enumerate(zip(grads, expected)):
         sent, state = step(method, state, grad, t, world_size=world_size)
@@ -93,15 +93,15 @@ def test_dgc_weight_decay_is_folded_into_the_gradient():
     n = 2048
     grad, param = torch.randn(n), torch.randn(n)
     method = DGC(DGCConfig(density=1.0, momentum=0.0, weight_decay=0.1))
-    sent, _ = step(method, method.init_state(ops, grad, True), grad, 0, param=param)
+    sent, _ = step(method, method.init_state(ops, grad, True, 1), grad, 0, param=param)
     torch.testing.assert_close(sent, grad + 0.1 * param)
 
 
 def test_dgc_dense_tensors_still_get_momentum():
     method = DGC(DGCConfig(momentum=0.9))
     g1, g2 = torch.randn(10), torch.randn(10)
-    state = method.init_state(ops, g1, False)
-    ctx = StepContext("bias", 0, 1, 0, 0.001)
+    state = method.init_state(ops, g1, False, 1)
+    ctx = CompressCall("bias", 0, 1, 0, 0.001)
     out1, state = method.dense(ops, state, g1, ctx)
     out2, state = method.dense(ops, state, g2, ctx)
     torch.testing.assert_close(out2, 0.9 * g1 + g2)
@@ -111,7 +111,7 @@ def test_dgc_dense_tensors_still_get_momentum():
 def test_bfloat16_gradients_travel_without_loss():
     method = TopK(TopKConfig(density=0.1, value_dtype="float16"))
     grad = torch.randn(4096).to(torch.bfloat16)
-    sent, state = step(method, method.init_state(ops, grad, True), grad, 0)
+    sent, state = step(method, method.init_state(ops, grad, True, 1), grad, 0)
     assert sent.dtype == torch.bfloat16
     mask = sent != 0
     assert torch.equal(sent[mask], grad[mask])
@@ -121,7 +121,7 @@ def test_bfloat16_gradients_travel_without_loss():
 @pytest.mark.parametrize("method", [TopK(), DGC(), GaussianK()], ids=["topk", "dgc", "gaussiank"])
 def test_nan_gradient_raises_naming_the_tensor_and_keeps_the_memory(method):
     grad = torch.randn(5000)
-    state = method.init_state(ops, grad, True)
+    state = method.init_state(ops, grad, True, 1)
     _, state = step(method, state, grad, 0, name="layer3.weight")
     before = {k: v.clone() for k, v in state.items()}
     bad = grad.clone()
@@ -135,7 +135,7 @@ def test_nan_gradient_raises_naming_the_tensor_and_keeps_the_memory(method):
 def test_skip_policy_sends_nothing_and_keeps_the_residual():
     method = TopK(TopKConfig(density=0.01, nonfinite="skip"))
     grad = torch.randn(5000)
-    state = method.init_state(ops, grad, True)
+    state = method.init_state(ops, grad, True, 1)
     _, state = step(method, state, grad, 0)
     before = state["residual"].clone()
     sent, state = step(method, state, torch.full((5000,), float("inf")), 1)

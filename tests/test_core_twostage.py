@@ -2,9 +2,10 @@
 import pytest
 import torch
 
-from horovod_dgc.core import MessageError, StepContext
+from horovod_dgc.core import MessageError, CompressCall
 from horovod_dgc.core.blocksign import BlockSign, BlockSignConfig, shard_length
-from horovod_dgc.core.exchange import emulate, simulate_step
+from horovod_dgc.core.collectives import emulate
+from horovod_dgc.core.twostage import simulate_step
 from horovod_dgc.core.scalecom import ScaleCom, ScaleComConfig
 from horovod_dgc.torch import Compression
 from horovod_dgc.torch.ops import TorchOps
@@ -13,14 +14,14 @@ ops = TorchOps()
 
 
 def contexts(n_workers: int, step: int, density: float = 1.0, name: str = "w"):
-    return [StepContext(name, r, n_workers, step, density) for r in range(n_workers)]
+    return [CompressCall(name, r, n_workers, step, density) for r in range(n_workers)]
 
 
 @pytest.mark.parametrize("block_size", [None, 64])
 def test_blocksign_conserves_gradient_mass_over_200_steps(block_size):
     method, workers, n = BlockSign(BlockSignConfig(block_size=block_size)), 3, 5003
     gen = torch.Generator().manual_seed(0)
-    states = [method.init_state(ops, torch.zeros(n), True) for _ in range(workers)]
+    states = [method.init_state(ops, torch.zeros(n), True, workers) for _ in range(workers)]
     applied = torch.zeros(n, dtype=torch.float64)
     mean_grads = torch.zeros(n, dtype=torch.float64)
     for step in range(200):
@@ -41,7 +42,7 @@ def test_blocksign_conserves_gradient_mass_over_200_steps(block_size):
 def test_blocksign_update_is_a_scaled_sign_per_block():
     method = BlockSign(BlockSignConfig(block_size=16))
     grads = [torch.randn(256) for _ in range(2)]
-    states = [method.init_state(ops, grads[0], True) for _ in range(2)]
+    states = [method.init_state(ops, grads[0], True, 2) for _ in range(2)]
     results, _ = simulate_step(ops, method, states, grads, contexts(2, 0))
     for block in results[0].view(-1, 16):
         assert torch.unique(block.abs()).numel() == 1
@@ -50,7 +51,7 @@ def test_blocksign_update_is_a_scaled_sign_per_block():
 def test_scalecom_with_beta_one_obeys_the_topk_law_per_worker():
     method, workers, n = ScaleCom(ScaleComConfig(density=0.01, beta=1.0)), 4, 4000
     gen = torch.Generator().manual_seed(1)
-    states = [method.init_state(ops, torch.zeros(n), True) for _ in range(workers)]
+    states = [method.init_state(ops, torch.zeros(n), True, workers) for _ in range(workers)]
     sent = [torch.zeros(n, dtype=torch.float64) for _ in range(workers)]
     total = [torch.zeros(n, dtype=torch.float64) for _ in range(workers)]
     for step in range(200):
@@ -73,7 +74,7 @@ def test_scalecom_leaders_take_turns_and_chunked_selection_sends_k():
     method = ScaleCom(ScaleComConfig(density=0.01, leader_selection="chunked", chunks=8))
     n, workers = 5000, 3
     grads = [torch.randn(n) for _ in range(workers)]
-    states = [method.init_state(ops, torch.zeros(n), True) for _ in range(workers)]
+    states = [method.init_state(ops, torch.zeros(n), True, workers) for _ in range(workers)]
     for step in range(3):
         assert method.root(contexts(workers, step)[0]) == step % workers
         results, states = simulate_step(ops, method, states, grads, contexts(workers, step, 0.01))
@@ -98,7 +99,7 @@ def test_bad_blocksign_settings_raise_at_construction(options, field):
 def test_shard_of_wrong_length_names_rank_and_tensor():
     method = BlockSign()
     grads = [torch.randn(1000) for _ in range(2)]
-    firsts = [method.first(ops, method.init_state(ops, g, True), g, c)
+    firsts = [method.first(ops, method.init_state(ops, g, True, 2), g, c)
               for g, c in zip(grads, contexts(2, 0, name="conv.weight"))]
     received = emulate(ops, method.FIRST, [m for m, _, _ in firsts])
     _, state, pending = firsts[1]
@@ -108,3 +109,26 @@ def test_shard_of_wrong_length_names_rank_and_tensor():
     corrupt[4] ^= 1  # the method id of the first shard, sent by rank 0
     with pytest.raises(MessageError, match=r"rank 0 .*'conv.weight'.*method"):
         method.second(ops, state, corrupt, pending)
+
+
+@pytest.mark.parametrize("kind", ["broadcast", "allreduce", "alltoall", "allgather"])
+def test_messages_joined_into_one_collective_arrive_as_if_each_was_sent_alone(kind):
+    from horovod_dgc.core.collectives import join, split
+
+    world, sizes = 3, [6, 12, 3]
+    gen = torch.Generator().manual_seed(7)
+    messages = [[torch.randn(size, generator=gen) for size in sizes] for _ in range(world)]
+    alone = [emulate(ops, kind, [messages[w][t] for w in range(world)], root=1)
+             for t in range(len(sizes))]
+    joined = emulate(ops, kind, [join(ops, kind, messages[w], world) for w in range(world)], root=1)
+    for w in range(world):
+        parts = split(ops, kind, joined[w], sizes, world, ["a", "b", "c"])
+        for t in range(len(sizes)):
+            torch.testing.assert_close(parts[t], alone[t][w], rtol=0, atol=1e-6)
+
+
+def test_a_joined_collective_of_the_wrong_size_names_its_tensors():
+    from horovod_dgc.core.collectives import split
+
+    with pytest.raises(MessageError, match=r"allgather of tensors \['a', 'b'\] delivered 17"):
+        split(ops, "allgather", torch.zeros(17), [4, 5], 2, ["a", "b"])

@@ -7,7 +7,6 @@ import os
 import shutil
 import subprocess
 import uuid
-from pathlib import Path
 
 import pytest
 import yaml
@@ -16,7 +15,7 @@ from horovod_dgc.cluster import settings
 
 from conftest import ROOT
 
-DOCKER = ROOT / "docker"
+DOCKER = ROOT / "benchmarks" / "docker"
 LAUNCHER = ["python", "-m", "horovod_dgc.cluster"]
 
 
@@ -52,7 +51,7 @@ def test_services_run_the_netns_clusters_entrypoint(compose):
         assert command[:5] == [*LAUNCHER, "worker", "--"], name
         assert (ROOT / command[6]).is_file(), f"{name} runs a missing {command[6]}"
     # The netns harness starts its workers through the very same module.
-    harness = (ROOT / "scripts" / "cluster_job.py").read_text()
+    harness = (ROOT / "benchmarks" / "cluster" / "job.py").read_text()
     assert '"-m", "horovod_dgc.cluster"' in harness
 
 

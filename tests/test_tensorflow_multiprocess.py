@@ -23,7 +23,7 @@ def test_dgc_hands_horovod_300x_fewer_bytes_than_dense():
     out = horovodrun("traffic_tensorflow.py", 2, timeout_s=600)
     figures = json.loads(out.split("TRAFFIC ", 1)[1].splitlines()[0])
     for mode in MODES:
-        dense, dgc = figures[mode]["none"], figures[mode]["dgc"]
+        dense, dgc = figures[mode]["dense"], figures[mode]["dgc"]
         assert dense["params"] >= 1_000_000
         ratio = dense["bytes_per_step"] / dgc["bytes_per_step"]
         print(f"{mode}: dense {dense['bytes_per_step']:.0f} B/step, dgc "
@@ -44,3 +44,11 @@ def test_own_tape_takes_keras_3_variables_and_matches_the_stock_tape():
     for mode in MODES:
         for method in ("dgc", "scalecom"):
             assert out.count(f"{method} {mode} keras3 tape ok") == 2, out
+
+
+def test_a_run_saved_on_2_workers_resumes_on_3_with_the_memories_redistributed(tmp_path):
+    horovodrun("checkpoint_tensorflow.py", 2, ["--mode", "save", "--dir", str(tmp_path)], timeout_s=600)
+    out = horovodrun("checkpoint_tensorflow.py", 3, ["--mode", "resume", "--dir", str(tmp_path)],
+                     timeout_s=600)
+    for method in ("dgc", "blocksign"):
+        assert out.count(f"{method} resumed on 3 from 2 ok") == 3, out

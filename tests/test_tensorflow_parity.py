@@ -13,14 +13,15 @@ import tensorflow as tf
 import torch
 
 from horovod_dgc.core import (DGC, DGCConfig, GaussianK, GaussianKConfig, MessageError,
-                              NonFiniteGradientError, StepContext, TopK, TopKConfig, wire)
+                              NonFiniteGradientError, CompressCall, TopK, TopKConfig, wire)
 from horovod_dgc.tensorflow import Compression, TFOps
 from horovod_dgc.tensorflow.compression import SparseCompressor
 from horovod_dgc.core.blocksign import BlockSign, BlockSignConfig
-from horovod_dgc.core.exchange import simulate_step
+from horovod_dgc.core.twostage import simulate_step
 from horovod_dgc.core.scalecom import ScaleCom, ScaleComConfig
 from horovod_dgc.tensorflow.engine import Engine
-from horovod_dgc.tensorflow.twostage import TwoStageEngine, emulated_single_worker
+from horovod_dgc.tensorflow.twostage import TwoStageEngine
+from tf_emulation import single_worker as emulated_single_worker
 from horovod_dgc.torch.engine import Engine as TorchEngine
 from horovod_dgc.torch.ops import TorchOps
 
@@ -46,10 +47,11 @@ def gradients(seed: int = 0):
 
 def sent_pairs(message: np.ndarray, layout) -> tuple:
     """(header words, indices, values) of a message, the entries sorted by index."""
-    header, indices, values = wire.split(torch_ops, torch.from_numpy(message), layout)
+    header = message[:wire.HEADER_BYTES].view(np.int32)
+    indices, values = wire.parts_of(torch_ops, torch.from_numpy(message), layout)
     count = int(header[wire.HEADER_FIELDS.index("count")])
     order = np.argsort(indices[:count].numpy())
-    return header.numpy(), indices[:count].numpy()[order], values[:count].numpy()[order]
+    return header, indices[:count].numpy()[order], values[:count].numpy()[order]
 
 
 def assert_same_message(torch_message: np.ndarray, tf_message: np.ndarray, layout) -> None:
@@ -62,17 +64,17 @@ def assert_same_message(torch_message: np.ndarray, tf_message: np.ndarray, layou
 def test_core_methods_give_identical_messages_and_memories_for_10_steps(name, mode):
     method = METHODS[name]()
     param, grads = gradients()
-    torch_state = method.init_state(torch_ops, torch.zeros(N), True)
-    tf_state = method.init_state(tf_ops, tf.zeros([N]), True)
+    torch_state = method.init_state(torch_ops, torch.zeros(N), True, 1)
+    tf_state = method.init_state(tf_ops, tf.zeros([N]), True, 1)
 
     def tf_compress(state, grad, step, p):
-        result = method.compress(tf_ops, state, grad, StepContext("w", 0, 1, step, method.config.density, p))
+        result = method.compress(tf_ops, state, grad, CompressCall("w", 0, 1, step, method.config.density, p))
         return result.message, result.state
 
     if mode == "function":
         tf_compress = tf.function(tf_compress)
     for t, grad in enumerate(grads):
-        ctx = StepContext("w", 0, 1, t, method.config.density, torch.from_numpy(param))
+        ctx = CompressCall("w", 0, 1, t, method.config.density, torch.from_numpy(param))
         expected = method.compress(torch_ops, torch_state, torch.from_numpy(grad), ctx)
         # In a graph the step is a tensor, as the engine's counter is.
         step = tf.constant(t, tf.int64) if mode == "function" else t
@@ -89,13 +91,13 @@ def test_dgc_with_clipping_agrees_to_rounding():
     """The norm is a dot product, summed in another order by each framework."""
     method = DGC(DGCConfig(density=0.01, clip_norm=5.0))
     param, grads = gradients()
-    torch_state = method.init_state(torch_ops, torch.zeros(N), True)
-    tf_state = method.init_state(tf_ops, tf.zeros([N]), True)
+    torch_state = method.init_state(torch_ops, torch.zeros(N), True, 1)
+    tf_state = method.init_state(tf_ops, tf.zeros([N]), True, 1)
     for t, grad in enumerate(grads):
         torch_state = method.compress(torch_ops, torch_state, torch.from_numpy(grad),
-                                      StepContext("w", 0, 4, t, 0.01)).state
+                                      CompressCall("w", 0, 4, t, 0.01)).state
         tf_state = method.compress(tf_ops, tf_state, tf.constant(grad),
-                                   StepContext("w", 0, 4, t, 0.01)).state
+                                   CompressCall("w", 0, 4, t, 0.01)).state
     for key, value in torch_state.items():
         np.testing.assert_allclose(value.numpy(), tf_state[key].numpy(), rtol=1e-5, atol=1e-6)
 
@@ -278,7 +280,7 @@ MALFORMED = {"magic": r"rank 2 .*fc\.weight.*magic",
              "other tensor": r"rank 1 .*fc\.weight.*tensor id",
              "sender": r"rank 1 .*sender rank is 0",
              "step": r"rank 1 .*fc\.weight.*step is 1, expected 0",
-             "truncated": r"expected 3 ranks x \d+",
+             "truncated": r"received \d+ bytes for tensor\(s\) .*fc.weight.*, expected \d+",
              "density": r"rank 1 .*fc\.weight.*capacity is 80, expected 40",
              "count": r"rank 0 .*fc\.weight.*count"}
 
@@ -377,10 +379,10 @@ TWO_STAGE = {
 
 def _two_stage_steps(ops, method, grads, to_tensor, simulate) -> list:
     """Each step's (FIRST messages, results, states) of 2 simulated workers, as arrays."""
-    states = [method.init_state(ops, to_tensor(np.zeros(N, np.float32)), True) for _ in range(2)]
+    states = [method.init_state(ops, to_tensor(np.zeros(N, np.float32)), True, 2) for _ in range(2)]
     history = []
     for t in range(STEPS):
-        ctxs = [StepContext("w", r, 2, t, method.config.density_at(0)) for r in range(2)]
+        ctxs = [CompressCall("w", r, 2, t, method.config.density_at(0)) for r in range(2)]
         worker_grads = [to_tensor(grads[t]), to_tensor(grads[(t + 3) % STEPS])]
         firsts, results, states = simulate(method, states, worker_grads, ctxs)
         history.append(([m.numpy() for m in firsts], [r.numpy() for r in results],
@@ -417,8 +419,9 @@ def test_two_stage_methods_give_identical_selections_and_memories_for_10_steps(n
             # ScaleCom: the leader's indices as a set (top-k's order is each framework's own);
             # blocksign: the packed signs of the first shard.
             (header_a, (part_a, *_)), (header_b, (part_b, *_)) = [
-                wire.split_parts(torch_ops, torch.from_numpy(m[:layout.nbytes]), layout) for m in (a, b)]
-            np.testing.assert_array_equal(header_a.numpy(), header_b.numpy())
+                (m[:wire.HEADER_BYTES].view(np.int32),
+                 wire.parts_of(torch_ops, torch.from_numpy(m[:layout.nbytes]), layout)) for m in (a, b)]
+            np.testing.assert_array_equal(header_a, header_b)
             np.testing.assert_array_equal(np.sort(part_a.numpy()) if leader_indices else part_a.numpy(),
                                           np.sort(part_b.numpy()) if leader_indices else part_b.numpy(),
                                           err_msg=f"selection at step {t}")
@@ -441,12 +444,12 @@ def test_two_stage_engine_in_tf_function_matches_the_torch_simulation(name):
     def tf_step(grad):
         return engine.exchange("w", grad, None, emulated_single_worker, "w")[0]
 
-    states = [method.init_state(torch_ops, torch.zeros(311 * 97), True)]
+    states = [method.init_state(torch_ops, torch.zeros(311 * 97), True, 1)]
     rs = np.random.RandomState(1)
     for t in range(STEPS):
         grad = rs.standard_normal(shape).astype(np.float32)
         results, states = simulate_step(torch_ops, method, states, [torch.from_numpy(grad).reshape(-1)],
-                                        [StepContext("w", 0, 1, t, method.config.density_at(0))])
+                                        [CompressCall("w", 0, 1, t, method.config.density_at(0))])
         got = tf_step(tf.constant(grad)).numpy().reshape(-1)
         np.testing.assert_array_equal(results[0].numpy(), got, err_msg=f"step {t}")
         for key, value in states[0].items():

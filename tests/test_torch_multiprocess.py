@@ -27,7 +27,7 @@ def traffic_two_ranks():
 @pytest.mark.parametrize("path", ["stock", "own"])
 def test_dgc_hands_horovod_300x_fewer_bytes_than_dense(path, traffic_two_ranks):
     figures = traffic_two_ranks[path]
-    dense, dgc = figures["none"], figures["dgc"]
+    dense, dgc = figures["dense"], figures["dgc"]
     assert dense["params"] >= 1_000_000
     ratio = dense["bytes_per_step"] / dgc["bytes_per_step"]
     print(f"{path} path: dense {dense['bytes_per_step']:.0f} B/step, dgc "
@@ -60,7 +60,7 @@ def test_scalecom_traffic_per_worker_does_not_grow_from_2_to_4_workers(path, tra
 @pytest.mark.parametrize("path", ["stock", "own"])
 def test_blocksign_traffic_is_at_most_a_twelfth_of_dense(path, traffic_two_ranks):
     figures = traffic_two_ranks[path]
-    dense, blocksign = figures["none-1M"]["bytes_per_step"], figures["blocksign-1M"]["bytes_per_step"]
+    dense, blocksign = figures["dense-1M"]["bytes_per_step"], figures["blocksign-1M"]["bytes_per_step"]
     print(f"{path} path: blocksign {blocksign:.0f} B/step vs dense {dense:.0f} ({dense / blocksign:.1f}x)")
     assert blocksign <= dense / 12
     assert figures["blocksign-1M"]["stats_bytes_per_step"] == pytest.approx(blocksign)

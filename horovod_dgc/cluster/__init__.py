@@ -2,12 +2,12 @@
 
 Every host runs the same entrypoint, configured by environment variables only, so the same
 command serves a Docker Compose service, a network-namespace test cluster
-(``scripts/netns_cluster.py``) or hosts started by hand::
+(``benchmarks/cluster/netns.py``) or hosts started by hand::
 
     # once, on a host every worker can reach
     python -m horovod_dgc.cluster rendezvous
     # on every host, with its own HOROVOD_DGC_RANK
-    python -m horovod_dgc.cluster worker -- python examples/bench_cluster.py
+    python -m horovod_dgc.cluster worker -- python benchmarks/cluster/step.py
 
 ``rendezvous`` serves Horovod's Gloo rendezvous (the HTTP key-value store ``horovodrun``
 runs inside its driver) on a fixed port until it is stopped. ``worker`` waits until that
@@ -18,7 +18,7 @@ The worker first checks that the host name resolves to an address of the interfa
 stops with an error naming both otherwise: Horovod 0.28.1 binds the Gloo connections of its
 process sets to the host name's address whatever ``HOROVOD_GLOO_IFACE`` says, so a name
 resolving to 127.0.0.1 would leave the other hosts unable to connect. (Docker gives each
-container an ``/etc/hosts`` line for its name; ``scripts/netns_cluster.py`` writes one per
+container an ``/etc/hosts`` line for its name; ``benchmarks/cluster/netns.py`` writes one per
 namespace.)
 
 Environment variables (one source of truth: :mod:`horovod_dgc.cluster.settings`):

@@ -1,16 +1,22 @@
 """Framework-free core of horovod_dgc: selection, error feedback, warm-up, wire format.
 
 Imports neither NumPy, CuPy, PyTorch nor TensorFlow; the adapters implement
-:class:`~horovod_dgc.core.ops.TensorOps`.
+:class:`~horovod_dgc.core.ops.TensorOps`. ``methods.METHODS`` lists every method.
 """
-from .config import SparseConfig
+from .blocksign import BlockSign, BlockSignConfig
+from .config import CompressionConfig, SparseConfig
 from .dgc import DGC, DGCConfig
 from .gaussiank import GaussianK, GaussianKConfig
-from .sparse import NonFiniteGradientError, SparseMethod, StepContext
+from .method import CompressCall, Method, StateLayout
+from .methods import METHODS, MethodSpec
+from .scalecom import ScaleCom, ScaleComConfig
+from .sparse import NonFiniteGradientError, SparseMethod
 from .topk import TopK, TopKConfig
+from .twostage import TwoStageMethod
 from .warmup import DensitySchedule
 from .wire import MessageError
 
-__all__ = ["DGC", "DGCConfig", "DensitySchedule", "GaussianK", "GaussianKConfig", "MessageError",
-           "NonFiniteGradientError", "SparseConfig", "SparseMethod", "StepContext", "TopK",
-           "TopKConfig"]
+__all__ = ["BlockSign", "BlockSignConfig", "CompressCall", "CompressionConfig", "DGC", "DGCConfig",
+           "DensitySchedule", "GaussianK", "GaussianKConfig", "METHODS", "MessageError", "Method",
+           "MethodSpec", "NonFiniteGradientError", "ScaleCom", "ScaleComConfig", "SparseConfig",
+           "SparseMethod", "StateLayout", "TopK", "TopKConfig", "TwoStageMethod"]

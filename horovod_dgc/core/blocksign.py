@@ -1,5 +1,5 @@
 """Blockwise 1-bit compression with two-way error feedback (Zheng, Huang, Kwok, NeurIPS 2019:
-dist-EF-blockSGDM), ALGORITHMS.md section 5.
+dist-EF-blockSGDM), docs/algorithms.md#blocksign.
 
     C(v)_b = (||v_b||_1 / d_b) * sign(v_b)            (sign(0) = +1: one bit per entry)
     worker i: p_i = g_i (+ Nesterov momentum) + e_i;  D_i = C(p_i);  e_i = p_i - D_i
@@ -17,11 +17,13 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from . import wire
-from .config import CompressionConfig, require_positive_int
-from .exchange import ALLGATHER, ALLTOALL, Pending, TwoStageMethod
-from .memory import State
+from .collectives import ALLGATHER, ALLTOALL
+from .config import CompressionConfig
+from .method import CompressCall, State, StateLayout, state_dtype
 from .ops import Tensor, TensorOps
-from .sparse import StepContext, check_finite, state_dtype
+from .sparse import check_finite
+from .twostage import StageHandover, TwoStageMethod
+from .validation import require_momentum, require_positive_int
 
 
 @dataclass(frozen=True)
@@ -41,8 +43,11 @@ class BlockSignConfig(CompressionConfig):
         super().__post_init__()
         if self.block_size is not None:
             require_positive_int("block_size", self.block_size)
-        if not isinstance(self.momentum, (int, float)) or not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {self.momentum!r}")
+        require_momentum("momentum", self.momentum)
+
+    @property
+    def needs_plain_optimizer(self) -> bool:
+        return self.momentum > 0.0
 
 
 def shard_length(numel: int, world_size: int, block_size: Optional[int]) -> int:
@@ -74,11 +79,13 @@ class BlockSign(TwoStageMethod):
     def __init__(self, config: BlockSignConfig = BlockSignConfig()):
         super().__init__(config)
 
-    def state_names(self, compressed: bool) -> Tuple[str, ...]:
-        names = ("momentum",) if self.config.momentum else ()
-        return names + ("residual",) if compressed else names
+    def state_layout(self, compressed: bool) -> StateLayout:
+        momentum = ("momentum",) if self.config.momentum else ()
+        if not compressed:
+            return StateLayout(momentum)
+        return StateLayout(momentum + ("residual",), sharded=("server",))
 
-    def _shard(self, numel: int, world_size: int) -> int:
+    def shard_length(self, numel: int, world_size: int) -> int:
         return shard_length(numel, world_size, self.config.block_size)
 
     def _worker_block(self, numel: int) -> int:
@@ -89,7 +96,7 @@ class BlockSign(TwoStageMethod):
 
     def layout(self, name: str, numel: int, world_size: int) -> wire.PartsLayout:
         """One shard's message (the same shape in both stages)."""
-        shard = self._shard(numel, world_size)
+        shard = self.shard_length(numel, world_size)
         scales = shard // self._server_block(shard)
         return wire.PartsLayout(name=name, method_id=self.method_id, numel=numel, capacity=shard,
                                 part_list=(("uint8", shard // 8), ("float32", scales)))
@@ -105,11 +112,11 @@ class BlockSign(TwoStageMethod):
         momentum = ops.scale_add(state["momentum"], mu, grad)
         return ops.scale_add(ops.copy(grad), 1.0, momentum, mu), {**state, "momentum": momentum}
 
-    def dense(self, ops: TensorOps, state: State, grad: Tensor, ctx: StepContext) -> Tuple[Tensor, State]:
+    def dense(self, ops: TensorOps, state: State, grad: Tensor, call: CompressCall) -> Tuple[Tensor, State]:
         update, state = self._momentum_step(ops, state, grad)
         return (ops.copy(update) if update is grad else update), state
 
-    def compress(self, ops: TensorOps, x: Tensor, block: int, valid: int) -> Tuple[Tensor, Tensor, Tensor]:
+    def scaled_signs(self, ops: TensorOps, x: Tensor, block: int, valid: int) -> Tuple[Tensor, Tensor, Tensor]:
         """(packed signs, block scales, decoded C(x)) of ``x`` (length a multiple of 8)."""
         packed = ops.pack_signs(x)
         scales = block_scales(ops, x, block, valid)
@@ -118,66 +125,53 @@ class BlockSign(TwoStageMethod):
         return packed, scales, decoded
 
     def first(self, ops: TensorOps, state: State, grad: Tensor,
-              ctx: StepContext) -> Tuple[Tensor, State, Pending]:
-        n, world = ops.numel(grad), ctx.world_size
-        finite = check_finite(ops, self.config.nonfinite, grad, ctx)
+              call: CompressCall) -> Tuple[Tensor, State, StageHandover]:
+        n, world = ops.numel(grad), call.world_size
+        finite = check_finite(ops, self.config.nonfinite, grad, call)
         grad = ops.cond(finite, lambda: grad, lambda: ops.zeros(n, ops.dtype(grad), like=grad))
         direction, state = self._momentum_step(ops, state, grad)
         p = ops.scale_add(state["residual"], 1.0, direction)
-        shard = self._shard(n, world)
+        shard = self.shard_length(n, world)
         padded = ops.pad(p, world * shard)
         block = self._worker_block(n)
-        packed, scales, decoded = self.compress(ops, padded, block, n)
+        packed, scales, decoded = self.scaled_signs(ops, padded, block, n)
         residual = ops.scale_add(p, 1.0, ops.slice(decoded, 0, n), -1.0)
-        layout = self.layout(ctx.name, n, world)
+        layout = self.layout(call.name, n, world)
         per_shard = layout.parts[1][1]
         messages = []
         for j in range(world):
             # One block per tensor: every shard carries the one scale.
             shard_scales = ops.slice(scales, 0 if self.config.block_size is None else j * per_shard, per_shard)
-            header = layout.header(ctx.rank, ctx.step, self._valid(n, shard, j), 0)
+            header = layout.header(call.rank, call.step, self._valid(n, shard, j), 0)
             messages.append(wire.encode_parts(ops, layout, header,
                                               [ops.slice(packed, j * shard // 8, shard // 8), shard_scales]))
-        pending = Pending(ctx, n, ops.dtype(grad), {"layout": layout, "shard": shard})
-        return ops.concat(messages), {**state, "residual": residual}, pending
+        handover = StageHandover(call, n, ops.dtype(grad), {"layout": layout, "shard": shard})
+        return ops.concat(messages), {**state, "residual": residual}, handover
 
-    def _decode(self, ops: TensorOps, message: Tensor, layout: wire.PartsLayout, sender: int,
-                step: int, dtype: str) -> Tensor:
-        header, (packed, scales) = wire.split_parts(ops, message, layout)
-        ops.inspect(header, lambda words: layout.check(words, sender, step))
-        shard = layout.capacity
-        return ops.multiply(ops.unpack_signs(packed, dtype),
-                            ops.repeat_blocks(scales, shard // ops.numel(scales), shard))
-
-    def _shards(self, ops: TensorOps, received: Tensor, pending: Pending) -> List[Tensor]:
+    def _shards(self, ops: TensorOps, received: Tensor, handover: StageHandover) -> List[Tensor]:
         """Each sender's decoded shard from a received concatenation, headers checked."""
-        layout, ctx = pending.data["layout"], pending.ctx
-        expected = layout.nbytes * ctx.world_size
-        if ops.numel(received) != expected:
-            raise wire.MessageError(f"received {ops.numel(received)} bytes of shards for tensor "
-                                    f"{ctx.name!r} on rank {ctx.rank}, expected {ctx.world_size} "
-                                    f"x {layout.nbytes}")
-        dtype = state_dtype(pending.dtype)
-        return [self._decode(ops, ops.slice(received, i * layout.nbytes, layout.nbytes), layout,
-                             i, ctx.step, dtype) for i in range(ctx.world_size)]
+        layout, call = handover.data["layout"], handover.call
+        messages = wire.receive(ops, received, [(layout, r) for r in range(call.world_size)],
+                                call.step, call.rank)
+        dtype, shard = state_dtype(handover.dtype), layout.capacity
+        return [ops.multiply(ops.unpack_signs(packed, dtype),
+                             ops.repeat_blocks(scales, shard // ops.numel(scales), shard))
+                for packed, scales in messages]
 
     def second(self, ops: TensorOps, state: State, received: Tensor,
-               pending: Pending) -> Tuple[Tensor, State]:
-        ctx, layout, shard = pending.ctx, pending.data["layout"], pending.data["shard"]
+               handover: StageHandover) -> Tuple[Tensor, State]:
+        call, layout, shard = handover.call, handover.data["layout"], handover.data["shard"]
         total = None
-        for decoded in self._shards(ops, received, pending):
+        for decoded in self._shards(ops, received, handover):
             total = decoded if total is None else ops.scale_add(total, 1.0, decoded)
-        server = state.get("server")
-        if server is None:
-            server = ops.zeros(shard, ops.dtype(total), like=total)
-        valid = self._valid(pending.numel, shard, ctx.rank)
-        averaged = ops.scale_add(ops.scale(total, 1.0 / ctx.world_size), 1.0, server)
+        valid = self._valid(handover.numel, shard, call.rank)
+        averaged = ops.scale_add(ops.scale(total, 1.0 / call.world_size), 1.0, state["server"])
         averaged = ops.pad(ops.slice(averaged, 0, valid), shard)
-        packed, scales, decoded = self.compress(ops, averaged, self._server_block(shard), valid)
+        packed, scales, decoded = self.scaled_signs(ops, averaged, self._server_block(shard), valid)
         server = ops.pad(ops.slice(ops.scale_add(averaged, 1.0, decoded, -1.0), 0, valid), shard)
-        header = layout.header(ctx.rank, ctx.step, valid, 0)
+        header = layout.header(call.rank, call.step, valid, 0)
         return wire.encode_parts(ops, layout, header, [packed, scales]), {**state, "server": server}
 
-    def finish(self, ops: TensorOps, received: Tensor, pending: Pending) -> Tensor:
-        update = ops.slice(ops.concat(self._shards(ops, received, pending)), 0, pending.numel)
-        return ops.cast(update, pending.dtype)
+    def finish(self, ops: TensorOps, received: Tensor, handover: StageHandover) -> Tensor:
+        update = ops.slice(ops.concat(self._shards(ops, received, handover)), 0, handover.numel)
+        return ops.cast(update, handover.dtype)

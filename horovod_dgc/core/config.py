@@ -1,37 +1,20 @@
-"""Configuration shared by every sparse method, and the validation helpers of all configs.
+"""Configuration shared by every method, and by every sparse method.
 
 Every hyper-parameter has exactly one default, in the frozen dataclass that owns it; the
 framework factories (``Compression.dgc(...)`` and friends) pass keywords straight through.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from .validation import require_choice, require_fraction, require_positive_int
+from .warmup import DensitySchedule
+
 VALUE_DTYPES = ("float32", "float16")
 NONFINITE_POLICIES = ("raise", "skip")
-
-
-def require_fraction(name: str, value: float) -> None:
-    """Raise ValueError unless ``0 < value <= 1``."""
-    if not isinstance(value, (int, float)) or not 0.0 < value <= 1.0 or math.isnan(value):
-        raise ValueError(f"{name} must be in (0, 1], got {value!r}")
-
-
-def require_non_negative(name: str, value: float) -> None:
-    if not isinstance(value, (int, float)) or not value >= 0.0:
-        raise ValueError(f"{name} must be >= 0, got {value!r}")
-
-
-def require_positive_int(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-
-
-def require_choice(name: str, value: str, choices: tuple) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -66,6 +49,12 @@ class CompressionConfig:
         """Fraction of elements sent during ``epoch`` (1 for methods that send every one)."""
         return 1.0
 
+    @property
+    def needs_plain_optimizer(self) -> bool:
+        """Whether the compressor applies momentum or weight decay itself, so that the
+        optimizer applying its result must keep no state of its own (plain SGD)."""
+        return False
+
 
 @dataclass(frozen=True)
 class SparseConfig(CompressionConfig):
@@ -94,20 +83,14 @@ class SparseConfig(CompressionConfig):
         super().__post_init__()
         require_fraction("density", self.density)
         require_choice("value_dtype", self.value_dtype, VALUE_DTYPES)
-        self.schedule  # validates the warm-up fields
+        self.schedule  # built once here, which validates the warm-up fields
 
-    @property
-    def schedule(self) -> "DensitySchedule":
-        """The density schedule these settings describe."""
-        from .warmup import DensitySchedule
-
+    @functools.cached_property
+    def schedule(self) -> DensitySchedule:
+        """The density schedule these settings describe (built once per config)."""
         densities = None if self.warmup_densities is None else tuple(self.warmup_densities)
         return DensitySchedule(self.density, self.warmup_epochs, self.warmup_factor, densities)
 
     def density_at(self, epoch: float) -> float:
         return self.schedule.density(epoch)
 
-
-def optional_positive(name: str, value: Optional[float]) -> None:
-    if value is not None and (not isinstance(value, (int, float)) or not value > 0):
-        raise ValueError(f"{name} must be > 0 or None, got {value!r}")

@@ -1,4 +1,4 @@
-"""Deep Gradient Compression (Lin et al., ICLR 2018), ALGORITHMS.md section 1.
+"""Deep Gradient Compression (Lin et al., ICLR 2018), docs/algorithms.md#dgc.
 
 Momentum correction (momentum accumulated locally, before selection), local gradient
 clipping scaled by 1/sqrt(N), momentum factor masking, warm-up sparsity, and the sampled
@@ -10,12 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from .config import (SparseConfig, optional_positive, require_fraction, require_non_negative,
-                     require_positive_int)
+from .config import SparseConfig
 from .memory import MomentumCorrectionMemory
+from .method import CompressCall
 from .ops import Scalar, Tensor, TensorOps
 from .selection import MAX_RETRIES, RETRY_FACTOR, SAMPLE_RATIO, select_sampled
-from .sparse import SparseMethod, StepContext
+from .sparse import SparseMethod
+from .validation import (optional_positive, require_fraction, require_momentum, require_non_negative,
+                         require_open_fraction, require_positive_int)
 from .wire import tensor_id
 
 
@@ -46,14 +48,16 @@ class DGCConfig(SparseConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.momentum, (int, float)) or not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {self.momentum!r}")
+        require_momentum("momentum", self.momentum)
         require_non_negative("weight_decay", self.weight_decay)
         optional_positive("clip_norm", self.clip_norm)
         require_fraction("sample_ratio", self.sample_ratio)
         require_positive_int("max_retries", self.max_retries)
-        if not isinstance(self.retry_factor, (int, float)) or not 0.0 < self.retry_factor < 1.0:
-            raise ValueError(f"retry_factor must be in (0, 1), got {self.retry_factor!r}")
+        require_open_fraction("retry_factor", self.retry_factor)
+
+    @property
+    def needs_plain_optimizer(self) -> bool:
+        return self.momentum > 0.0 or self.weight_decay > 0.0
 
 
 # Knuth's multiplicative hash spreads successive steps over the sampling offsets.
@@ -70,20 +74,20 @@ class DGC(SparseMethod):
     def make_memory(self) -> MomentumCorrectionMemory:
         return MomentumCorrectionMemory(self.config.momentum, self.config.nesterov)
 
-    def prepare(self, ops: TensorOps, grad: Tensor, ctx: StepContext) -> Tuple[Tensor, Scalar]:
+    def prepare(self, ops: TensorOps, grad: Tensor, call: CompressCall) -> Tuple[Tensor, Scalar]:
         """Weight decay, then local clipping to ``C / sqrt(N)`` (as a scale factor)."""
         cfg = self.config
         if cfg.weight_decay > 0.0:
-            if ctx.param is None:
-                raise ValueError(f"weight_decay needs the parameter of tensor {ctx.name!r}")
-            grad = ops.scale_add(ops.copy(grad), 1.0, ctx.param, cfg.weight_decay)
+            if call.param is None:
+                raise ValueError(f"weight_decay needs the parameter of tensor {call.name!r}")
+            grad = ops.scale_add(ops.copy(grad), 1.0, call.param, cfg.weight_decay)
         if cfg.clip_norm is None:
             return grad, 1.0
-        bound = cfg.clip_norm / ctx.world_size ** 0.5
+        bound = cfg.clip_norm / call.world_size ** 0.5
         norm = ops.sqrt(ops.dot(grad, grad))
         return grad, ops.minimum(bound / ops.maximum(norm, 1e-30), 1.0)
 
-    def select(self, ops: TensorOps, x: Tensor, k: int, ctx: StepContext) -> Tensor:
+    def select(self, ops: TensorOps, x: Tensor, k: int, call: CompressCall) -> Tensor:
         cfg = self.config
-        offset = (ctx.step * _OFFSET_MULTIPLIER + tensor_id(ctx.name)) % 2 ** 31
+        offset = (call.step * _OFFSET_MULTIPLIER + tensor_id(call.name)) % 2 ** 31
         return select_sampled(ops, x, k, cfg.sample_ratio, offset, cfg.max_retries, cfg.retry_factor)

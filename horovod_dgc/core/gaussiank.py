@@ -1,4 +1,4 @@
-"""Gaussian-k (Shi et al., arXiv 1911.08772), ALGORITHMS.md section 3.
+"""Gaussian-k (Shi et al., arXiv 1911.08772), docs/algorithms.md#gaussiank.
 
 Error feedback as Top-k, but the threshold comes from the mean and standard deviation of
 ``p = g + e`` instead of a sort, adjusted at most three times towards [2k/3, 4k/3] entries.
@@ -11,7 +11,8 @@ from .config import SparseConfig
 from .memory import ResidualMemory
 from .ops import Tensor, TensorOps
 from .selection import gaussian_capacity, select_gaussian
-from .sparse import SparseMethod, StepContext
+from .method import CompressCall
+from .sparse import SparseMethod
 
 
 @dataclass(frozen=True)
@@ -34,5 +35,5 @@ class GaussianK(SparseMethod):
     def capacity(self, k: int, numel: int) -> int:
         return gaussian_capacity(k, numel)
 
-    def select(self, ops: TensorOps, x: Tensor, k: int, ctx: StepContext) -> Tensor:
+    def select(self, ops: TensorOps, x: Tensor, k: int, call: CompressCall) -> Tensor:
         return select_gaussian(ops, x, k)

@@ -10,11 +10,10 @@ State is a dict of flat tensors owned by the caller; methods return the new dict
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Tuple
 
+from .method import State
 from .ops import Scalar, Tensor, TensorOps
-
-State = Dict[str, Tensor]
 
 
 class ResidualMemory:
@@ -37,7 +36,7 @@ class ResidualMemory:
 
 
 class MomentumCorrectionMemory:
-    """DGC's momentum correction with momentum factor masking (ALGORITHMS.md section 1).
+    """DGC's momentum correction with momentum factor masking (docs/algorithms.md, dgc).
 
     ``u = m * u + g; v = v + u`` (Nesterov: ``u = m * (u + g); v = v + u + g``); after
     sending ``v[I]``: ``v[I] -= sent`` and ``u[I] = 0``.

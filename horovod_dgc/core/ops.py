@@ -202,16 +202,30 @@ class TensorOps(ABC):
         """+1 where the bit is set, -1 elsewhere: the inverse of :meth:`pack_signs`."""
 
     @abstractmethod
-    def inspect(self, x: Tensor, check: Callable[[list], None]) -> None:
-        """Call ``check`` with the values of the small integer tensor ``x`` as Python ints,
-        when the values exist (TensorFlow: at run time, an exception it raises fails the step)."""
+    def fit(self, data: Tensor, length: int) -> Tensor:
+        """``data`` cut or zero-padded to ``length`` elements, with that length known when the
+        graph is built; the caller checks the true length separately."""
 
-    # -- control flow ----------------------------------------------------------------------
+    # -- checks ------------------------------------------------------------------------------
+    @abstractmethod
+    def all_within(self, x: Tensor, low: Tensor, high: Tensor) -> Scalar:
+        """Whether ``low <= x <= high`` holds for every element (a boolean scalar)."""
+
     @abstractmethod
     def check(self, pred: Scalar, error: Exception) -> None:
         """Raise ``error`` when the boolean scalar ``pred`` is false (TensorFlow: a graph
         assertion carrying the error's message)."""
 
+    @abstractmethod
+    def verify(self, pred: Scalar, inputs: Sequence[Any], explain: Callable[..., None],
+               result: Tensor) -> Tensor:
+        """``result``, once the boolean scalar ``pred`` is known to hold. When it does not,
+        ``explain`` is called with the values of ``inputs`` (tensors or Python numbers) as
+        Python lists and numbers, and raises the error that says what is wrong (TensorFlow: at
+        run time, failing the step before anything computed from ``result`` runs). Costs one
+        comparison when ``pred`` holds; ``explain`` runs only on failure."""
+
+    # -- control flow ----------------------------------------------------------------------
     @abstractmethod
     def while_loop(self, cond: Callable[..., Scalar], body: Callable[..., Tuple],
                    loop_vars: Tuple, max_iterations: int) -> Tuple:

@@ -1,4 +1,4 @@
-"""ScaleCom's cyclic local top-k (Chen et al., NeurIPS 2020), ALGORITHMS.md section 4.
+"""ScaleCom's cyclic local top-k (Chen et al., NeurIPS 2020), docs/algorithms.md#scalecom.
 
 Every worker sends values at the **same** k indices, chosen by the leader ``t mod N`` from its
 own error-compensated gradient, so the values are all-reduced and each worker's traffic stays
@@ -14,13 +14,16 @@ from dataclasses import dataclass
 from typing import Tuple
 
 from . import wire
-from .config import SparseConfig, require_choice, require_fraction, require_positive_int
-from .exchange import ALLREDUCE, BROADCAST, Pending, TwoStageMethod
-from .memory import LowPassMemory, State
+from .collectives import ALLREDUCE, BROADCAST
+from .config import SparseConfig
+from .memory import LowPassMemory
+from .method import CompressCall, State, StateLayout, state_dtype
 from .ops import Tensor, TensorOps
 from .selection import (MAX_RETRIES, RETRY_FACTOR, SAMPLE_RATIO, select_exact, select_sampled,
                         top_count)
-from .sparse import StepContext, check_finite, state_dtype
+from .sparse import check_finite
+from .twostage import StageHandover, TwoStageMethod
+from .validation import require_choice, require_fraction, require_positive_int
 
 LEADER_SELECTIONS = ("exact", "chunked")
 
@@ -65,64 +68,63 @@ class ScaleCom(TwoStageMethod):
         super().__init__(config)
         self.memory = LowPassMemory(config.beta)
 
-    def root(self, ctx: StepContext) -> int:
-        return ctx.step % ctx.world_size
+    def root(self, call: CompressCall) -> int:
+        return call.step % call.world_size
 
-    def state_names(self, compressed: bool) -> Tuple[str, ...]:
-        return self.memory.state_names if compressed else ()
+    def state_layout(self, compressed: bool) -> StateLayout:
+        return StateLayout(self.memory.state_names if compressed else ())
 
     def index_layout(self, name: str, numel: int, density: float) -> wire.PartsLayout:
         k = top_count(density, numel)
         return wire.PartsLayout(name=name, method_id=self.method_id, numel=numel, capacity=k,
                                 part_list=((wire.index_dtype(numel), k),))
 
-    def leader_indices(self, ops: TensorOps, p: Tensor, k: int, ctx: StepContext) -> Tensor:
+    def leader_indices(self, ops: TensorOps, p: Tensor, k: int, call: CompressCall) -> Tensor:
         """The leader's choice: exact top-k, or the top of each chunk."""
         if self.config.leader_selection == "exact":
-            return select_sampled(ops, p, k, SAMPLE_RATIO, ctx.step, MAX_RETRIES, RETRY_FACTOR)
+            return select_sampled(ops, p, k, SAMPLE_RATIO, call.step, MAX_RETRIES, RETRY_FACTOR)
         n = ops.numel(p)
         chunks = min(self.config.chunks, k)
-        size = math.ceil(n / chunks)
+        # Near-equal slices that are never empty (ceil-sized slices can run out before the last).
+        bounds = [c * n // chunks for c in range(chunks + 1)]
         picks = []
-        for c in range(chunks):
-            length = min(size, n - c * size)
-            share = min(length, math.ceil(k * length / n))
-            picks.append(select_exact(ops, ops.slice(p, c * size, length), share) + c * size)
+        for start, end in zip(bounds, bounds[1:]):
+            share = min(end - start, math.ceil(k * (end - start) / n))
+            picks.append(select_exact(ops, ops.slice(p, start, end - start), share) + start)
         chosen = ops.concat(picks)
         return ops.gather(chosen, ops.topk_abs(ops.gather(p, chosen), k))
 
     def first(self, ops: TensorOps, state: State, grad: Tensor,
-              ctx: StepContext) -> Tuple[Tensor, State, Pending]:
+              call: CompressCall) -> Tuple[Tensor, State, StageHandover]:
         n = ops.numel(grad)
-        finite = check_finite(ops, self.config.nonfinite, grad, ctx)
+        finite = check_finite(ops, self.config.nonfinite, grad, call)
         grad = ops.cond(finite, lambda: grad, lambda: ops.zeros(n, ops.dtype(grad), like=grad))
         p, state = self.memory.accumulate(ops, state, grad)
-        layout = self.index_layout(ctx.name, n, ctx.density)
+        layout = self.index_layout(call.name, n, call.density)
 
         def leader_message() -> Tensor:
-            indices = ops.cast(self.leader_indices(ops, p, layout.capacity, ctx), layout.parts[0][0])
-            header = layout.header(ctx.rank, ctx.step, layout.capacity, 0)
+            indices = ops.cast(self.leader_indices(ops, p, layout.capacity, call), layout.parts[0][0])
+            header = layout.header(call.rank, call.step, layout.capacity, 0)
             return wire.encode_parts(ops, layout, header, [indices])
 
         # ops.cond: in a TensorFlow graph the step, hence the leader, is known only at run time.
-        message = ops.cond(ctx.rank == self.root(ctx), leader_message,
+        message = ops.cond(call.rank == self.root(call), leader_message,
                            lambda: ops.zeros(layout.nbytes, "uint8", like=grad))
-        pending = Pending(ctx, n, ops.dtype(grad), {"p": p, "layout": layout})
-        return message, state, pending
+        handover = StageHandover(call, n, ops.dtype(grad), {"p": p, "layout": layout})
+        return message, state, handover
 
     def second(self, ops: TensorOps, state: State, received: Tensor,
-               pending: Pending) -> Tuple[Tensor, State]:
-        layout, ctx = pending.data["layout"], pending.ctx
-        header, (indices,) = wire.split_parts(ops, received, layout)
-        leader = self.root(ctx)
-        ops.inspect(header, lambda words: layout.check(words, leader, ctx.step))
-        values = ops.cast(ops.gather(pending.data["p"], indices),
-                          allreduce_value_dtype(pending.dtype, self.config.value_dtype))
-        state = self.memory.update(ops, state, indices, ops.cast(values, state_dtype(pending.dtype)))
-        pending.data["indices"] = indices
+               handover: StageHandover) -> Tuple[Tensor, State]:
+        layout, call = handover.data["layout"], handover.call
+        (indices,) = wire.receive(ops, received, [(layout, self.root(call))], call.step,
+                                  call.rank)[0]
+        values = ops.cast(ops.gather(handover.data["p"], indices),
+                          allreduce_value_dtype(handover.dtype, self.config.value_dtype))
+        state = self.memory.update(ops, state, indices, ops.cast(values, state_dtype(handover.dtype)))
+        handover.data["indices"] = indices
         return values, state
 
-    def finish(self, ops: TensorOps, received: Tensor, pending: Pending) -> Tensor:
-        dense = ops.zeros(pending.numel, state_dtype(pending.dtype), like=received)
-        dense = ops.scatter_add(dense, pending.data["indices"], ops.cast(received, ops.dtype(dense)))
-        return ops.cast(dense, pending.dtype)
+    def finish(self, ops: TensorOps, received: Tensor, handover: StageHandover) -> Tensor:
+        dense = ops.zeros(handover.numel, state_dtype(handover.dtype), like=received)
+        dense = ops.scatter_add(dense, handover.data["indices"], ops.cast(received, ops.dtype(dense)))
+        return ops.cast(dense, handover.dtype)

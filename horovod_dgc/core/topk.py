@@ -1,4 +1,4 @@
-"""Top-k sparsification with error feedback (TopK-SGD), ALGORITHMS.md section 2.
+"""Top-k sparsification with error feedback (TopK-SGD), docs/algorithms.md#topk.
 
 ``p = g + e; s = topk(p, k); e = p - s``: nothing is lost, only delayed.
 """
@@ -10,7 +10,8 @@ from .config import SparseConfig
 from .memory import ResidualMemory
 from .ops import Tensor, TensorOps
 from .selection import select_exact
-from .sparse import SparseMethod, StepContext
+from .method import CompressCall
+from .sparse import SparseMethod
 
 
 @dataclass(frozen=True)
@@ -29,5 +30,5 @@ class TopK(SparseMethod):
     def make_memory(self) -> ResidualMemory:
         return ResidualMemory()
 
-    def select(self, ops: TensorOps, x: Tensor, k: int, ctx: StepContext) -> Tensor:
+    def select(self, ops: TensorOps, x: Tensor, k: int, call: CompressCall) -> Tensor:
         return select_exact(ops, x, k)

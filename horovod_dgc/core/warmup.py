@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from .config import require_fraction
+from .validation import require_fraction, require_non_negative_int
 
 
 @dataclass(frozen=True)
@@ -26,8 +26,7 @@ class DensitySchedule:
     def __post_init__(self) -> None:
         require_fraction("density", self.final_density)
         require_fraction("warmup_factor", self.factor)
-        if not isinstance(self.warmup_epochs, int) or self.warmup_epochs < 0:
-            raise ValueError(f"warmup_epochs must be an integer >= 0, got {self.warmup_epochs!r}")
+        require_non_negative_int("warmup_epochs", self.warmup_epochs)
         if self.densities is not None:
             for d in self.densities:
                 require_fraction("warmup_densities entry", d)

@@ -11,11 +11,14 @@ Layout of a sparse message for one tensor (native byte order, every part 8-byte 
 for a tensor: Horovod's response cache keeps its fast path, and the receiver finds rank r's
 message at ``r * nbytes``. Unused slots (``count < capacity``) hold index 0 and value 0.
 
-The receiver checks every header against what it expects and raises :class:`MessageError`
-naming the sending rank and the tensor on any difference.
+:func:`receive` is the one way in for every family: it checks the size of what a collective
+delivered and every header in it against what this rank expects, in one vectorised
+comparison, and raises :class:`MessageError` naming the sending rank and the tensor on any
+difference (adapters never read or write header words).
 """
 from __future__ import annotations
 
+import struct
 import zlib
 from dataclasses import dataclass
 from typing import Any, List, Sequence, Tuple
@@ -26,6 +29,7 @@ MAGIC = 0x44474331  # "DGC" and format version 1
 HEADER_FIELDS = ("magic", "method", "tensor id", "numel (low)", "numel (high)", "capacity",
                  "count", "second part dtype", "first part dtype", "sender rank", "step", "flags")
 HEADER_WORDS = len(HEADER_FIELDS)
+HEADER_BYTES = HEADER_WORDS * 4
 ALIGN_BYTES = 8
 
 DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3, "int32": 4, "int64": 5, "uint8": 6}
@@ -85,26 +89,33 @@ class Layout:
     @property
     def nbytes(self) -> int:
         """Size of the whole message in bytes."""
-        return HEADER_WORDS * 4 + sum(self.part_bytes(i) for i in range(len(self.parts)))
+        return HEADER_BYTES + sum(self.part_bytes(i) for i in range(len(self.parts)))
 
-    def header(self, rank: int, step: int, count: Any, flags: Any) -> List[Any]:
+    def header(self, rank: Any, step: Any, count: Any, flags: Any) -> List[Any]:
+        """The header words of a message from ``rank`` at ``step`` (Python ints or 0-d
+        integer tensors, so a graph can write run-time values)."""
         codes = [DTYPE_CODES[dtype] for dtype, _ in self.parts] + [0, 0]
         return [MAGIC, self.method_id, tensor_id(self.name), self.numel % _INT31,
                 self.numel // _INT31, self.capacity, count, codes[1], codes[0],
                 rank, step % _INT31, flags]
 
-    def check(self, words: Sequence[int], rank: int, step: int) -> None:
-        """Raise MessageError unless ``words`` is a valid header from ``rank`` for this
-        tensor at ``step``."""
-        expected = self.header(rank, step, 0, 0)
+    def bounds(self, rank: Any, step: Any) -> Tuple[List[Any], List[Any]]:
+        """(lowest, highest) accepted value of each header word of a message from ``rank``
+        at ``step``: every word is fixed but the count (0 to capacity) and the flags."""
+        low = self.header(rank, step, 0, 0)
+        high = self.header(rank, step, self.capacity, FLAG_SKIPPED)
+        return low, high
+
+    def diagnose(self, words: Sequence[int], rank: int, step: int) -> None:
+        """Raise MessageError, naming the field, unless ``words`` is a valid header from
+        ``rank`` for this tensor at ``step``."""
         if len(words) != HEADER_WORDS:
             self._fail(rank, f"header has {len(words)} words, expected {HEADER_WORDS}")
-        for field, got, want in zip(HEADER_FIELDS, words, expected):
-            if field not in ("count", "flags") and got != want:
-                self._fail(rank, f"{field} is {got}, expected {want}")
-        count = words[HEADER_FIELDS.index("count")]
-        if not 0 <= count <= self.capacity:
-            self._fail(rank, f"count is {count}, capacity {self.capacity}")
+        low, high = self.bounds(rank, step)
+        for field, got, least, most in zip(HEADER_FIELDS, words, low, high):
+            if not least <= got <= most:
+                wanted = least if least == most else f"{least} to {most}"
+                self._fail(rank, f"{field} is {got}, expected {wanted}")
 
     def _fail(self, rank: int, detail: str) -> None:
         raise MessageError(f"rank {rank} sent a malformed message for tensor "
@@ -144,17 +155,6 @@ def encode_parts(ops: TensorOps, layout: Layout, header: List[Any], parts: Seque
     return ops.concat(encoded)
 
 
-def split_parts(ops: TensorOps, message: Tensor, layout: Layout) -> Tuple[Tensor, List[Tensor]]:
-    """(header words, parts) of one message, without checking them."""
-    offset = HEADER_WORDS * 4
-    header = ops.from_bytes(ops.slice(message, 0, offset), "int32")
-    parts = []
-    for i, (dtype, count) in enumerate(layout.parts):
-        parts.append(ops.from_bytes(ops.slice(message, offset, count * DTYPE_BYTES[dtype]), dtype))
-        offset += layout.part_bytes(i)
-    return header, parts
-
-
 def encode(ops: TensorOps, layout: MessageLayout, header: List[Any], indices: Tensor,
            values: Tensor) -> Tensor:
     """A sparse message; ``indices`` and ``values`` already hold ``capacity`` entries in
@@ -162,7 +162,70 @@ def encode(ops: TensorOps, layout: MessageLayout, header: List[Any], indices: Te
     return encode_parts(ops, layout, header, [indices, values])
 
 
-def split(ops: TensorOps, message: Tensor, layout: MessageLayout) -> Tuple[Tensor, Tensor, Tensor]:
-    """(header words, indices, values) of one sparse message, without checking them."""
-    header, (indices, values) = split_parts(ops, message, layout)
-    return header, indices, values
+def parts_of(ops: TensorOps, message: Tensor, layout: Layout) -> List[Tensor]:
+    """The parts of one message (its header is not read)."""
+    offset, parts = HEADER_BYTES, []
+    for i, (dtype, count) in enumerate(layout.parts):
+        parts.append(ops.from_bytes(ops.slice(message, offset, count * DTYPE_BYTES[dtype]), dtype))
+        offset += layout.part_bytes(i)
+    return parts
+
+
+Expected = Tuple[Layout, Any]  # a message's layout and its sender's rank (int or 0-d tensor)
+
+
+def receive(ops: TensorOps, data: Tensor, expected: Sequence[Expected], step: Any,
+            receiver: Any = None) -> List[List[Tensor]]:
+    """The parts of each message in ``data``, the concatenation of one message per entry of
+    ``expected``, after checking the total size and every header at once (one comparison;
+    ``step`` may be a run-time tensor). On any difference :class:`MessageError` names the
+    first sending rank and tensor that differ, or the receiving rank ``receiver`` when only
+    the size differs."""
+    total = sum(layout.nbytes for layout, _ in expected)
+    size_ok = ops.size(data) == total
+    fitted = ops.fit(data, total)
+    offsets = _offsets(expected)
+    headers = ops.from_bytes(ops.concat([ops.slice(fitted, offset, HEADER_BYTES)
+                                         for offset in offsets]), "int32")
+    low, high = [], []
+    for layout, sender in expected:
+        least, most = layout.bounds(sender, step)
+        low += least
+        high += most
+    valid = ops.all_within(headers, ops.constant(low, "int32", like=headers),
+                           ops.constant(high, "int32", like=headers))
+    senders = ops.constant([sender for _, sender in expected], "int64", like=headers)
+    fitted = ops.verify(ops.where(size_ok, valid, False), [data, senders, step],
+                        lambda values, ranks, at: _diagnose(values, ranks, at, expected, total, receiver),
+                        fitted)
+    return [parts_of(ops, ops.slice(fitted, offset, layout.nbytes), layout)
+            for offset, (layout, _) in zip(offsets, expected)]
+
+
+def _offsets(expected: Sequence[Expected]) -> List[int]:
+    offsets, offset = [], 0
+    for layout, _ in expected:
+        offsets.append(offset)
+        offset += layout.nbytes
+    return offsets
+
+
+def _diagnose(data: Sequence[int], senders: Sequence[int], step: int,
+              expected: Sequence[Expected], total: int, receiver: Any) -> None:
+    """Raise MessageError for the first message whose header is wrong, read where it should
+    be (with the size difference, if any, as context)."""
+    names = ", ".join(repr(name) for name in sorted({layout.name for layout, _ in expected}))
+    where = "" if receiver is None else f" on rank {receiver}"
+    size_note = "" if len(data) == total else (
+        f"; received {len(data)} bytes for tensor(s) {names}{where}, expected {total} (a "
+        f"different density or tensor set on some rank?)")
+    raw = bytes(int(b) & 0xFF for b in data)
+    for offset, (layout, _), sender in zip(_offsets(expected), expected, senders):
+        if offset + HEADER_BYTES > len(raw):
+            break
+        words = list(struct.unpack(f"={HEADER_WORDS}i", raw[offset:offset + HEADER_BYTES]))
+        try:
+            layout.diagnose(words, int(sender), int(step))
+        except MessageError as error:
+            raise MessageError(f"{error}{size_note}") from None
+    raise MessageError(f"the messages are malformed{size_note or f' for tensor(s) {names}{where}'}")

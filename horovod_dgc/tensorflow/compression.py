@@ -33,16 +33,14 @@ import tensorflow as tf
 from horovod.tensorflow.compression import Compression as HorovodCompression
 from horovod.tensorflow.compression import Compressor
 
-from ..core import DGC, DGCConfig, GaussianK, GaussianKConfig, TopK, TopKConfig
-from ..core.blocksign import BlockSign, BlockSignConfig
+from ..core.collectives import ALLGATHER
 from ..core.controls import CompressorControls
-from ..core.exchange import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST
-from ..core.scalecom import ScaleCom, ScaleComConfig
+from ..core.method import Method
+from ..core.methods import METHODS, MethodSpec, spec_of
 from ..core.wire import tensor_id
+from .collectives import PREFIX, run
 from .engine import Engine
 from .twostage import TwoStageEngine
-
-ALLGATHER_PREFIX = "horovod_dgc."
 # Each rank all-reduces 1.0: Horovod's average is 1.0 only with op=hvd.Average.
 _PLACEHOLDER_VALUE = 1.0
 
@@ -57,7 +55,7 @@ def collective_name(name: str, occurrence: int = 0) -> str:
     """The allgather's name for tensor ``name``: a valid op name, unique per tensor (the
     crc32 of the name tells apart names that differ only in replaced characters)."""
     safe = re.sub(r"[^A-Za-z0-9_.]", "_", name)
-    base = f"{ALLGATHER_PREFIX}{safe}.{tensor_id(name) & 0xFFFFFFFF:08x}"
+    base = f"{PREFIX}{safe}.{tensor_id(name) & 0xFFFFFFFF:08x}"
     return f"{base}.{occurrence}" if occurrence else base
 
 
@@ -80,8 +78,8 @@ def _outermost_graph(tensor: tf.Tensor) -> Optional[tf.Graph]:
     return graph
 
 
-class _Pending:
-    """Context between compress and decompress: how to finish the exchange."""
+class DeferredUpdate:
+    """Horovod's ``ctx`` between compress and decompress: how to finish the exchange."""
 
     __slots__ = ("finish",)
 
@@ -101,7 +99,7 @@ class MethodCompressor(CompressorControls, Compressor):
 
     engine_class = Engine
 
-    def __init__(self, method, variables: Optional[Iterable[Any]] = None):
+    def __init__(self, method: Method, variables: Optional[Iterable[Any]] = None):
         self.method = method
         self.config = method.config
         self._variables: List[Tuple[str, Any]] = []
@@ -135,7 +133,7 @@ class MethodCompressor(CompressorControls, Compressor):
         if self._engine is None:
             if not self._variables:
                 raise ValueError(f"{type(self.method).__name__} keeps a memory per tensor and needs "
-                                 f"the variables: Compression.{type(self.method).__name__.lower()}"
+                                 f"the variables: Compression.{spec_of(self.method).name}"
                                  f"(variables=model.trainable_variables, ...)")
             specs = [tf.TensorSpec(v.shape, v.dtype, name) for name, v in self._variables]
             self._engine = self.engine_class(self.method, specs, world_size=hvd.size(),
@@ -152,17 +150,30 @@ class MethodCompressor(CompressorControls, Compressor):
 
     def check_optimizer(self, optimizer: Any) -> None:
         """Raise ValueError if the Keras ``optimizer`` applying the result would apply the
-        momentum or weight decay the compressor already applies (DGC's). The Keras callback
-        :class:`~horovod_dgc.tensorflow.callbacks.CompressionWarmup` calls it at the start
-        of ``fit``; call it yourself in a custom loop."""
+        momentum the compressor already applies (with a config that
+        :attr:`~horovod_dgc.core.CompressionConfig.needs_plain_optimizer`: DGC's, blocksign's
+        with momentum): any optimizer but SGD (Adam, RMSprop, ... keep moments of their own),
+        or SGD with momentum, or weight decay on both sides. The Keras callback
+        :class:`~horovod_dgc.tensorflow.callbacks.CompressionWarmup` calls it at the start of
+        ``fit``; call it yourself in a custom loop."""
+        if not self.config.needs_plain_optimizer:
+            return
         settings = optimizer.get_config()
+        label = settings.get("name", type(optimizer).__name__)
+        if not any(base.__name__ == "SGD" for base in type(optimizer).__mro__):
+            raise ValueError(
+                f"the compressor applies momentum itself ({type(self.config).__name__} momentum="
+                f"{self.config.momentum}), but the optimizer {label!r} "
+                f"({type(optimizer).__name__}) keeps state of its own and would apply it a "
+                f"second time: use SGD without momentum, or a method that keeps a plain "
+                f"residual (topk, gaussiank, scalecom), which works under any optimizer")
         for key in ("momentum", "weight_decay"):
             mine, theirs = getattr(self.config, key, 0.0), settings.get(key) or 0.0
             if mine and theirs:
                 raise ValueError(
-                    f"the optimizer {settings.get('name', type(optimizer).__name__)!r} has "
-                    f"{key}={theirs} but the compressor applies {key}={mine} itself: give the "
-                    f"optimizer {key}=0 (plain SGD applies DGC's result)")
+                    f"the optimizer {label!r} has {key}={theirs} but the compressor applies "
+                    f"{key}={mine} itself: give the optimizer {key}=0 (plain SGD applies the "
+                    f"compressor's result)")
 
     # -- Horovod's interface -----------------------------------------------------------------------
     def _lookup(self, tensor: tf.Tensor) -> Tuple[str, Any, int]:
@@ -197,10 +208,10 @@ class MethodCompressor(CompressorControls, Compressor):
         value = tf.where(step >= 0, _PLACEHOLDER_VALUE, 0.0)
         placeholder = tf.fill([1], value, name=f"{collective}.placeholder")
         engine.record_placeholder(placeholder.dtype.size)
-        return placeholder, _Pending(finish)
+        return placeholder, DeferredUpdate(finish)
 
     @tf.autograph.experimental.do_not_convert
-    def decompress(self, tensor: tf.Tensor, ctx: Optional[_Pending]) -> tf.Tensor:
+    def decompress(self, tensor: tf.Tensor, ctx: Optional[DeferredUpdate]) -> tf.Tensor:
         if ctx is None:
             return tensor
         ops = self.engine.ops
@@ -223,9 +234,9 @@ class SparseCompressor(MethodCompressor):
 
     def start_exchange(self, name: str, tensor: tf.Tensor, variable: Any,
                        collective: str) -> Tuple[tf.Tensor, Callable[[], tf.Tensor]]:
-        outcome = self.engine.compress(name, tensor, variable)
-        gathered = hvd.allgather(outcome.message, name=collective, ignore_name_scope=True)
-        return outcome.step, lambda: self.engine.decompress(gathered, outcome)
+        message = self.engine.compress(name, tensor, variable)
+        gathered = run(ALLGATHER, message.message, collective)
+        return message.step, lambda: self.engine.decompress(gathered, message)
 
 
 class TwoStageCompressor(MethodCompressor):
@@ -237,28 +248,26 @@ class TwoStageCompressor(MethodCompressor):
 
     def start_exchange(self, name: str, tensor: tf.Tensor, variable: Any,
                        collective: str) -> Tuple[tf.Tensor, Callable[[], tf.Tensor]]:
-        update, step = self.engine.exchange(name, tensor, variable, horovod_collective, collective)
+        update, step = self.engine.exchange(name, tensor, variable, run, collective)
         return step, lambda: update
 
 
-def horovod_collective(kind: str, message: tf.Tensor, name: str, root: Any) -> tf.Tensor:
-    """Horovod's collective ``kind`` on ``message``. A broadcast whose root is known only at
-    run time (ScaleCom's leader) is an allgather to which only the root contributes."""
-    if kind == BROADCAST:
-        mine = tf.cond(tf.equal(tf.cast(root, tf.int64), hvd.rank()),
-                       lambda: message, lambda: message[:0])
-        return hvd.allgather(mine, name=name, ignore_name_scope=True)
-    if kind == ALLREDUCE:
-        return hvd.allreduce(message, op=hvd.Average, name=name, ignore_name_scope=True)
-    if kind == ALLTOALL:
-        return hvd.alltoall(message, name=name, ignore_name_scope=True)
-    if kind == ALLGATHER:
-        return hvd.allgather(message, name=name, ignore_name_scope=True)
-    raise ValueError(f"unknown collective {kind!r}")
+COMPRESSORS = {"sparse": SparseCompressor, "two-stage": TwoStageCompressor}
+
+
+def _factory(spec: MethodSpec) -> Callable[..., MethodCompressor]:
+    def factory(variables: Optional[Iterable[Any]] = None, **options) -> MethodCompressor:
+        return COMPRESSORS[spec.family](spec.build(**options), variables)
+
+    factory.__name__ = spec.name
+    factory.__doc__ = (f"{spec.summary[0].upper()}{spec.summary[1:]}; options: "
+                       f":class:`~{spec.config.__module__}.{spec.config.__name__}`.")
+    return factory
 
 
 class Compression:
-    """Horovod's ``Compression`` namespace plus the sparse methods.
+    """Horovod's ``Compression`` namespace plus every method of the table
+    (:mod:`horovod_dgc.core.methods`): ``Compression.dgc(...)``, ``Compression.topk(...)``, ...
 
     ``none`` and ``fp16`` are Horovod's own. The factories take ``variables=`` (the model's
     ``trainable_variables``, in the order given to ``tape.gradient``) and the method's options
@@ -270,29 +279,6 @@ class Compression:
     none = HorovodCompression.none
     fp16 = HorovodCompression.fp16
 
-    @staticmethod
-    def dgc(variables: Optional[Iterable[Any]] = None, **options) -> SparseCompressor:
-        """Deep Gradient Compression; options: :class:`~horovod_dgc.core.DGCConfig`."""
-        return SparseCompressor(DGC(DGCConfig(**options)), variables)
 
-    @staticmethod
-    def topk(variables: Optional[Iterable[Any]] = None, **options) -> SparseCompressor:
-        """Exact top-k with error feedback; options: :class:`~horovod_dgc.core.TopKConfig`."""
-        return SparseCompressor(TopK(TopKConfig(**options)), variables)
-
-    @staticmethod
-    def gaussiank(variables: Optional[Iterable[Any]] = None, **options) -> SparseCompressor:
-        """Gaussian-k with error feedback; options: :class:`~horovod_dgc.core.GaussianKConfig`."""
-        return SparseCompressor(GaussianK(GaussianKConfig(**options)), variables)
-
-    @staticmethod
-    def scalecom(variables: Optional[Iterable[Any]] = None, **options) -> TwoStageCompressor:
-        """ScaleCom's cyclic local top-k, values all-reduced; options:
-        :class:`~horovod_dgc.core.scalecom.ScaleComConfig`."""
-        return TwoStageCompressor(ScaleCom(ScaleComConfig(**options)), variables)
-
-    @staticmethod
-    def blocksign(variables: Optional[Iterable[Any]] = None, **options) -> TwoStageCompressor:
-        """Blockwise scaled 1-bit sign with worker and server error feedback; options:
-        :class:`~horovod_dgc.core.blocksign.BlockSignConfig`."""
-        return TwoStageCompressor(BlockSign(BlockSignConfig(**options)), variables)
+for _spec in METHODS:
+    setattr(Compression, _spec.name, staticmethod(_factory(_spec)))

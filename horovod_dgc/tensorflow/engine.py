@@ -8,8 +8,8 @@ TensorFlow op:
 
 * memories, step counters and statistics are ``tf.Variable``s, all created when the engine is
   built (``tf.function`` accepts new variables only on a function's first trace);
-* a message's header carries the step counter's value at run time (see :meth:`_decode_checked`
-  for how it is checked on arrival);
+* a message's header carries the step counter's value at run time, and the core checks it
+  against that run-time value on arrival;
 * the warm-up density is chosen at run time among the schedule's few densities
   (``tf.switch_case`` on a variable that :meth:`set_epoch` assigns), since each density has
   its own message size and a traced graph would otherwise keep the density of its trace.
@@ -20,25 +20,23 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
-import numpy as np
 import tensorflow as tf
 
-from ..core.sparse import SparseMethod, StepContext, decode_and_average
-from ..core.state import check_method, state_frame
+from ..core.method import CompressCall, Method
+from ..core.state import check_loadable, state_frame
 from ..core.stats import CompressionStats
-from ..core.wire import HEADER_FIELDS, HEADER_WORDS, MessageLayout
-from .ops import TFOps, checked_call, dtype_name
+from ..core.wire import MessageLayout
+from .ops import TFOps, dtype_name
 
 State = Dict[str, tf.Variable]
-_STEP_BYTE = HEADER_FIELDS.index("step") * 4  # where the step word starts in a message
-_INT31 = 2 ** 31
 _TOTALS = {"bytes_sent": tf.int64, "dense_bytes": tf.int64, "elements_sent": tf.int64,
            "elements_compressed": tf.int64, "selection_time_s": tf.float64}
 
 
 @dataclass
-class SparseOutcome:
-    """A compressed tensor: its message, and what decompress needs to rebuild it.
+class TracedMessage:
+    """A compressed tensor's sparse message in a graph, and what decompress needs to rebuild
+    it.
 
     ``layouts`` has one entry per density of the schedule; ``density_index`` says which one
     the message follows.
@@ -62,7 +60,7 @@ class Engine:
         world_size, rank: the number of workers and this one.
     """
 
-    def __init__(self, method: SparseMethod, tensors: Sequence[tf.TensorSpec], world_size: int,
+    def __init__(self, method: Method, tensors: Sequence[tf.TensorSpec], world_size: int,
                  rank: int):
         self.method = method
         self.ops = TFOps()
@@ -75,6 +73,7 @@ class Engine:
             self._density_index = tf.Variable(self.densities.index(self.density), trainable=False,
                                               name="horovod_dgc/density_index")
             self._states = {spec.name: self._new_state(spec) for spec in tensors}
+            self._numels = {spec.name: spec.shape.num_elements() for spec in tensors}
             self._steps = {spec.name: tf.Variable(tf.constant(0, tf.int64), trainable=False,
                                                   name=f"horovod_dgc/{spec.name}/step")
                            for spec in tensors}
@@ -91,7 +90,7 @@ class Engine:
         if self.passes_through(spec):
             return {}
         flat = tf.TensorSpec([spec.shape.num_elements()], spec.dtype)
-        initial = self.method.init_state(self.ops, flat, self.compresses(spec))
+        initial = self.method.init_state(self.ops, flat, self.compresses(spec), self.world_size)
         return {key: tf.Variable(value, trainable=False, name=f"horovod_dgc/{spec.name}/{key}")
                 for key, value in initial.items()}
 
@@ -155,11 +154,13 @@ class Engine:
         self._steps_at_reset = self._max_step()
 
     def _check_loadable(self, state: dict) -> None:
-        check_method(state, self.method)
-        if (state["world_size"], state["rank"]) != (self.world_size, self.rank):
-            raise ValueError(f"compressor state was saved by rank {state['rank']} of "
-                             f"{state['world_size']} workers; this is rank {self.rank} of "
-                             f"{self.world_size}")
+        numels = {name: self._numels[name] for name in self._states}
+        memories = {name: {key: tf.constant(value) for key, value in tensors.items()}
+                    for name, tensors in state.get("states", {}).items()}
+        check_loadable(self.ops, {**state, "states": memories}, self.method, numels,
+                       self.world_size, self.rank,
+                       "load every rank's part with horovod_dgc.tensorflow.checkpoint."
+                       "redistribute(parts, world_size, rank) instead")
         if set(state["states"]) != set(self._states) or set(state["steps"]) != set(self._steps):
             raise ValueError(f"compressor state holds tensors {sorted(state['states'])[:5]}..., "
                              f"this compressor {sorted(self._states)[:5]}...: another model?")
@@ -167,11 +168,6 @@ class Engine:
             if set(tensors) != set(self._states[name]):
                 raise ValueError(f"compressor state of tensor {name!r} holds {sorted(tensors)}, "
                                  f"expected {sorted(self._states[name])}")
-            for key, value in tensors.items():
-                want = tuple(self._states[name][key].shape)
-                if np.shape(value) != want:
-                    raise ValueError(f"compressor state of tensor {name!r} has shape "
-                                     f"{np.shape(value)} in {key!r}, expected {want}")
 
     # -- which path -------------------------------------------------------------------------
     def compresses(self, tensor: Any) -> bool:
@@ -193,10 +189,10 @@ class Engine:
         for key, value in state.items():
             self._states[name][key].assign(value)
 
-    def _context(self, name: str, step: tf.Tensor, density: float,
-                 param: Optional[Any]) -> StepContext:
+    def _call(self, name: str, step: tf.Tensor, density: float,
+                param: Optional[Any]) -> CompressCall:
         flat_param = None if param is None else tf.reshape(tf.convert_to_tensor(param), [-1])
-        return StepContext(name=name, rank=self.rank, world_size=self.world_size, step=step,
+        return CompressCall(name=name, rank=self.rank, world_size=self.world_size, step=step,
                            density=density, param=flat_param)
 
     def _by_density(self, index: tf.Tensor, fn: Callable[[int], Any]) -> Any:
@@ -206,7 +202,7 @@ class Engine:
         return tf.switch_case(index, [functools.partial(fn, i) for i in range(len(self.densities))])
 
     # -- the two paths ------------------------------------------------------------------------
-    def compress(self, name: str, grad: tf.Tensor, param: Optional[Any]) -> SparseOutcome:
+    def compress(self, name: str, grad: tf.Tensor, param: Optional[Any]) -> TracedMessage:
         """Sparse message for a tensor that :meth:`compresses`."""
         started = tf.timestamp()
         flat = tf.reshape(grad, [-1])
@@ -218,7 +214,7 @@ class Engine:
 
         def at_density(i: int) -> Tuple[tf.Tensor, Dict[str, tf.Tensor], tf.Tensor]:
             result = self.method.compress(self.ops, state, flat,
-                                          self._context(name, step, self.densities[i], param))
+                                          self._call(name, step, self.densities[i], param))
             return result.message, result.state, tf.cast(result.count, tf.int64)
 
         with tf.control_dependencies([started]):
@@ -229,87 +225,28 @@ class Engine:
         nbytes = tf.gather(tf.constant([layout.nbytes for layout in layouts], tf.int64), index)
         self._record(bytes_sent=nbytes, dense_bytes=numel * grad.dtype.size, elements_sent=count,
                      elements_compressed=numel, selection_time_s=elapsed)
-        return SparseOutcome(name, message, layouts, index, step, grad.shape, grad.dtype)
+        return TracedMessage(name, message, layouts, index, step, grad.shape, grad.dtype)
 
     def dense(self, name: str, grad: tf.Tensor, param: Optional[Any]) -> tf.Tensor:
         """What to all-reduce for a tensor that does not compress."""
         flat = tf.reshape(grad, [-1])
         step = self._next_step(name)
         update, state = self.method.dense(self.ops, self._read_state(name), flat,
-                                          self._context(name, step, self.density, param))
+                                          self._call(name, step, self.density, param))
         self._assign_state(name, state)
         nbytes = flat.shape.num_elements() * grad.dtype.size
         self._record(bytes_sent=nbytes, dense_bytes=nbytes)
         return tf.reshape(tf.cast(update, grad.dtype), grad.shape)
 
-    def decompress(self, gathered: tf.Tensor, outcome: SparseOutcome) -> tf.Tensor:
-        """Averaged dense gradient of ``outcome`` from the allgather of every rank's message."""
-        flat = self._by_density(outcome.density_index, lambda i: self._decode(
-            gathered, outcome.layouts[i], outcome.step, outcome.dtype))
-        return tf.reshape(flat, outcome.shape)
+    def decompress(self, gathered: tf.Tensor, message: TracedMessage) -> tf.Tensor:
+        """Averaged dense gradient of ``message``'s tensor from the allgather of every rank's
+        message; the core checks every header against the run-time step."""
+        def decode(i: int) -> tf.Tensor:
+            with self.ops.guards() as guards:
+                flat = self.method.decompress(self.ops, gathered, [message.layouts[i]],
+                                              self.world_size, message.step,
+                                              [dtype_name(message.dtype)])[0]
+            with tf.control_dependencies(guards):
+                return tf.identity(flat)
 
-    # -- arrival checks -------------------------------------------------------------------------
-    def _decode(self, gathered: tf.Tensor, layout: MessageLayout, step: tf.Tensor,
-                dtype: tf.DType) -> tf.Tensor:
-        expected = self.world_size * layout.nbytes
-        return tf.cond(tf.equal(tf.size(gathered), expected),
-                       lambda: self._decode_checked(_fit(gathered, expected), layout, step, dtype),
-                       lambda: self._refuse(gathered, layout, step, dtype))
-
-    def _decode_checked(self, gathered: tf.Tensor, layout: MessageLayout, step: tf.Tensor,
-                        dtype: tf.DType) -> tf.Tensor:
-        """Decode messages of the expected total size.
-
-        The core checks each header against a step known when the graph is built; here the
-        step is the counter's run-time value. So the step words are compared with it first
-        (on a difference, the core's full header check runs with the run-time step and names
-        the rank), then zeroed, and the core decodes with step 0.
-        """
-        rows = tf.reshape(gathered, [self.world_size, layout.nbytes])
-        headers = tf.bitcast(tf.reshape(rows[:, :HEADER_WORDS * 4], [-1, HEADER_WORDS, 4]), tf.int32)
-        wire_step = tf.cast(step % _INT31, tf.int32)
-        steps_agree = tf.reduce_all(tf.equal(headers[:, HEADER_FIELDS.index("step")], wire_step))
-        steps_checked = tf.cond(steps_agree, lambda: tf.constant(True),
-                                lambda: self._check_headers(headers, layout, step))
-        zero_steps = tf.zeros([self.world_size, 4], tf.uint8)
-        rows = tf.concat([rows[:, :_STEP_BYTE], zero_steps, rows[:, _STEP_BYTE + 4:]], 1)
-        with self.ops.guards() as guards:
-            flat = decode_and_average(self.ops, tf.reshape(rows, [-1]), [layout], self.world_size,
-                                      0, [dtype_name(dtype)])[0]
-        with tf.control_dependencies([steps_checked, *guards]):
-            return tf.identity(flat)
-
-    def _check_headers(self, headers: tf.Tensor, layout: MessageLayout, step: tf.Tensor) -> tf.Tensor:
-        def check(words: tf.Tensor, step_value: tf.Tensor) -> None:
-            for rank, header in enumerate(words.numpy().tolist()):
-                layout.check(header, rank, int(step_value))
-
-        with tf.control_dependencies(_ops(checked_call(check, [headers, step]))):
-            return tf.constant(True)
-
-    def _refuse(self, gathered: tf.Tensor, layout: MessageLayout, step: tf.Tensor,
-                dtype: tf.DType) -> tf.Tensor:
-        """Messages of another total size: the core, run on the bytes as they are, names the
-        first rank whose header differs."""
-        def diagnose(data: tf.Tensor, step_value: tf.Tensor) -> None:
-            decode_and_average(self.ops, data, [layout], self.world_size, int(step_value),
-                               [dtype_name(dtype)])
-
-        with tf.control_dependencies(_ops(checked_call(diagnose, [gathered, step]))):
-            return tf.zeros([layout.numel], dtype)
-
-
-def _fit(data: tf.Tensor, length: int) -> tf.Tensor:
-    """``data`` cut or zero-padded to ``length`` elements, with that static length.
-
-    Not ``tf.reshape(data, [length])``: Horovod's collectives are stateless ops to TensorFlow,
-    and Grappler's shape inference takes such a reshape, even in the branch not taken, as a
-    fact about the allgather's output, folds the size test to true and drops the other branch.
-    """
-    padding = tf.zeros(tf.maximum(length - tf.size(data), 0)[None], data.dtype)
-    return tf.reshape(tf.concat([data[:length], padding], 0), [length])
-
-
-def _ops(op: Optional[tf.Operation]) -> list:
-    """Control inputs: ``op``, or none when executing eagerly (the check already ran)."""
-    return [] if op is None else [op]
+        return tf.reshape(self._by_density(message.density_index, decode), message.shape)

@@ -331,19 +331,45 @@ class TFOps(TensorOps):
         bits = tf.bitwise.bitwise_and(tf.bitwise.right_shift(packed[:, None], shifts), 1)
         return tf.cast(tf.reshape(bits, [-1]), DTYPES[dtype]) * 2 - 1
 
-    def inspect(self, x: tf.Tensor, check: Callable[[list], None]) -> None:
-        if tf.executing_eagerly():
-            check(x.numpy().tolist())
-        elif not self._dry_runs:
-            self._guard(checked_call(lambda values: check(values.numpy().tolist()), [x]))
+    def fit(self, data: tf.Tensor, length: int) -> tf.Tensor:
+        """Not ``tf.reshape(data, [length])``: Horovod's collectives are stateless ops to
+        TensorFlow, and Grappler's shape inference takes such a reshape, even in a branch not
+        taken, as a fact about the collective's output and folds the size check away."""
+        padding = tf.zeros(tf.maximum(length - tf.size(data), 0)[None], data.dtype)
+        return tf.reshape(tf.concat([data[:length], padding], 0), [length])
 
-    # -- control flow -------------------------------------------------------------------------
+    def all_within(self, x: tf.Tensor, low: tf.Tensor, high: tf.Tensor) -> tf.Tensor:
+        return tf.reduce_all(tf.logical_and(x >= low, x <= high))
+
     def check(self, pred: Scalar, error: Exception) -> None:
         if isinstance(pred, bool) or tf.executing_eagerly():
             if not bool(pred):
                 raise error
         elif not self._dry_runs:
             self._guard(tf.debugging.Assert(pred, [f"{type(error).__name__}: {error}"]))
+
+    def verify(self, pred: Scalar, inputs: Sequence[Any], explain: Callable[..., None],
+               result: tf.Tensor) -> tf.Tensor:
+        def explained(*values: Any) -> None:
+            explain(*[_host_value(v) for v in values])
+            raise AssertionError("a check failed and its explanation raised nothing")
+
+        if isinstance(pred, bool) or tf.executing_eagerly():
+            if not bool(pred):
+                explained(*inputs)
+            return result
+        if self._dry_runs:
+            return result
+        tensors = [tf.convert_to_tensor(x) for x in inputs]
+
+        def failing() -> tf.Tensor:
+            with tf.control_dependencies([checked_call(explained, tensors)]):
+                return tf.constant(False)
+
+        guard = tf.cond(pred, lambda: tf.constant(True), failing)
+        self._guard(guard.op)
+        with tf.control_dependencies([guard]):
+            return tf.identity(result)
 
     def while_loop(self, cond: Callable[..., Scalar], body: Callable[..., Tuple],
                    loop_vars: Tuple, max_iterations: int) -> Tuple:
@@ -377,6 +403,13 @@ class TFOps(TensorOps):
             return branch
 
         return tf.cond(pred, normalised(true_fn), normalised(false_fn))
+
+
+def _host_value(value: Any) -> Any:
+    """A tensor's value as a Python list or number; anything else as it is."""
+    if isinstance(value, (tf.Tensor, tf.Variable)):
+        return value.numpy().tolist()
+    return value
 
 
 def _as_tensor_like(value: Any, like: Any) -> tf.Tensor:

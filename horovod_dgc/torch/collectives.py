@@ -1,10 +1,10 @@
-"""Horovod collectives by kind, as the two-stage methods name them (core/exchange.py)."""
+"""Horovod collectives by kind (the kinds of core/collectives.py), named uniquely."""
 from __future__ import annotations
 
 import horovod.torch as hvd
 import torch
 
-from ..core.exchange import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST
+from ..core.collectives import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST
 
 PREFIX = "horovod_dgc."
 

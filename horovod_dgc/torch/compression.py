@@ -11,35 +11,25 @@ from __future__ import annotations
 import dataclasses
 import gc
 import threading
-from typing import Dict, Iterable, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import horovod.torch as hvd
 import torch
 from horovod.torch.compression import Compression as HorovodCompression
 from horovod.torch.compression import Compressor
 
-from ..core import DGC, DGCConfig, GaussianK, GaussianKConfig, TopK, TopKConfig
-from ..core.blocksign import BlockSign, BlockSignConfig
-from ..core.exchange import ALLGATHER
-from ..core.scalecom import ScaleCom, ScaleComConfig
+from ..core.collectives import ALLGATHER, join, split
 from ..core.controls import CompressorControls
-from .collectives import PREFIX, launch, wait
-from .engine import Engine, SparseOutcome
+from ..core.method import Method
+from ..core.methods import METHODS, MethodSpec, spec_of
+from ..core.twostage import StageHandover
+from .collectives import launch, wait
+from .engine import Engine, OutgoingMessage
 
 NamedParameters = Iterable[Tuple[str, torch.nn.Parameter]]
-
-
-class _Pending:
-    """Context between compress and decompress: the allgather handle and the outcome."""
-
-    __slots__ = ("handle", "outcome")
-
-    def __init__(self, handle: int, outcome: SparseOutcome):
-        self.handle, self.outcome = handle, outcome
-
-    @property
-    def step(self) -> int:
-        return self.outcome.step
+# What one tensor brings to an exchange: its name, gradient and parameter.
+Entry = Tuple[str, torch.Tensor, Optional[torch.nn.Parameter]]
 
 
 class MethodCompressor(CompressorControls, Compressor):
@@ -52,7 +42,7 @@ class MethodCompressor(CompressorControls, Compressor):
             ``model.named_parameters()`` (a generator can be consumed only once).
     """
 
-    def __init__(self, method, named_parameters: Optional[NamedParameters] = None):
+    def __init__(self, method: Method, named_parameters: Optional[NamedParameters] = None):
         self.method = method
         self.config = method.config
         self._params: Dict[str, torch.nn.Parameter] = {}
@@ -60,7 +50,6 @@ class MethodCompressor(CompressorControls, Compressor):
         self._lock = threading.Lock()
         self._engine: Optional[Engine] = None
         self._optimizer_checked = False
-        self._memory_numels: Optional[Dict[str, int]] = None
         if named_parameters is not None:
             self.bind(named_parameters)
 
@@ -96,19 +85,13 @@ class MethodCompressor(CompressorControls, Compressor):
     def load_state_dict(self, state: dict) -> None:
         """Restore this rank's part (same method, config, world size and rank, and tensors
         of the same sizes; ValueError otherwise)."""
-        numels = self._memory_numels or {name: p.numel() for name, p in self._params.items()}
-        self.engine.load_state_dict(state, numels)
-
-    def expect_memories(self, numels: Dict[str, int]) -> None:
-        """Name the tensors this compressor keeps memories for, when they are not the bound
-        parameters (the fused optimizer's buckets), with their elements."""
-        self._memory_numels = dict(numels)
+        self.engine.load_state_dict(state, {name: p.numel() for name, p in self._params.items()})
 
     # -- Horovod's interface -----------------------------------------------------------------------
     def _lookup(self, tensor: torch.Tensor) -> Tuple[str, torch.nn.Parameter]:
         if not self._params:
             raise ValueError(f"{type(self.method).__name__} keeps a memory per tensor and needs "
-                             f"the parameters: Compression.{type(self.method).__name__.lower()}"
+                             f"the parameters: Compression.{spec_of(self.method).name}"
                              f"(named_parameters=model.named_parameters(), ...)")
         with self._lock:
             entry = self._by_grad.get(id(tensor))
@@ -127,27 +110,30 @@ class MethodCompressor(CompressorControls, Compressor):
         name, param = self._lookup(tensor)
         if not self.engine.compresses(tensor):
             return self.engine.dense(name, tensor, param), None
-        ctx = self.start_exchange(name, tensor, param)
+        exchange = self.launch(name, [(name, tensor, param)])
         placeholder = tensor.new_zeros(1)
-        self.engine.record_placeholder(ctx.step, placeholder.element_size())
-        return placeholder, ctx
+        self.engine.record_placeholder(exchange.step, placeholder.element_size())
+        return placeholder, exchange
 
     def decompress(self, tensor: torch.Tensor, ctx) -> torch.Tensor:
         if not self._optimizer_checked:
             self._check_wrapping_optimizer()
         if ctx is None:
             return tensor
-        return self.finish_exchange(ctx)
+        return self.finish(ctx)[0]
 
-    def start_exchange(self, name: str, tensor: torch.Tensor, param: torch.nn.Parameter):
-        """Launch the exchange of a compressed tensor; returns the context for decompress."""
+    # -- the family's exchange: one tensor (stock path) or a bucket (fused path) -------------
+    def launch(self, label: str, entries: Sequence[Entry]):
+        """Start exchanging the compressed tensors ``entries`` through collectives named
+        after ``label`` (identical on every rank); returns the exchange for :meth:`finish`."""
+        raise NotImplementedError
+
+    def finish(self, exchange) -> List[torch.Tensor]:
+        """The averaged gradients of an exchange's tensors, shaped like them."""
         raise NotImplementedError
 
     def abandon_exchanges(self) -> None:
         """Forget the exchanges of a step interrupted by an elastic reset."""
-
-    def finish_exchange(self, ctx) -> torch.Tensor:
-        raise NotImplementedError
 
     # -- guarding against momentum applied twice -------------------------------------------------
     def _check_wrapping_optimizer(self) -> None:
@@ -159,69 +145,106 @@ class MethodCompressor(CompressorControls, Compressor):
             check_optimizer_compatible(optimizer, self.config, getattr(optimizer, "op", hvd.Average))
 
 
+@dataclass
+class SparseExchange:
+    """A sparse exchange in flight: the allgather and the messages it carries."""
+
+    handle: int
+    outgoing: List[OutgoingMessage]
+
+    @property
+    def step(self) -> int:
+        return self.outgoing[0].step
+
+
 class SparseCompressor(MethodCompressor):
-    """A sparse method (DGC, Top-k, Gaussian-k): one allgather of (index, value) messages
-    per tensor, named after the parameter."""
+    """The sparse family (DGC, Top-k, Gaussian-k): one allgather of every tensor's (index,
+    value) message, named after the parameter or the bucket."""
 
-    def start_exchange(self, name: str, tensor: torch.Tensor, param: torch.nn.Parameter) -> _Pending:
-        outcome = self.engine.compress(name, tensor, param)
-        return _Pending(launch(ALLGATHER, outcome.message, name), outcome)
+    def launch(self, label: str, entries: Sequence[Entry]) -> SparseExchange:
+        outgoing = [self.engine.compress(name, grad, param) for name, grad, param in entries]
+        message = join(self.engine.ops, ALLGATHER, [o.message for o in outgoing], hvd.size())
+        return SparseExchange(launch(ALLGATHER, message, label), outgoing)
 
-    def finish_exchange(self, ctx: _Pending) -> torch.Tensor:
-        return self.engine.decompress(wait(ctx.handle), [ctx.outcome])[0]
+    def finish(self, exchange: SparseExchange) -> List[torch.Tensor]:
+        return self.engine.decompress(wait(exchange.handle), exchange.outgoing)
 
 
-class _Stages:
-    """One tensor's progress through a two-stage exchange."""
+@dataclass
+class TwoStageExchange:
+    """A two-stage exchange in flight: each tensor's handover, and the two collectives."""
 
-    __slots__ = ("name", "pending", "first", "second", "shape", "step")
+    label: str
+    names: List[str]
+    handovers: List[StageHandover]
+    shapes: List[torch.Size]
+    first: int
+    sizes: List[int]
+    second: Optional[int] = None
+    second_sizes: List[int] = field(default_factory=list)
 
-    def __init__(self, name: str, pending, first: int, shape: torch.Size):
-        self.name, self.pending, self.first, self.second = name, pending, first, None
-        self.shape, self.step = shape, pending.ctx.step
+    @property
+    def step(self) -> int:
+        return self.handovers[0].call.step
 
 
 class TwoStageCompressor(MethodCompressor):
-    """A two-stage method (ScaleCom, blocksign) as a Horovod compressor.
+    """The two-stage family (ScaleCom, blocksign).
 
-    compress launches stage 1 without waiting. The first decompress of a step waits for
-    every pending stage 1 and launches every stage 2, in parameter-name order, before it
-    waits for any stage 2: ranks that decompress tensors in different orders never wait
-    on a collective another rank has not launched.
+    ``launch`` runs stage 1 of every tensor and launches one FIRST collective without
+    waiting. The first ``finish`` of a step waits for every pending stage 1 and launches every
+    stage 2, in label order, before it waits for any stage 2: ranks that finish exchanges in
+    different orders never wait on a collective another rank has not launched.
     """
 
-    def __init__(self, method, named_parameters: Optional[NamedParameters] = None):
+    def __init__(self, method: Method, named_parameters: Optional[NamedParameters] = None):
         super().__init__(method, named_parameters)
-        self._in_flight: Dict[str, _Stages] = {}
+        self._in_flight: Dict[str, TwoStageExchange] = {}
 
-    def start_exchange(self, name: str, tensor: torch.Tensor, param: torch.nn.Parameter) -> _Stages:
-        message, pending = self.engine.first(name, tensor, param)
-        handle = launch(self.method.FIRST, message, f"1.{name}", self.method.root(pending.ctx))
-        stages = _Stages(name, pending, handle, tensor.shape)
+    def launch(self, label: str, entries: Sequence[Entry]) -> TwoStageExchange:
+        messages, handovers = [], []
+        for name, grad, param in entries:
+            message, handover = self.engine.first(name, grad, param)
+            messages.append(message)
+            handovers.append(handover)
+        ops, method = self.engine.ops, self.method
+        handle = launch(method.FIRST, join(ops, method.FIRST, messages, hvd.size()), f"1.{label}",
+                        method.root(handovers[0].call))
+        exchange = TwoStageExchange(label, [e[0] for e in entries], handovers,
+                                    [grad.shape for _, grad, _ in entries], handle,
+                                    [m.numel() for m in messages])
         with self._lock:
-            self._in_flight[name] = stages
-        return stages
+            self._in_flight[label] = exchange
+        return exchange
 
     def abandon_exchanges(self) -> None:
         with self._lock:
             self._in_flight.clear()
 
     def launch_second_stages(self) -> None:
-        """Stage 2 of every tensor whose stage 1 is in flight, in name order."""
+        """Stage 2 of every exchange whose stage 1 is in flight, in label order."""
         with self._lock:
-            waiting = sorted((s for s in self._in_flight.values() if s.second is None),
-                             key=lambda s: s.name)
-        for stages in waiting:
-            message = self.engine.second(stages.name, wait(stages.first), stages.pending)
-            stages.second = launch(self.method.SECOND, message, f"2.{stages.name}",
-                                   self.method.root(stages.pending.ctx))
+            waiting = sorted((x for x in self._in_flight.values() if x.second is None),
+                             key=lambda x: x.label)
+        ops, method = self.engine.ops, self.method
+        for exchange in waiting:
+            received = split(ops, method.FIRST, wait(exchange.first), exchange.sizes, hvd.size(),
+                             exchange.names)
+            messages = [self.engine.second(name, r, h) for name, r, h
+                        in zip(exchange.names, received, exchange.handovers)]
+            exchange.second_sizes = [m.numel() for m in messages]
+            exchange.second = launch(method.SECOND, join(ops, method.SECOND, messages, hvd.size()),
+                                     f"2.{exchange.label}", method.root(exchange.handovers[0].call))
 
-    def finish_exchange(self, ctx: _Stages) -> torch.Tensor:
-        if ctx.second is None:
+    def finish(self, exchange: TwoStageExchange) -> List[torch.Tensor]:
+        if exchange.second is None:
             self.launch_second_stages()
         with self._lock:
-            self._in_flight.pop(ctx.name, None)
-        return self.engine.finish(wait(ctx.second), ctx.pending, ctx.shape)
+            self._in_flight.pop(exchange.label, None)
+        received = split(self.engine.ops, self.method.SECOND, wait(exchange.second),
+                         exchange.second_sizes, hvd.size(), exchange.names)
+        return [self.engine.finish(r, h, shape) for r, h, shape
+                in zip(received, exchange.handovers, exchange.shapes)]
 
 
 def _optimizers_holding(compressor: MethodCompressor):
@@ -236,9 +259,22 @@ def _optimizers_holding(compressor: MethodCompressor):
 
 
 def check_optimizer_compatible(optimizer: torch.optim.Optimizer, config, op) -> None:
-    """Raise ValueError if ``optimizer`` would apply what the compressor already applies."""
+    """Raise ValueError if ``optimizer`` would apply what the compressor already applies:
+    with a config that :attr:`~horovod_dgc.core.CompressionConfig.needs_plain_optimizer`
+    (DGC's momentum correction, blocksign's momentum), any optimizer with state of its own
+    (momentum, adaptive moments: Adam, AdamW, RMSprop, Adagrad, ...) applies momentum twice."""
     if op != hvd.Average:
         raise ValueError("horovod_dgc compressors average the gradients: use op=hvd.Average")
+    if not config.needs_plain_optimizer:
+        return
+    kind = type(optimizer).__name__
+    if not isinstance(optimizer, torch.optim.SGD):
+        raise ValueError(
+            f"the compressor applies momentum itself ({type(config).__name__} momentum="
+            f"{config.momentum}), but the wrapped optimizer {kind} keeps state of its own "
+            f"(momentum or adaptive moments) and would apply it a second time: use "
+            f"torch.optim.SGD(momentum=0), or a method that keeps a plain residual (topk, "
+            f"gaussiank, scalecom), which works under any optimizer")
     for key in ("momentum", "weight_decay"):
         mine = getattr(config, key, 0.0)
         theirs = [g.get(key, 0.0) for g in optimizer.param_groups]
@@ -247,11 +283,25 @@ def check_optimizer_compatible(optimizer: torch.optim.Optimizer, config, op) -> 
                 f"the wrapped optimizer has {key}={max(theirs)} but the compressor applies "
                 f"{key}={mine} itself: give the optimizer {key}=0 (the compressor applies it), "
                 f"or use horovod_dgc.torch.DistributedOptimizer, which moves SGD's momentum and "
-                f"weight decay into a DGC compressor")
+                f"weight decay into the compressor")
+
+
+COMPRESSORS = {"sparse": SparseCompressor, "two-stage": TwoStageCompressor}
+
+
+def _factory(spec: MethodSpec) -> Callable[..., MethodCompressor]:
+    def factory(named_parameters: Optional[NamedParameters] = None, **options) -> MethodCompressor:
+        return COMPRESSORS[spec.family](spec.build(**options), named_parameters)
+
+    factory.__name__ = spec.name
+    factory.__doc__ = (f"{spec.summary[0].upper()}{spec.summary[1:]}; options: "
+                       f":class:`~{spec.config.__module__}.{spec.config.__name__}`.")
+    return factory
 
 
 class Compression:
-    """Horovod's ``Compression`` namespace plus the sparse methods.
+    """Horovod's ``Compression`` namespace plus every method of the table
+    (:mod:`horovod_dgc.core.methods`): ``Compression.dgc(...)``, ``Compression.topk(...)``, ...
 
     ``none`` and ``fp16`` are Horovod's own. The factories take ``named_parameters=`` (the
     model's ``named_parameters()``) and the method's options by name; every default lives in
@@ -261,29 +311,6 @@ class Compression:
     none = HorovodCompression.none
     fp16 = HorovodCompression.fp16
 
-    @staticmethod
-    def dgc(named_parameters: Optional[NamedParameters] = None, **options) -> SparseCompressor:
-        """Deep Gradient Compression; options: :class:`~horovod_dgc.core.DGCConfig`."""
-        return SparseCompressor(DGC(DGCConfig(**options)), named_parameters)
 
-    @staticmethod
-    def topk(named_parameters: Optional[NamedParameters] = None, **options) -> SparseCompressor:
-        """Exact top-k with error feedback; options: :class:`~horovod_dgc.core.TopKConfig`."""
-        return SparseCompressor(TopK(TopKConfig(**options)), named_parameters)
-
-    @staticmethod
-    def gaussiank(named_parameters: Optional[NamedParameters] = None, **options) -> SparseCompressor:
-        """Gaussian-k with error feedback; options: :class:`~horovod_dgc.core.GaussianKConfig`."""
-        return SparseCompressor(GaussianK(GaussianKConfig(**options)), named_parameters)
-
-    @staticmethod
-    def scalecom(named_parameters: Optional[NamedParameters] = None, **options) -> TwoStageCompressor:
-        """ScaleCom's cyclic local top-k, values all-reduced; options:
-        :class:`~horovod_dgc.core.scalecom.ScaleComConfig`."""
-        return TwoStageCompressor(ScaleCom(ScaleComConfig(**options)), named_parameters)
-
-    @staticmethod
-    def blocksign(named_parameters: Optional[NamedParameters] = None, **options) -> TwoStageCompressor:
-        """Blockwise scaled 1-bit sign with worker and server error feedback; options:
-        :class:`~horovod_dgc.core.blocksign.BlockSignConfig`."""
-        return TwoStageCompressor(BlockSign(BlockSignConfig(**options)), named_parameters)
+for _spec in METHODS:
+    setattr(Compression, _spec.name, staticmethod(_factory(_spec)))

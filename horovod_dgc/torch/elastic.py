@@ -22,23 +22,24 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.elastic.state import StateHandler
 
-from .checkpoint import shard, with_states
+from ..core.state import with_states
+from .checkpoint import shard
 from .compression import MethodCompressor
-from .engine import SHARDED_KEYS
 
 
 def pool_across_ranks(compressor: MethodCompressor) -> dict:
-    """The pooled state (see :func:`.checkpoint.pool`) by collectives; every rank calls it,
+    """The pooled state (see :func:`horovod_dgc.core.state.pool`) by collectives; every rank calls it,
     at the same point of training."""
     state = compressor.state_dict()
+    sharded = set(compressor.method.state_layout(True).sharded)
     states: Dict[str, Dict[str, torch.Tensor]] = {}
     for name in sorted(state["states"]):
         tensors = state["states"][name]
-        numel = next((v.numel() for k, v in tensors.items() if k not in SHARDED_KEYS), 0)
+        numel = next((v.numel() for k, v in tensors.items() if k not in sharded), 0)
         states[name] = {}
         for key in sorted(tensors):
             value, label = tensors[key], f"horovod_dgc.pool.{key}.{name}"
-            if key in SHARDED_KEYS:
+            if key in sharded:
                 states[name][key] = hvd.allgather(value, name=label)[:numel].clone()
             else:
                 total = hvd.allreduce(value.double(), op=hvd.Sum, name=label)

@@ -10,24 +10,21 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..core.sparse import SparseMethod, StepContext
-from ..core.state import check_method, state_frame
+from ..core.method import CompressCall, Method
+from ..core.state import check_loadable, state_frame
 from ..core.stats import CompressionStats, StatsRecorder
+from ..core.twostage import StageHandover
 from ..core.wire import MessageLayout
 from .ops import TorchOps, dtype_name
 
-# State keys sharded across the ranks rather than kept per worker: blocksign's server residual
-# (rank j holds shard j); every other key has one entry per element of the tensor.
-SHARDED_KEYS = ("server",)
-
 
 @dataclass
-class SparseOutcome:
-    """A compressed tensor: its message, and what decompress needs to rebuild it."""
+class OutgoingMessage:
+    """A compressed tensor's sparse message, and what decompress needs to rebuild it."""
 
     name: str
     message: torch.Tensor
@@ -40,7 +37,7 @@ class SparseOutcome:
 class Engine:
     """Holds a method, the per-tensor memories, the step counters and the statistics."""
 
-    def __init__(self, method: SparseMethod, world_size: int, rank: int):
+    def __init__(self, method: Method, world_size: int, rank: int):
         self.method = method
         self.ops = TorchOps()
         self.world_size = world_size
@@ -88,22 +85,23 @@ class Engine:
     def _state(self, name: str, flat: torch.Tensor, compressed: bool) -> dict:
         with self._lock:
             if name not in self._states:
-                self._states[name] = self.method.init_state(self.ops, flat, compressed)
+                self._states[name] = self.method.init_state(self.ops, flat, compressed,
+                                                            self.world_size)
             return self._states[name]
 
-    def _context(self, name: str, step: int, param: Optional[torch.Tensor]) -> StepContext:
+    def _call(self, name: str, step: int, param: Optional[torch.Tensor]) -> CompressCall:
         flat_param = None if param is None else param.detach().reshape(-1)
-        return StepContext(name=name, rank=self.rank, world_size=self.world_size, step=step,
+        return CompressCall(name=name, rank=self.rank, world_size=self.world_size, step=step,
                            density=self.density, param=flat_param)
 
     # -- the two paths ------------------------------------------------------------------------
-    def compress(self, name: str, grad: torch.Tensor, param: Optional[torch.Tensor]) -> SparseOutcome:
+    def compress(self, name: str, grad: torch.Tensor, param: Optional[torch.Tensor]) -> OutgoingMessage:
         """Sparse message for a tensor that :meth:`compresses`."""
         started = time.perf_counter()
         flat = grad.detach().reshape(-1)
         step = self._next_step(name)
-        ctx = self._context(name, step, param)
-        result = self.method.compress(self.ops, self._state(name, flat, True), flat, ctx)
+        result = self.method.compress(self.ops, self._state(name, flat, True), flat,
+                                      self._call(name, step, param))
         with self._lock:
             self._states[name] = result.state
         elapsed = time.perf_counter() - started
@@ -111,14 +109,14 @@ class Engine:
                            dense_bytes=grad.numel() * grad.element_size(),
                            elements_sent=int(result.count), elements_compressed=grad.numel(),
                            selection_time_s=elapsed)
-        return SparseOutcome(name, result.message, result.layout, step, grad.shape, grad.dtype)
+        return OutgoingMessage(name, result.message, result.layout, step, grad.shape, grad.dtype)
 
     def dense(self, name: str, grad: torch.Tensor, param: Optional[torch.Tensor]) -> torch.Tensor:
         """What to all-reduce for a tensor that does not compress (a new tensor)."""
         flat = grad.detach().reshape(-1)
         step = self._next_step(name)
         update, state = self.method.dense(self.ops, self._state(name, flat, False), flat,
-                                          self._context(name, step, param))
+                                          self._call(name, step, param))
         with self._lock:
             self._states[name] = state
         update = update.to(grad.dtype).reshape(grad.shape)
@@ -128,50 +126,51 @@ class Engine:
                            dense_bytes=grad.numel() * grad.element_size())
         return update
 
-    def first(self, name: str, grad: torch.Tensor, param: Optional[torch.Tensor]):
-        """Stage 1 of a two-stage method: (message for its FIRST collective, pending)."""
+    def first(self, name: str, grad: torch.Tensor,
+              param: Optional[torch.Tensor]) -> Tuple[torch.Tensor, StageHandover]:
+        """Stage 1 of a two-stage method: (message for its FIRST collective, handover)."""
         started = time.perf_counter()
         flat = grad.detach().reshape(-1)
         step = self._next_step(name)
-        message, state, pending = self.method.first(self.ops, self._state(name, flat, True), flat,
-                                                    self._context(name, step, param))
+        message, state, handover = self.method.first(self.ops, self._state(name, flat, True), flat,
+                                                    self._call(name, step, param))
         with self._lock:
             self._states[name] = state
         self._stats.record(step=step, bytes_sent=message.numel() * message.element_size(),
                            dense_bytes=grad.numel() * grad.element_size(),
-                           elements_sent=round(grad.numel() * pending.ctx.density),
+                           elements_sent=round(grad.numel() * handover.call.density),
                            elements_compressed=grad.numel(),
                            selection_time_s=time.perf_counter() - started)
-        return message, pending
+        return message, handover
 
-    def second(self, name: str, received: torch.Tensor, pending) -> torch.Tensor:
+    def second(self, name: str, received: torch.Tensor, handover: StageHandover) -> torch.Tensor:
         """Stage 2: the message for the SECOND collective."""
         started = time.perf_counter()
-        message, state = self.method.second(self.ops, self._states[name], received, pending)
+        message, state = self.method.second(self.ops, self._states[name], received, handover)
         with self._lock:
             self._states[name] = state
-        self._stats.record(step=pending.ctx.step, bytes_sent=message.numel() * message.element_size(),
+        self._stats.record(step=handover.call.step, bytes_sent=message.numel() * message.element_size(),
                            dense_bytes=0, selection_time_s=time.perf_counter() - started)
         return message
 
-    def finish(self, received: torch.Tensor, pending, shape: torch.Size) -> torch.Tensor:
+    def finish(self, received: torch.Tensor, handover: StageHandover, shape: torch.Size) -> torch.Tensor:
         """The averaged update of a two-stage method, shaped like the gradient."""
-        return self.method.finish(self.ops, received, pending).reshape(shape)
+        return self.method.finish(self.ops, received, handover).reshape(shape)
 
     def record_placeholder(self, step: int, nbytes: int) -> None:
         """Count the bytes of the placeholder Horovod all-reduces beside a sparse message."""
         self._stats.record(step=step, bytes_sent=nbytes, dense_bytes=0)
 
-    def decompress(self, gathered: torch.Tensor, outcomes: Sequence[SparseOutcome]) -> List[torch.Tensor]:
-        """Averaged dense gradients of ``outcomes`` from the allgather of every rank's
+    def decompress(self, gathered: torch.Tensor, outgoing: Sequence[OutgoingMessage]) -> List[torch.Tensor]:
+        """Averaged dense gradients of ``outgoing`` from the allgather of every rank's
         messages (concatenated in the same order on every rank)."""
-        layouts = [o.layout for o in outcomes]
-        dtypes = [dtype_name(o.dtype) for o in outcomes]
-        steps = {o.step for o in outcomes}
+        layouts = [o.layout for o in outgoing]
+        dtypes = [dtype_name(o.dtype) for o in outgoing]
+        steps = {o.step for o in outgoing}
         if len(steps) != 1:
             raise RuntimeError(f"tensors of one fused message are at different steps: {sorted(steps)}")
         flats = self.method.decompress(self.ops, gathered, layouts, self.world_size, steps.pop(), dtypes)
-        return [flat.reshape(o.shape) for flat, o in zip(flats, outcomes)]
+        return [flat.reshape(o.shape) for flat, o in zip(flats, outgoing)]
 
     # -- checkpointing --------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -183,7 +182,7 @@ class Engine:
                                states={n: {k: v.clone() for k, v in s.items()}
                                        for n, s in self._states.items()})
 
-    def load_state_dict(self, state: dict, numels: Optional[Dict[str, int]] = None) -> None:
+    def load_state_dict(self, state: dict, numels: Dict[str, int]) -> None:
         """Restore this rank's part saved by :meth:`state_dict`.
 
         Args:
@@ -191,12 +190,9 @@ class Engine:
             numels: elements of every tensor this compressor may keep a memory for; a state
                 holding another tensor, or one of another size, is refused.
         """
-        check_compatible(state, self.method, numels)
-        if (state["world_size"], state["rank"]) != (self.world_size, self.rank):
-            raise ValueError(
-                f"compressor state was saved by rank {state['rank']} of {state['world_size']} "
-                f"workers; this is rank {self.rank} of {self.world_size}: load every rank's part "
-                f"with horovod_dgc.torch.checkpoint.redistribute(parts, world_size, rank) instead")
+        check_loadable(self.ops, state, self.method, numels, self.world_size, self.rank,
+                       "load every rank's part with horovod_dgc.torch.checkpoint.redistribute"
+                       "(parts, world_size, rank) instead")
         with self._lock:
             self.epoch = float(state["epoch"])
             self._steps = dict(state["steps"])
@@ -207,19 +203,3 @@ class Engine:
         with self._lock:
             self.world_size, self.rank = world_size, rank
 
-
-def check_compatible(state: dict, method, numels: Optional[Dict[str, int]]) -> None:
-    """Raise ValueError unless ``state`` is a compressor state of ``method`` (same class and
-    config) whose tensors are among ``numels`` with the same number of elements."""
-    check_method(state, method)
-    if numels is None:
-        return
-    unknown = sorted(set(state["states"]) - set(numels))
-    if unknown:
-        raise ValueError(f"compressor state holds tensors this model does not have: {unknown[:5]}"
-                         f"{' ...' if len(unknown) > 5 else ''}")
-    for name, tensors in state["states"].items():
-        for key, value in tensors.items():
-            if key not in SHARDED_KEYS and value.numel() != numels[name]:
-                raise ValueError(f"compressor state of tensor {name!r} has {value.numel()} "
-                                 f"elements in {key!r}, the tensor has {numels[name]}")

@@ -195,12 +195,24 @@ class TorchOps(TensorOps):
         table = _SIGN_TABLE.to(device=packed.device, dtype=DTYPES[dtype])
         return table.index_select(0, packed.to(torch.int64)).reshape(-1)
 
-    def inspect(self, x: torch.Tensor, check: Callable[[list], None]) -> None:
-        check(x.tolist())
+    def fit(self, data: torch.Tensor, length: int) -> torch.Tensor:
+        if data.numel() >= length:
+            return data[:length]
+        return torch.cat([data, data.new_zeros(length - data.numel())])
+
+    def all_within(self, x: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+        return ((x >= low) & (x <= high)).all()
 
     def check(self, pred: Scalar, error: Exception) -> None:
         if not bool(pred):
             raise error
+
+    def verify(self, pred: Scalar, inputs: Sequence[Any], explain: Callable[..., None],
+               result: torch.Tensor) -> torch.Tensor:
+        if not bool(pred):
+            explain(*[x.tolist() if isinstance(x, torch.Tensor) else x for x in inputs])
+            raise AssertionError("a check failed and its explanation raised nothing")
+        return result
 
     def while_loop(self, cond: Callable[..., Scalar], body: Callable[..., Tuple],
                    loop_vars: Tuple, max_iterations: int) -> Tuple:

@@ -2,28 +2,29 @@
 
 Same signature as ``hvd.DistributedOptimizer``. Against the stock path it adds:
 
-* the wrapped SGD's momentum, Nesterov flag and weight decay move into a DGC compressor
-  (and out of the optimizer), so momentum is never applied twice;
+* the wrapped SGD's momentum (and Nesterov flag and weight decay, where the method has them)
+  move into a compressor that keeps momentum itself (and out of the optimizer), so momentum
+  is never applied twice;
 * compressed parameters form buckets fixed at construction (reverse registration order,
-  about ``bucket_cap_mb`` of dense gradient each): a sparse method sends one allgather per
-  bucket instead of one allgather plus one placeholder all-reduce per tensor; a two-stage
-  method (ScaleCom, blocksign) compresses each bucket's concatenated gradient as one tensor;
+  about ``bucket_cap_mb`` of dense gradient each). A bucket is a transport unit only: every
+  tensor is compressed, selected, scaled and remembered on its own, exactly as on the stock
+  path, and the bucket's messages share one collective per stage (the compressor's family
+  says how) instead of one per tensor plus a placeholder all-reduce;
 * ``backward_passes_per_step``: gradients accumulate locally and compress once.
 """
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager
 from typing import Dict, Iterable, List, Optional, Tuple
 
 import horovod.torch as hvd
 import torch
 
-from ..core import DGCConfig
-from ..core.exchange import ALLGATHER
-from .collectives import PREFIX, launch, wait
-from .compression import (Compression, MethodCompressor, SparseCompressor, TwoStageCompressor,
-                          check_optimizer_compatible)
-from .engine import Engine, SparseOutcome
+from ..core.methods import spec_of
+from .collectives import PREFIX, wait
+from .compression import Compression, MethodCompressor, check_optimizer_compatible
+from .engine import Engine
 
 DEFAULT_BUCKET_CAP_MB = 25.0
 
@@ -42,9 +43,7 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         self._delay = {p: backward_passes_per_step for p in self._params}
         self._buckets = self._make_buckets(bucket_cap_mb)
         self._bucket_of = {p: i for i, bucket in enumerate(self._buckets) for p in bucket}
-        compression.expect_memories(self._memory_numels())
         self._reset_step()
-        self._synchronized = False
         self._should_synchronize = True
         for p in self._params:
             p.register_post_accumulate_grad_hook(self._hook)
@@ -69,8 +68,7 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
 
     def _reset_step(self) -> None:
         self._ready: set = set()
-        self._outcomes: Dict[torch.nn.Parameter, SparseOutcome] = {}
-        self._bucket_handles: Dict[int, object] = {}
+        self._exchanges: Dict[int, object] = {}
         self._dense_handles: Dict[torch.nn.Parameter, int] = {}
 
     # -- per-parameter work as gradients become ready ------------------------------------------------
@@ -92,37 +90,17 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
                                                           op=hvd.Average)
             return
         self._ready.add(p)
-        if isinstance(self._compression, SparseCompressor):
-            self._outcomes[p] = engine.compress(name, grad, p)
         bucket = self._bucket_of[p]
         if all(q in self._ready for q in self._buckets[bucket]):
-            self._launch(bucket)
-
-    def _launch(self, bucket: int) -> None:
-        """Sparse: one allgather of the bucket's messages. Two-stage: the bucket's gradients,
-        concatenated, are compressed as one tensor (one memory per bucket)."""
-        params = self._buckets[bucket]
-        if isinstance(self._compression, SparseCompressor):
-            message = torch.cat([self._outcomes[p].message for p in params])
-            self._bucket_handles[bucket] = launch(ALLGATHER, message, f"bucket{bucket}")
-        else:
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            self._bucket_handles[bucket] = self._compression.start_exchange(f"bucket{bucket}", flat, None)
+            self._exchanges[bucket] = self._compression.launch(
+                f"bucket{bucket}", [(self._names[q], q.grad, q) for q in self._buckets[bucket]])
 
     def _finish_buckets(self) -> None:
         """Write every bucket's averaged gradients to ``.grad``."""
-        if isinstance(self._compression, TwoStageCompressor) and self._bucket_handles:
-            self._compression.launch_second_stages()
-        engine = self._compression.engine
-        for bucket, handle in self._bucket_handles.items():
-            params = self._buckets[bucket]
-            if isinstance(self._compression, SparseCompressor):
-                grads = engine.decompress(wait(handle), [self._outcomes[p] for p in params])
-            else:
-                flat = self._compression.finish_exchange(handle)
-                grads = flat.split([p.numel() for p in params])
-            for p, grad in zip(params, grads):
-                p.grad.copy_(grad.reshape(p.shape))
+        for bucket in sorted(self._exchanges):
+            grads = self._compression.finish(self._exchanges[bucket])
+            for p, grad in zip(self._buckets[bucket], grads):
+                p.grad.copy_(grad)
 
     # -- Horovod's optimizer interface -------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -139,7 +117,6 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         for p in self._params:
             self._delay[p] = self.backward_passes_per_step
         self._reset_step()
-        self._synchronized = True
 
     @contextmanager
     def skip_synchronize(self):
@@ -153,7 +130,6 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         if self._should_synchronize:
             self.synchronize()
-        self._synchronized = False
         return super(self.__class__, self).step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -174,38 +150,36 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         if compression_state is not None:
             self._compression.load_state_dict(compression_state)
 
-    def _memory_numels(self) -> Dict[str, int]:
-        """Elements of every tensor the compressor may keep a memory for: the parameters
-        and, for a two-stage method, each bucket (compressed as one tensor)."""
-        numels = {name: p.numel() for p, name in self._names.items()}
-        if isinstance(self._compression, TwoStageCompressor):
-            numels.update({f"bucket{i}": sum(p.numel() for p in bucket)
-                           for i, bucket in enumerate(self._buckets)})
-        return numels
-
 
 def _move_sgd_hyperparameters(optimizer: torch.optim.Optimizer,
                               compression: MethodCompressor) -> MethodCompressor:
-    """Make a DGC compressor apply the SGD's momentum, Nesterov and weight decay, which are
-    then zeroed in the optimizer. Other methods and optimizers are checked instead."""
+    """Make a compressor that keeps momentum itself (the method table's
+    ``momentum_in_compressor``) apply the SGD's momentum, and its Nesterov flag and weight
+    decay where the config has them; they are then zeroed in the optimizer. Other methods and
+    optimizers are checked instead."""
     config = compression.config
-    if not isinstance(config, DGCConfig) or not isinstance(optimizer, torch.optim.SGD):
+    if not spec_of(compression.method).momentum_in_compressor or not isinstance(optimizer, torch.optim.SGD):
         check_optimizer_compatible(optimizer, config, hvd.Average)
         return compression
-    values = {key: {g.get(key, 0.0) for g in optimizer.param_groups}
-              for key in ("momentum", "nesterov", "weight_decay")}
+    fields = {f.name for f in dataclasses.fields(config)}
+    keys = [key for key in ("momentum", "nesterov", "weight_decay") if key in fields]
+    values = {key: {g.get(key, 0.0) for g in optimizer.param_groups} for key in keys}
     for key, found in values.items():
         if len(found) > 1:
-            raise ValueError(f"param_groups disagree on {key} ({sorted(found)}); DGC applies one "
-                             f"{key} to every tensor")
-    momentum, nesterov, weight_decay = (values[k].pop() for k in ("momentum", "nesterov", "weight_decay"))
+            raise ValueError(f"param_groups disagree on {key} ({sorted(found)}); "
+                             f"{spec_of(compression.method).name} applies one {key} to every tensor")
+    chosen = {key: found.pop() for key, found in values.items()}
     moved = {}
-    if momentum:
-        moved.update(momentum=momentum, nesterov=bool(nesterov))
-    if weight_decay:
-        moved.update(weight_decay=weight_decay)
+    if chosen["momentum"]:
+        moved["momentum"] = float(chosen["momentum"])
+        if "nesterov" in chosen:
+            moved["nesterov"] = bool(chosen["nesterov"])
+    if chosen.get("weight_decay"):
+        moved["weight_decay"] = float(chosen["weight_decay"])
     for group in optimizer.param_groups:
-        group.update(momentum=0.0, nesterov=False, weight_decay=0.0)
+        group.update(momentum=0.0, nesterov=False)
+        if "weight_decay" in moved:
+            group["weight_decay"] = 0.0
     if moved:
         compression.reconfigure(**moved)
     return compression

@@ -40,7 +40,7 @@ def conv_net(channels: int = 64) -> keras.Model:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--compression", choices=["none", "dgc"], required=True)
+    p.add_argument("--compression", choices=["dense", "dgc"], required=True)
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--density", type=float, default=0.001)
     p.add_argument("--warmup-epochs", type=int, default=4)

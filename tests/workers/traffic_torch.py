@@ -41,8 +41,8 @@ def model(single_tensor: bool) -> torch.nn.Module:
 
 def bytes_per_step(path: str, compression_name: str, single_tensor: bool, steps: int = 3) -> dict:
     net = model(single_tensor)
-    sgd = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9 if compression_name == "none" else 0.0)
-    if compression_name == "none":
+    sgd = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9 if compression_name == "dense" else 0.0)
+    if compression_name == "dense":
         compression = hdgc.Compression.none
     else:
         compression = getattr(hdgc.Compression, compression_name)(
@@ -56,7 +56,7 @@ def bytes_per_step(path: str, compression_name: str, single_tensor: bool, steps:
         optimizer.step()
     result = {"bytes_per_step": handed_bytes[0] / steps,
               "params": sum(p.numel() for p in net.parameters())}
-    if compression_name != "none":
+    if compression_name != "dense":
         stats = optimizer._compression.stats()
         result["stats_bytes_per_step"] = stats.bytes_sent_per_step
     return result
@@ -68,8 +68,8 @@ if __name__ == "__main__":
     args = parser.parse_args()
     hvd.init()
     torch.set_num_threads(1)
-    figures = {name: bytes_per_step(args.path, name, single_tensor=False) for name in ("none", "dgc")}
+    figures = {name: bytes_per_step(args.path, name, single_tensor=False) for name in ("dense", "dgc")}
     figures.update({f"{name}-1M": bytes_per_step(args.path, name, single_tensor=True)
-                    for name in ("none", "scalecom", "blocksign")})
+                    for name in ("dense", "scalecom", "blocksign")})
     if hvd.rank() == 0:
         print("TRAFFIC " + json.dumps(figures), flush=True)

@@ -10,8 +10,8 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 
 import horovod_dgc.tensorflow as hdgc
-from horovod_dgc.core.exchange import simulate_step
-from horovod_dgc.core.sparse import StepContext
+from horovod_dgc.core.twostage import simulate_step
+from horovod_dgc.core.method import CompressCall
 from horovod_dgc.tensorflow import TFOps
 
 STEPS = 6
@@ -46,21 +46,21 @@ def run(kind: str, mode: str) -> None:
     method, ops = compression.method, TFOps()
     compressed = [n for n, shape in names.items() if compression.config.compresses(shape, "float32")]
     assert compressed and len(compressed) < len(names)
-    states = {n: [method.init_state(ops, tf.zeros([np.prod(names[n])]), n in compressed) for _ in range(size)]
+    states = {n: [method.init_state(ops, tf.zeros([np.prod(names[n])]), n in compressed, size) for _ in range(size)]
               for n in names}
     for step in range(STEPS):
         everyone = [gradients(r, step, names) for r in range(size)]
         got = dict(zip(names, step_fn({n: tf.constant(g) for n, g in everyone[rank].items()})))
         for name in names:
             if name in compressed:
-                ctxs = [StepContext(name, r, size, step, method.config.density_at(0)) for r in range(size)]
+                ctxs = [CompressCall(name, r, size, step, method.config.density_at(0)) for r in range(size)]
                 grads = [tf.constant(g[name].reshape(-1)) for g in everyone]
                 results, states[name] = simulate_step(ops, method, states[name], grads, ctxs)
                 want = results[rank].numpy().reshape(names[name])
                 if method_name == "scalecom":
                     assert np.array_equal(got[name].numpy() != 0, want != 0), f"{kind} {name} step {step}: indices"
             else:  # dense, after the method's own momentum if it keeps one
-                ctxs = [StepContext(name, r, size, step, 1.0) for r in range(size)]
+                ctxs = [CompressCall(name, r, size, step, 1.0) for r in range(size)]
                 sent = [method.dense(ops, state, tf.constant(g[name].reshape(-1)), ctx)
                         for state, g, ctx in zip(states[name], everyone, ctxs)]
                 states[name] = [state for _, state in sent]

@@ -2,16 +2,16 @@
 every rank checks each step's applied update against the in-process N-worker simulation
 of the core, and that all ranks end with the same parameters.
 
-The stock path compresses each tensor; the own optimizer compresses each bucket (its
-tensors concatenated), so the simulation runs on the same units."""
+Both paths compress each tensor on its own (the own optimizer's buckets only share the
+collectives), so the simulation runs per tensor for both."""
 import argparse
 
 import horovod.torch as hvd
 import torch
 
 import horovod_dgc.torch as hdgc
-from horovod_dgc.core.exchange import simulate_step
-from horovod_dgc.core.sparse import StepContext
+from horovod_dgc.core.twostage import simulate_step
+from horovod_dgc.core.method import CompressCall
 from horovod_dgc.torch.ops import TorchOps
 
 STEPS = 20
@@ -35,13 +35,13 @@ def simulation(method, all_grads, units, size):
     ops = TorchOps()
     flat = {unit: [torch.cat([g[n].reshape(-1) for n in names]) for g in all_grads]
             for unit, names in units.items()}
-    states = {unit: [method.init_state(ops, grads[0], True) for _ in range(size)]
+    states = {unit: [method.init_state(ops, grads[0], True, size) for _ in range(size)]
               for unit, grads in flat.items()}
     updates = []
     for step in range(STEPS):
         per_param = {}
         for unit, names in units.items():
-            ctxs = [StepContext(unit, r, size, step, method.config.density_at(0)) for r in range(size)]
+            ctxs = [CompressCall(unit, r, size, step, method.config.density_at(0)) for r in range(size)]
             results, states[unit] = simulate_step(ops, method, states[unit], flat[unit], ctxs)
             sizes = [all_grads[0][n].numel() for n in names]
             for name, part in zip(names, results[0].split(sizes)):
@@ -50,13 +50,9 @@ def simulation(method, all_grads, units, size):
     return updates
 
 
-def compressed_units(optimizer, net, path: str) -> dict:
-    """Unit name -> parameter names, as the path compresses them."""
-    names = {p: n for n, p in net.named_parameters()}
-    if path == "own":
-        return {f"bucket{b}": [names[p] for p in bucket] for b, bucket in enumerate(optimizer._buckets)}
-    engine = optimizer._compression.engine
-    return {n: [n] for n, p in net.named_parameters() if engine.compresses(p)}
+def compressed_units(compression, net) -> dict:
+    """Unit name -> parameter names: every compressed tensor is its own unit."""
+    return {n: [n] for n, p in net.named_parameters() if compression.engine.compresses(p)}
 
 
 def run(kind: str, path: str) -> None:
@@ -69,7 +65,7 @@ def run(kind: str, path: str) -> None:
     optimizer = wrap(torch.optim.SGD(net.parameters(), lr=0.01), named_parameters=net.named_parameters(),
                      compression=compression)
     all_grads = [gradients(r, net) for r in range(size)]
-    units = compressed_units(optimizer, net, path)
+    units = compressed_units(compression, net)
     expected = simulation(compression.method, all_grads, units, size)
     mine = all_grads[rank]
     for step in range(STEPS):

@@ -1,0 +1,76 @@
+"""The collectives a method exchanges through, by kind, framework-free: what each worker
+receives (:func:`emulate`, the reference for tests), and how several tensors' messages share
+one collective (:func:`join`, :func:`split`: a bucket of the fused optimizer).
+
+The adapters' collectives modules launch the real ones with Horovod under the same kinds.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Sequence
+
+from .ops import Tensor, TensorOps
+from .wire import MessageError
+
+BROADCAST = "broadcast"  # everyone receives the root's message
+ALLREDUCE = "allreduce"  # everyone receives the average of all messages
+ALLTOALL = "alltoall"    # worker j receives chunk j of every worker's message, in rank order
+ALLGATHER = "allgather"  # everyone receives all messages, concatenated in rank order
+KINDS = (BROADCAST, ALLREDUCE, ALLTOALL, ALLGATHER)
+
+
+def emulate(ops: TensorOps, kind: str, messages: Sequence[Tensor], root: int = 0) -> List[Tensor]:
+    """What each of ``len(messages)`` workers receives from collective ``kind``."""
+    n = len(messages)
+    if kind == BROADCAST:
+        return [messages[root]] * n
+    if kind == ALLREDUCE:
+        total = ops.copy(messages[0])
+        for message in messages[1:]:
+            total = ops.scale_add(total, 1.0, message)
+        return [ops.scale(total, 1.0 / n)] * n
+    if kind == ALLGATHER:
+        return [ops.concat(messages)] * n
+    if kind == ALLTOALL:
+        chunk = ops.numel(messages[0]) // n
+        return [ops.concat([ops.slice(m, j * chunk, chunk) for m in messages]) for j in range(n)]
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+def join(ops: TensorOps, kind: str, messages: Sequence[Tensor], world_size: int) -> Tensor:
+    """One collective's input carrying the messages of several tensors. For an alltoall,
+    chunk j of every message goes to worker j, so the chunks are regrouped by destination."""
+    if len(messages) == 1:
+        return messages[0]
+    if kind != ALLTOALL:
+        return ops.concat(messages)
+    chunks = [ops.numel(m) // world_size for m in messages]
+    return ops.concat([ops.slice(m, j * c, c) for j in range(world_size)
+                       for m, c in zip(messages, chunks)])
+
+
+def split(ops: TensorOps, kind: str, received: Tensor, sizes: Sequence[int], world_size: int,
+          names: Sequence[str]) -> List[Tensor]:
+    """For each tensor whose message of ``sizes[t]`` elements went into :func:`join`, what a
+    collective of that message alone would have delivered (its headers are checked later,
+    by the method)."""
+    if len(sizes) == 1:
+        return [received]
+    per_sender = sum(sizes) if kind != ALLTOALL else sum(s // world_size for s in sizes)
+    senders = 1 if kind in (BROADCAST, ALLREDUCE) else world_size
+    total = per_sender * senders
+    received = ops.verify(ops.size(received) == total, [ops.size(received)],
+                          lambda got: _wrong_size(kind, got, total, names),
+                          ops.fit(received, total))
+    shares: List[List[Tensor]] = [[] for _ in sizes]
+    for sender in range(senders):
+        offset = sender * per_sender
+        for t, size in enumerate(sizes):
+            share = size if kind != ALLTOALL else size // world_size
+            shares[t].append(ops.slice(received, offset, share))
+            offset += share
+    return [parts[0] if len(parts) == 1 else ops.concat(parts) for parts in shares]
+
+
+def _wrong_size(kind: str, got: Any, expected: int, names: Sequence[str]) -> None:
+    raise MessageError(f"the {kind} of tensors {list(names)} delivered {got} elements, "
+                       f"expected {expected} (a different tensor set or setting on some rank?)")

@@ -1,0 +1,101 @@
+"""What every method offers an engine, whatever its family: its identity and config, the
+memories it keeps per tensor, and the update of a tensor it does not compress.
+
+A family (:class:`~.sparse.SparseMethod`, :class:`~.twostage.TwoStageMethod`) adds how one
+compressed tensor is exchanged; a method (``dgc.py``, ``scalecom.py``, ...) adds its memory
+and selection. ``methods.py`` lists them all.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar, Dict, Optional, Tuple
+
+from .config import CompressionConfig
+from .ops import Tensor, TensorOps
+
+State = Dict[str, Tensor]
+
+
+@dataclass(frozen=True)
+class CompressCall:
+    """What one compress call of one tensor knows besides the gradient.
+
+    Attributes:
+        name: the tensor's name, identical on every rank (the parameter name).
+        rank, world_size: this worker and the number of workers.
+        step: how many times this tensor was compressed before (0-based; a 0-d tensor
+            inside a TensorFlow graph).
+        density: density in force for this step (after warm-up).
+        param: the parameter tensor (flat), needed only for weight decay.
+    """
+
+    name: str
+    rank: int
+    world_size: int
+    step: Any
+    density: float
+    param: Optional[Tensor] = None
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """The memories a method keeps for one tensor, by name.
+
+    Attributes:
+        per_worker: state tensors with one entry per element of the tensor, on every worker.
+        sharded: state tensors cut across the workers: rank j keeps entries
+            ``[j * shard, (j + 1) * shard)`` of the tensor zero-padded to ``N * shard``,
+            ``shard`` being :meth:`Method.shard_length` (blocksign's server residual).
+    """
+
+    per_worker: Tuple[str, ...] = ()
+    sharded: Tuple[str, ...] = ()
+
+    @property
+    def names(self) -> Tuple[str, ...]:
+        return self.per_worker + self.sharded
+
+
+def state_dtype(grad_dtype: str) -> str:
+    """Memories of 16-bit gradients are kept in float32 so small updates are not lost."""
+    return "float32" if grad_dtype in ("float16", "bfloat16") else grad_dtype
+
+
+class Method(ABC):
+    """A compression method as an engine runs it.
+
+    Class attributes:
+        method_id: the id its messages carry (unique: ``methods.py`` checks it).
+        family: ``"sparse"`` or ``"two-stage"``, set by the family class.
+    """
+
+    method_id: ClassVar[int]
+    family: ClassVar[str]
+    config: CompressionConfig
+
+    def __init__(self, config: CompressionConfig):
+        self.config = config
+
+    @abstractmethod
+    def state_layout(self, compressed: bool) -> StateLayout:
+        """The memories of a tensor that is (or is not) compressed."""
+
+    def shard_length(self, numel: int, world_size: int) -> int:
+        """Entries of each rank's shard of a sharded memory (only methods that declare one)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no sharded memory")
+
+    def init_state(self, ops: TensorOps, grad: Tensor, compressed: bool, world_size: int) -> State:
+        """Zeroed memories for a flat gradient like ``grad``."""
+        layout = self.state_layout(compressed)
+        dtype, numel = state_dtype(ops.dtype(grad)), ops.numel(grad)
+        state = {name: ops.zeros(numel, dtype, like=grad) for name in layout.per_worker}
+        if layout.sharded:
+            shard = self.shard_length(numel, world_size)
+            state.update({name: ops.zeros(shard, dtype, like=grad) for name in layout.sharded})
+        return state
+
+    def dense(self, ops: TensorOps, state: State, grad: Tensor,
+              call: CompressCall) -> Tuple[Tensor, State]:
+        """What to all-reduce for a tensor that is not compressed, and the new state."""
+        return grad, state

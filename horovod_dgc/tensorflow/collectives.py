@@ -1,0 +1,28 @@
+"""Horovod collectives by kind (the kinds of core/collectives.py), as graph ops."""
+from __future__ import annotations
+
+from typing import Any
+
+import horovod.tensorflow as hvd
+import tensorflow as tf
+
+from ..core.collectives import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST
+
+PREFIX = "horovod_dgc."
+
+
+def run(kind: str, message: tf.Tensor, name: str, root: Any = 0) -> tf.Tensor:
+    """What this rank receives from Horovod's collective ``kind`` on ``message``, named
+    ``name``. A broadcast whose root is known only at run time (ScaleCom's leader) is an
+    allgather to which only the root contributes."""
+    if kind == BROADCAST:
+        mine = tf.cond(tf.equal(tf.cast(root, tf.int64), hvd.rank()),
+                       lambda: message, lambda: message[:0])
+        return hvd.allgather(mine, name=name, ignore_name_scope=True)
+    if kind == ALLREDUCE:
+        return hvd.allreduce(message, op=hvd.Average, name=name, ignore_name_scope=True)
+    if kind == ALLTOALL:
+        return hvd.alltoall(message, name=name, ignore_name_scope=True)
+    if kind == ALLGATHER:
+        return hvd.allgather(message, name=name, ignore_name_scope=True)
+    raise ValueError(f"unknown collective {kind!r}")
