@@ -3,7 +3,6 @@ import pytest
 import torch
 
 from horovod_dgc.core import DGC, CompressCall, DGCConfig, MessageError, TopKConfig
-from horovod_dgc.core.sparse import decode_and_average
 from horovod_dgc.torch import Compression
 from horovod_dgc.torch.ops import TorchOps
 
@@ -54,7 +53,7 @@ def _messages(world_size: int, name: str = "fc.weight"):
 
 
 def _decode(parts, layout, world_size=3):
-    return decode_and_average(ops, torch.cat(parts), [layout], world_size, 0, ["float32"])
+    return DGC().decompress(ops, torch.cat(parts), [layout], world_size, 0, ["float32"])[0]
 
 
 def test_corrupt_header_names_sending_rank_and_tensor():

@@ -7,7 +7,6 @@ import torch
 from horovod_dgc.core import (DGC, DGCConfig, GaussianK, GaussianKConfig, NonFiniteGradientError,
                               CompressCall, TopK, TopKConfig)
 from horovod_dgc.core.selection import top_count
-from horovod_dgc.core.sparse import decode_and_average
 from horovod_dgc.torch.ops import TorchOps
 
 ops = TorchOps()
@@ -18,7 +17,7 @@ def step(method, state, grad, t, world_size=1, name="w", param=None):
     ctx = CompressCall(name=name, rank=0, world_size=world_size, step=t,
                       density=method.config.density, param=param)
     result = method.compress(ops, state, grad, ctx)
-    sent = decode_and_average(ops, result.message, [result.layout], 1, t, [ops.dtype(grad)])[0]
+    sent = method.decompress(ops, result.message, [result.layout], 1, t, [ops.dtype(grad)])[0][0]
     return sent, result.state
 
 
@@ -29,25 +28,48 @@ def naive_topk_mask(v: torch.Tensor, k: int) -> torch.Tensor:
     return mask
 
 
-@pytest.mark.parametrize("value_dtype", ["float32", "float16"])
-@pytest.mark.parametrize("method", [TopK(TopKConfig(density=0.01)), GaussianK(GaussianKConfig(density=0.01))],
-                         ids=["topk", "gaussiank"])
-def test_conservation_sent_plus_residual_equals_sum_of_gradients_over_1000_steps(method, value_dtype):
-    method = type(method)(type(method.config)(density=0.01, value_dtype=value_dtype))
+def assert_sends_the_largest(sent: torch.Tensor, p: torch.Tensor) -> None:
+    """The entries sent are the largest of ``p`` by magnitude: none left behind is larger
+    than the smallest sent (a sort, independent of the core's selection)."""
+    mask = sent != 0
+    assert mask.any(), "nothing was sent"
+    assert p[mask].abs().min() >= p[~mask].abs().max(), "an unsent entry is larger than a sent one"
+
+
+def conservation_run(method, steps: int = 1000):
+    """Sum of what was sent plus the residual, against the sum of gradients, over ``steps``;
+    each step's selection is checked against a sort of the accumulated gradient."""
     gen = torch.Generator().manual_seed(0)
     n = 4096
-    grad = torch.zeros(n)
-    state = method.init_state(ops, grad, True, 1)
+    state = method.init_state(ops, torch.zeros(n), True, 1)
     sent_total = torch.zeros(n, dtype=torch.float64)
     grad_total = torch.zeros(n, dtype=torch.float64)
-    for t in range(1000):
+    for t in range(steps):
         grad = torch.randn(n, generator=gen) * (1.0 + (t % 7))
+        p = state["residual"] + grad
         sent, state = step(method, state, grad, t)
+        assert_sends_the_largest(sent, p)
         sent_total += sent.double()
         grad_total += grad.double()
     lhs = sent_total + state["residual"].double()
     error = (lhs - grad_total).norm() / grad_total.norm()
     assert error < 1e-5, float(error)
+
+
+@pytest.mark.parametrize("value_dtype", ["float32", "float16"])
+@pytest.mark.parametrize("kind", [TopK, GaussianK], ids=["topk", "gaussiank"])
+def test_conservation_sent_plus_residual_equals_sum_of_gradients_over_1000_steps(kind, value_dtype):
+    config = TopKConfig if kind is TopK else GaussianKConfig
+    conservation_run(kind(config(density=0.01, value_dtype=value_dtype)))
+
+
+def test_the_conservation_test_fails_for_a_selector_that_ignores_magnitudes():
+    class Blind(TopK):
+        def select(self, ops, x, k, call):
+            return torch.randperm(ops.numel(x), generator=torch.Generator().manual_seed(call.step))[:k]
+
+    with pytest.raises(AssertionError, match="larger than a sent one"):
+        conservation_run(Blind(TopKConfig(density=0.01)), steps=5)
 
 
 def reference_dgc(grads, k, momentum, nesterov, clip_norm, world_size):
@@ -118,7 +140,9 @@ def test_bfloat16_gradients_travel_without_loss():
     assert torch.count_nonzero(state["residual"][mask]) == 0
 
 
-@pytest.mark.parametrize("method", [TopK(), DGC(), GaussianK()], ids=["topk", "dgc", "gaussiank"])
+@pytest.mark.parametrize("method", [TopK(TopKConfig(nonfinite="raise")), DGC(DGCConfig(nonfinite="raise")),
+                                    GaussianK(GaussianKConfig(nonfinite="raise"))],
+                         ids=["topk", "dgc", "gaussiank"])
 def test_nan_gradient_raises_naming_the_tensor_and_keeps_the_memory(method):
     grad = torch.randn(5000)
     state = method.init_state(ops, grad, True, 1)
@@ -132,12 +156,12 @@ def test_nan_gradient_raises_naming_the_tensor_and_keeps_the_memory(method):
         assert torch.equal(state[key], before[key]), key
 
 
-def test_skip_policy_sends_nothing_and_keeps_the_residual():
-    method = TopK(TopKConfig(density=0.01, nonfinite="skip"))
+def test_skip_policy_passes_nan_on_and_keeps_the_residual():
+    method = TopK(TopKConfig(density=0.01))
     grad = torch.randn(5000)
     state = method.init_state(ops, grad, True, 1)
     _, state = step(method, state, grad, 0)
     before = state["residual"].clone()
     sent, state = step(method, state, torch.full((5000,), float("inf")), 1)
-    assert torch.count_nonzero(sent) == 0
+    assert torch.isnan(sent).all()
     assert torch.equal(state["residual"], before)

@@ -3,9 +3,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import horovodrun, mpirun
 
 
+@pytest.mark.slow  # ~50 s; the smoke tests below exercise both frameworks and both controllers
 def test_check_build_lists_both_frameworks_and_both_controllers():
     out = subprocess.run([str(Path(sys.executable).parent / "horovodrun"), "--check-build"],
                          capture_output=True, text=True, check=True).stdout

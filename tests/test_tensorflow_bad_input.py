@@ -86,7 +86,8 @@ def _stepper(engine):
         updates = []
         for tensor, grad in zip(SHAPES, grads):
             if not engine.compresses(grad):
-                updates.append(engine.dense(tensor, grad, None))
+                sent = engine.dense(tensor, grad, None)
+                updates.append(engine.dense_received(sent, sent.tensor))
             elif isinstance(engine, TwoStageEngine):
                 updates.append(engine.exchange(tensor, grad, None, emulated_single_worker, tensor)[0])
             else:

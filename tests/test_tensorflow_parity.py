@@ -236,8 +236,8 @@ def test_zero_element_and_integer_tensors_pass_through_untouched(tensor):
     assert out is tensor and ctx is None
 
 
-def _engines(world_size=3, density=0.01, name="fc.weight"):
-    method = DGC(DGCConfig(density=density))
+def _engines(world_size=3, density=0.01, name="fc.weight", nonfinite="skip"):
+    method = DGC(DGCConfig(density=density, nonfinite=nonfinite))
     return [Engine(method, [tf.TensorSpec([40, 100], tf.float32, name)], world_size, rank)
             for rank in range(world_size)]
 
@@ -301,20 +301,40 @@ def test_malformed_message_is_refused_in_graph_mode_with_rank_and_tensor(case):
         decompress(tf.constant(gathered))
 
 
-def test_non_finite_gradient_names_tensor_and_rank_in_graph_mode_and_keeps_memory():
-    engine = _engines(world_size=2)[1]
-    compress = tf.function(lambda grad: engine.compress("fc.weight", grad, None).message)
-    grad = np.ones([40, 100], np.float32)
-    grad[0, 7] = np.nan
+def _exchange_with_a_nan_on_rank_1(nonfinite: str, graph: bool):
+    """Both ranks' engines exchange one step in which rank 1's gradient holds a NaN; returns
+    (rank 0's averaged gradient, the engines)."""
+    engines = _engines(world_size=2, nonfinite=nonfinite)
+    good = np.ones([40, 100], np.float32)
+    bad = good.copy()
+    bad[0, 7] = np.nan
+
+    def step(grads):
+        messages = [e.compress("fc.weight", g, None) for e, g in zip(engines, grads)]
+        gathered = tf.concat([m.message for m in messages], 0)
+        return [e.decompress(gathered, m) for e, m in zip(engines, messages)][0]
+
+    step = tf.function(step) if graph else step
+    return step([tf.constant(good), tf.constant(bad)]), engines
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
+def test_non_finite_gradient_on_one_rank_reaches_every_rank_and_keeps_every_memory(graph):
+    averaged, engines = _exchange_with_a_nan_on_rank_1("skip", graph)
+    assert np.isnan(averaged.numpy()).all()
+    for engine in engines:
+        assert not any(np.any(v.numpy()) for v in engine._states["fc.weight"].values())
+
+
+def test_non_finite_gradient_raises_naming_tensor_and_rank_in_graph_mode():
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=r"NonFiniteGradientError: gradient of tensor .*fc\.weight.* on rank 1"):
-        compress(tf.constant(grad))
-    assert not any(np.any(v.numpy()) for v in engine._states["fc.weight"].values())
-    with pytest.raises(NonFiniteGradientError, match="fc.weight"):
-        engine.compress("fc.weight", tf.constant(grad), None)
+        _exchange_with_a_nan_on_rank_1("raise", True)
+    with pytest.raises(NonFiniteGradientError, match=r"fc.weight.* on rank 1"):
+        _exchange_with_a_nan_on_rank_1("raise", False)
 
 
-def test_skipped_non_finite_gradient_leaves_memory_and_sends_nothing():
+def test_skipped_non_finite_gradient_leaves_memory_and_passes_nan_on():
     method = TopK(TopKConfig(density=0.01, nonfinite="skip"))
     engine = Engine(method, [tf.TensorSpec([40, 100], tf.float32, "w")], 1, 0)
 
@@ -323,7 +343,7 @@ def test_skipped_non_finite_gradient_leaves_memory_and_sends_nothing():
         outcome = engine.compress("w", grad, None)
         return engine.decompress(outcome.message, outcome)
 
-    assert not np.any(step(tf.fill([40, 100], float("inf"))).numpy())
+    assert np.isnan(step(tf.fill([40, 100], float("inf"))).numpy()).all()
     assert not np.any(engine._states["w"]["residual"].numpy())
 
 

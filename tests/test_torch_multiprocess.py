@@ -64,3 +64,21 @@ def test_blocksign_traffic_is_at_most_a_twelfth_of_dense(path, traffic_two_ranks
     print(f"{path} path: blocksign {blocksign:.0f} B/step vs dense {dense:.0f} ({dense / blocksign:.1f}x)")
     assert blocksign <= dense / 12
     assert figures["blocksign-1M"]["stats_bytes_per_step"] == pytest.approx(blocksign)
+
+
+def test_grad_scaler_overflow_on_one_rank_is_skipped_by_every_rank_on_both_paths():
+    out = horovodrun("amp_torch.py", 2)
+    for path in ("stock", "own"):
+        for method in ("dgc", "topk", "scalecom", "blocksign"):
+            assert out.count(f"{method} {path} amp ok") == 2, out
+
+
+def test_fused_and_stock_paths_give_the_same_parameters_for_every_method():
+    out = horovodrun("paths_torch.py", 2)
+    for method in ("dgc", "topk", "gaussiank", "scalecom", "blocksign"):
+        assert out.count(f"{method} paths agree") == 2, out
+
+
+def test_bfloat16_models_adam_and_dgc_refusing_adam():
+    out = horovodrun("conditions_torch.py", 2)
+    assert out.count("conditions ok") == 2, out

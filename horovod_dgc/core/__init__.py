@@ -10,7 +10,8 @@ from .gaussiank import GaussianK, GaussianKConfig
 from .method import CompressCall, Method, StateLayout
 from .methods import METHODS, MethodSpec
 from .scalecom import ScaleCom, ScaleComConfig
-from .sparse import NonFiniteGradientError, SparseMethod
+from .nonfinite import NonFiniteGradientError
+from .sparse import SparseMethod
 from .topk import TopK, TopKConfig
 from .twostage import TwoStageMethod
 from .warmup import DensitySchedule

@@ -20,8 +20,8 @@ from . import wire
 from .collectives import ALLGATHER, ALLTOALL
 from .config import CompressionConfig
 from .method import CompressCall, State, StateLayout, state_dtype
-from .ops import Tensor, TensorOps
-from .sparse import check_finite
+from .nonfinite import flag, is_finite, nan_like, none_flagged, received_finite
+from .ops import Scalar, Tensor, TensorOps
 from .twostage import StageHandover, TwoStageMethod
 from .validation import require_momentum, require_positive_int
 
@@ -104,17 +104,22 @@ class BlockSign(TwoStageMethod):
     def _valid(self, numel: int, shard: int, j: int) -> int:
         return max(0, min(shard, numel - j * shard))
 
-    def _momentum_step(self, ops: TensorOps, state: State, grad: Tensor) -> Tuple[Tensor, State]:
-        """``m = mu * m + g``; the step's direction is ``g + mu * m`` (Nesterov)."""
+    def _momentum_step(self, ops: TensorOps, state: State, grad: Tensor,
+                       unscale: Scalar) -> Tuple[Tensor, Scalar, State]:
+        """(direction, its factor, state): ``m = mu * m + g``, and the step's direction is
+        ``g + mu * m`` (Nesterov), ``g`` taken times ``unscale``."""
         mu = self.config.momentum
         if not mu:
-            return grad, state
-        momentum = ops.scale_add(state["momentum"], mu, grad)
-        return ops.scale_add(ops.copy(grad), 1.0, momentum, mu), {**state, "momentum": momentum}
+            return grad, unscale, state
+        momentum = ops.add(state["momentum"], grad, mu, unscale)
+        return ops.add(grad, momentum, unscale, mu), 1.0, {**state, "momentum": momentum}
 
     def dense(self, ops: TensorOps, state: State, grad: Tensor, call: CompressCall) -> Tuple[Tensor, State]:
-        update, state = self._momentum_step(ops, state, grad)
-        return (ops.copy(update) if update is grad else update), state
+        direction, factor, state = self._momentum_step(ops, state, grad, call.unscale)
+        update = ops.copy(direction) if direction is grad else direction
+        if not (isinstance(factor, (int, float)) and factor == 1.0):
+            update = ops.scale(update, factor)
+        return update, state
 
     def scaled_signs(self, ops: TensorOps, x: Tensor, block: int, valid: int) -> Tuple[Tensor, Tensor, Tensor]:
         """(packed signs, block scales, decoded C(x)) of ``x`` (length a multiple of 8)."""
@@ -127,10 +132,9 @@ class BlockSign(TwoStageMethod):
     def first(self, ops: TensorOps, state: State, grad: Tensor,
               call: CompressCall) -> Tuple[Tensor, State, StageHandover]:
         n, world = ops.numel(grad), call.world_size
-        finite = check_finite(ops, self.config.nonfinite, grad, call)
-        grad = ops.cond(finite, lambda: grad, lambda: ops.zeros(n, ops.dtype(grad), like=grad))
-        direction, state = self._momentum_step(ops, state, grad)
-        p = ops.scale_add(state["residual"], 1.0, direction)
+        finite = is_finite(ops, grad)
+        direction, factor, state = self._momentum_step(ops, state, grad, call.unscale)
+        p = ops.add(state["residual"], direction, 1.0, factor)
         shard = self.shard_length(n, world)
         padded = ops.pad(p, world * shard)
         block = self._worker_block(n)
@@ -142,36 +146,46 @@ class BlockSign(TwoStageMethod):
         for j in range(world):
             # One block per tensor: every shard carries the one scale.
             shard_scales = ops.slice(scales, 0 if self.config.block_size is None else j * per_shard, per_shard)
-            header = layout.header(call.rank, call.step, self._valid(n, shard, j), 0)
+            header = layout.header(call.rank, call.step, self._valid(n, shard, j), flag(ops, finite))
             messages.append(wire.encode_parts(ops, layout, header,
                                               [ops.slice(packed, j * shard // 8, shard // 8), shard_scales]))
         handover = StageHandover(call, n, ops.dtype(grad), {"layout": layout, "shard": shard})
         return ops.concat(messages), {**state, "residual": residual}, handover
 
-    def _shards(self, ops: TensorOps, received: Tensor, handover: StageHandover) -> List[Tensor]:
-        """Each sender's decoded shard from a received concatenation, headers checked."""
+    def _shards(self, ops: TensorOps, received: Tensor,
+                handover: StageHandover) -> Tuple[List[Tensor], Tensor]:
+        """Each sender's decoded shard from a received concatenation (headers checked), and
+        each sender's flags word."""
         layout, call = handover.data["layout"], handover.call
-        messages = wire.receive(ops, received, [(layout, r) for r in range(call.world_size)],
+        received = wire.receive(ops, received, [(layout, r) for r in range(call.world_size)],
                                 call.step, call.rank)
         dtype, shard = state_dtype(handover.dtype), layout.capacity
-        return [ops.multiply(ops.unpack_signs(packed, dtype),
-                             ops.repeat_blocks(scales, shard // ops.numel(scales), shard))
-                for packed, scales in messages]
+        shards = [ops.multiply(ops.unpack_signs(packed, dtype),
+                               ops.repeat_blocks(scales, shard // ops.numel(scales), shard))
+                  for packed, scales in received.parts]
+        return shards, received.flags
 
     def second(self, ops: TensorOps, state: State, received: Tensor,
                handover: StageHandover) -> Tuple[Tensor, State]:
+        """The server's work on this rank's shard; a sender's non-finite flag is passed on
+        (with ``nonfinite="raise"`` every server raises, naming the sender)."""
         call, layout, shard = handover.call, handover.data["layout"], handover.data["shard"]
-        total = None
-        for decoded in self._shards(ops, received, handover):
-            total = decoded if total is None else ops.scale_add(total, 1.0, decoded)
+        shards, flags = self._shards(ops, received, handover)
+        finite = received_finite(ops, self.config.nonfinite, flags, [call.name], call.step)
+        total = shards[0]
+        for decoded in shards[1:]:
+            total = ops.scale_add(total, 1.0, decoded)
         valid = self._valid(handover.numel, shard, call.rank)
         averaged = ops.scale_add(ops.scale(total, 1.0 / call.world_size), 1.0, state["server"])
         averaged = ops.pad(ops.slice(averaged, 0, valid), shard)
         packed, scales, decoded = self.scaled_signs(ops, averaged, self._server_block(shard), valid)
         server = ops.pad(ops.slice(ops.scale_add(averaged, 1.0, decoded, -1.0), 0, valid), shard)
-        header = layout.header(call.rank, call.step, valid, 0)
+        header = layout.header(call.rank, call.step, valid, flag(ops, finite))
         return wire.encode_parts(ops, layout, header, [packed, scales]), {**state, "server": server}
 
-    def finish(self, ops: TensorOps, received: Tensor, handover: StageHandover) -> Tensor:
-        update = ops.slice(ops.concat(self._shards(ops, received, handover)), 0, handover.numel)
-        return ops.cast(update, handover.dtype)
+    def finish(self, ops: TensorOps, received: Tensor, handover: StageHandover) -> Tuple[Tensor, Scalar]:
+        shards, flags = self._shards(ops, received, handover)
+        finite = none_flagged(ops, flags)
+        update = ops.cast(ops.slice(ops.concat(shards), 0, handover.numel), handover.dtype)
+        return ops.cond(finite, lambda: update,
+                        lambda: nan_like(ops, handover.numel, handover.dtype, update)), finite

@@ -75,17 +75,20 @@ class DGC(SparseMethod):
         return MomentumCorrectionMemory(self.config.momentum, self.config.nesterov)
 
     def prepare(self, ops: TensorOps, grad: Tensor, call: CompressCall) -> Tuple[Tensor, Scalar]:
-        """Weight decay, then local clipping to ``C / sqrt(N)`` (as a scale factor)."""
+        """The loss scale undone, weight decay added, then local clipping to ``C / sqrt(N)``
+        (the unscaling and the clipping as one factor)."""
         cfg = self.config
-        if cfg.weight_decay > 0.0:
+        weight_decay = cfg.weight_decay if call.weight_decay is None else call.weight_decay
+        factor = call.unscale
+        if weight_decay > 0.0:
             if call.param is None:
                 raise ValueError(f"weight_decay needs the parameter of tensor {call.name!r}")
-            grad = ops.scale_add(ops.copy(grad), 1.0, call.param, cfg.weight_decay)
+            grad, factor = ops.add(grad, call.param, factor, weight_decay), 1.0
         if cfg.clip_norm is None:
-            return grad, 1.0
+            return grad, factor
         bound = cfg.clip_norm / call.world_size ** 0.5
-        norm = ops.sqrt(ops.dot(grad, grad))
-        return grad, ops.minimum(bound / ops.maximum(norm, 1e-30), 1.0)
+        norm = ops.sqrt(ops.dot(grad, grad)) * factor
+        return grad, ops.minimum(bound / ops.maximum(norm, 1e-30), 1.0) * factor
 
     def select(self, ops: TensorOps, x: Tensor, k: int, call: CompressCall) -> Tensor:
         cfg = self.config

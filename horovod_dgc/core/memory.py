@@ -6,7 +6,13 @@ mass is lost: ``sent + memory`` after the step equals ``memory + gradient`` befo
 plain residual; momentum correction keeps it for the accumulated velocity).
 
 ``sent`` is always the value the receivers decode, so rounding to the wire dtype stays here too.
-State is a dict of flat tensors owned by the caller; methods return the new dict.
+State is a dict of flat tensors owned by the caller. ``accumulate`` and ``dense`` never
+overwrite the state they are given (the new state is new tensors), so that a step the workers
+agree to drop (a non-finite gradient on some rank) leaves the memories exactly as they were;
+``update`` may overwrite the tensors ``accumulate`` returned.
+
+``grad_scale`` multiplies the gradient before it enters the memory: DGC's clipping factor,
+and the inverse of a mixed-precision loss scale, so that memories hold unscaled gradients.
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ class ResidualMemory:
 
     def accumulate(self, ops: TensorOps, state: State, grad: Tensor,
                    grad_scale: Scalar = 1.0) -> Tuple[Tensor, State]:
-        residual = ops.scale_add(state["residual"], 1.0, grad, grad_scale)
+        residual = ops.add(state["residual"], grad, 1.0, grad_scale)
         return residual, {"residual": residual}
 
     def update(self, ops: TensorOps, state: State, indices: Tensor, sent: Tensor) -> State:
@@ -32,11 +38,13 @@ class ResidualMemory:
 
     def dense(self, ops: TensorOps, state: State, grad: Tensor,
               grad_scale: Scalar = 1.0) -> Tuple[Tensor, State]:
-        return grad, state
+        if isinstance(grad_scale, (int, float)) and grad_scale == 1.0:
+            return ops.copy(grad), state
+        return ops.scale(ops.copy(grad), grad_scale), state
 
 
 class MomentumCorrectionMemory:
-    """DGC's momentum correction with momentum factor masking (docs/algorithms.md, dgc).
+    """DGC's momentum correction with momentum factor masking (docs/algorithms.md#dgc).
 
     ``u = m * u + g; v = v + u`` (Nesterov: ``u = m * (u + g); v = v + u + g``); after
     sending ``v[I]``: ``v[I] -= sent`` and ``u[I] = 0``.
@@ -53,13 +61,13 @@ class MomentumCorrectionMemory:
                        grad_scale: Scalar) -> Tensor:
         m = self.momentum
         if self.nesterov:
-            return ops.scale_add(momentum, m, grad, grad_scale * m)
-        return ops.scale_add(momentum, m, grad, grad_scale)
+            return ops.add(momentum, grad, m, grad_scale * m)
+        return ops.add(momentum, grad, m, grad_scale)
 
     def accumulate(self, ops: TensorOps, state: State, grad: Tensor,
                    grad_scale: Scalar = 1.0) -> Tuple[Tensor, State]:
         momentum = self._step_momentum(ops, state["momentum"], grad, grad_scale)
-        velocity = ops.scale_add(state["velocity"], 1.0, momentum)
+        velocity = ops.add(state["velocity"], momentum)
         if self.nesterov:
             velocity = ops.scale_add(velocity, 1.0, grad, grad_scale)
         return velocity, {"momentum": momentum, "velocity": velocity}
@@ -73,7 +81,7 @@ class MomentumCorrectionMemory:
         """Momentum for a tensor that is not compressed: send ``u`` (Nesterov: ``u + g``)."""
         momentum = self._step_momentum(ops, state["momentum"], grad, grad_scale)
         if self.nesterov:
-            update = ops.scale_add(ops.copy(momentum), 1.0, grad, grad_scale)
+            update = ops.add(momentum, grad, 1.0, grad_scale)
         else:
             update = ops.copy(momentum)
         return update, {"momentum": momentum}
@@ -90,12 +98,12 @@ class LowPassMemory:
     def __init__(self, beta: float):
         self.beta = beta
 
-    def accumulate(self, ops: TensorOps, state: State, grad: Tensor) -> Tuple[Tensor, State]:
+    def accumulate(self, ops: TensorOps, state: State, grad: Tensor,
+                   grad_scale: Scalar = 1.0) -> Tuple[Tensor, State]:
+        p = ops.add(state["memory"], grad, 1.0, grad_scale)
         if self.beta == 1.0:
-            p = ops.scale_add(state["memory"], 1.0, grad)
             return p, {"memory": p}
-        p = ops.add(state["memory"], grad)
-        return p, {"memory": ops.scale_add(state["memory"], 1.0, grad, self.beta)}
+        return p, {"memory": ops.add(state["memory"], grad, 1.0, grad_scale * self.beta)}
 
     def update(self, ops: TensorOps, state: State, indices: Tensor, sent: Tensor) -> State:
         if self.beta != 1.0:

@@ -28,6 +28,11 @@ class CompressCall:
             inside a TensorFlow graph).
         density: density in force for this step (after warm-up).
         param: the parameter tensor (flat), needed only for weight decay.
+        loss_scale: the factor the gradient was multiplied by (a mixed-precision loss
+            scale; a number or a 0-d tensor): memories hold ``grad / loss_scale``, and the
+            averaged update comes back in those unscaled units.
+        weight_decay: this tensor's weight decay, when it differs from the config's (the
+            fused optimizer's parameter groups); None: the config's.
     """
 
     name: str
@@ -36,6 +41,13 @@ class CompressCall:
     step: Any
     density: float
     param: Optional[Tensor] = None
+    loss_scale: Any = 1.0
+    weight_decay: Optional[float] = None
+
+    @property
+    def unscale(self) -> Any:
+        """The factor that brings the gradient back to unscaled units."""
+        return 1.0 / self.loss_scale
 
 
 @dataclass(frozen=True)

@@ -70,8 +70,9 @@ class TensorOps(ABC):
         """``out * alpha`` (may overwrite ``out``)."""
 
     @abstractmethod
-    def add(self, x: Tensor, y: Tensor) -> Tensor:
-        """``x + y`` as a new tensor."""
+    def add(self, x: Tensor, y: Tensor, alpha: Scalar = 1.0, beta: Scalar = 1.0) -> Tensor:
+        """``x * alpha + y * beta`` as a new tensor (no argument is overwritten), in the wider
+        of the two dtypes; rounded as :meth:`scale_add` rounds it."""
 
     @abstractmethod
     def multiply(self, x: Tensor, y: Tensor) -> Tensor:
@@ -79,11 +80,16 @@ class TensorOps(ABC):
 
     @abstractmethod
     def sum(self, x: Tensor) -> Scalar:
-        """Sum of all elements, a 0-d tensor."""
+        """Sum of all elements, a 0-d tensor, accumulated in float32 at least (a float16 sum
+        of finite values overflows)."""
 
     @abstractmethod
     def dot(self, x: Tensor, y: Tensor) -> Scalar:
-        """Inner product, a 0-d tensor."""
+        """Inner product, a 0-d tensor, in float32 at least."""
+
+    @abstractmethod
+    def clamp(self, x: Tensor, bound: float) -> Tensor:
+        """``x`` with every element limited to ``[-bound, bound]`` (a new tensor)."""
 
     @abstractmethod
     def abs(self, x: Tensor) -> Tensor:

@@ -18,10 +18,10 @@ from .collectives import ALLREDUCE, BROADCAST
 from .config import SparseConfig
 from .memory import LowPassMemory
 from .method import CompressCall, State, StateLayout, state_dtype
-from .ops import Tensor, TensorOps
+from .nonfinite import flag, is_finite, nan_like, settle
+from .ops import Scalar, Tensor, TensorOps
 from .selection import (MAX_RETRIES, RETRY_FACTOR, SAMPLE_RATIO, select_exact, select_sampled,
                         top_count)
-from .sparse import check_finite
 from .twostage import StageHandover, TwoStageMethod
 from .validation import require_choice, require_fraction, require_positive_int
 
@@ -97,34 +97,47 @@ class ScaleCom(TwoStageMethod):
     def first(self, ops: TensorOps, state: State, grad: Tensor,
               call: CompressCall) -> Tuple[Tensor, State, StageHandover]:
         n = ops.numel(grad)
-        finite = check_finite(ops, self.config.nonfinite, grad, call)
-        grad = ops.cond(finite, lambda: grad, lambda: ops.zeros(n, ops.dtype(grad), like=grad))
-        p, state = self.memory.accumulate(ops, state, grad)
+        finite = is_finite(ops, grad)
+        p, state = self.memory.accumulate(ops, state, grad, call.unscale)
         layout = self.index_layout(call.name, n, call.density)
 
         def leader_message() -> Tensor:
-            indices = ops.cast(self.leader_indices(ops, p, layout.capacity, call), layout.parts[0][0])
-            header = layout.header(call.rank, call.step, layout.capacity, 0)
+            def chosen() -> Tensor:
+                return ops.cast(self.leader_indices(ops, p, layout.capacity, call), layout.parts[0][0])
+
+            indices, count = ops.cond(finite, lambda: (chosen(), layout.capacity),
+                                      lambda: (ops.zeros(layout.capacity, layout.parts[0][0], like=grad), 0))
+            header = layout.header(call.rank, call.step, count, flag(ops, finite))
             return wire.encode_parts(ops, layout, header, [indices])
 
         # ops.cond: in a TensorFlow graph the step, hence the leader, is known only at run time.
         message = ops.cond(call.rank == self.root(call), leader_message,
                            lambda: ops.zeros(layout.nbytes, "uint8", like=grad))
-        handover = StageHandover(call, n, ops.dtype(grad), {"p": p, "layout": layout})
+        handover = StageHandover(call, n, ops.dtype(grad), {"p": p, "layout": layout, "finite": finite})
         return message, state, handover
 
     def second(self, ops: TensorOps, state: State, received: Tensor,
                handover: StageHandover) -> Tuple[Tensor, State]:
+        """Everyone's values at the leader's indices. A rank whose gradient is not finite
+        sends NaN values, so that the all-reduce tells every rank (the leader's flag alone
+        would not: only the leader's message is broadcast)."""
         layout, call = handover.data["layout"], handover.call
         (indices,) = wire.receive(ops, received, [(layout, self.root(call))], call.step,
-                                  call.rank)[0]
-        values = ops.cast(ops.gather(handover.data["p"], indices),
-                          allreduce_value_dtype(handover.dtype, self.config.value_dtype))
+                                  call.rank).parts[0]
+        dtype = allreduce_value_dtype(handover.dtype, self.config.value_dtype)
+        values = wire.to_wire(ops, ops.gather(handover.data["p"], indices), dtype)
         state = self.memory.update(ops, state, indices, ops.cast(values, state_dtype(handover.dtype)))
+        values = ops.cond(handover.data["finite"], lambda: values,
+                          lambda: nan_like(ops, ops.numel(values), dtype, values))
         handover.data["indices"] = indices
         return values, state
 
-    def finish(self, ops: TensorOps, received: Tensor, handover: StageHandover) -> Tensor:
+    def finish(self, ops: TensorOps, received: Tensor, handover: StageHandover) -> Tuple[Tensor, Scalar]:
+        call = handover.call
+        finite = settle(ops, self.config.nonfinite, ops.is_finite(ops.sum(received)), [],
+                        lambda: f"tensor {call.name!r} on some rank", call.step)
         dense = ops.zeros(handover.numel, state_dtype(handover.dtype), like=received)
         dense = ops.scatter_add(dense, handover.data["indices"], ops.cast(received, ops.dtype(dense)))
-        return ops.cast(dense, handover.dtype)
+        update = ops.cast(dense, handover.dtype)
+        return ops.cond(finite, lambda: update,
+                        lambda: nan_like(ops, handover.numel, handover.dtype, update)), finite

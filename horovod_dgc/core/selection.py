@@ -151,7 +151,11 @@ def gaussian_capacity(k: int, numel: int) -> int:
 def select_gaussian(ops: TensorOps, x: Tensor, k: int) -> Tensor:
     """Gaussian-k: threshold from mean and standard deviation, adjusted at most three times
     (x0.5 below 2k/3 entries, x1.5 above 4k/3); at most ``gaussian_capacity`` positions come
-    back (the largest ones if more reach the final threshold)."""
+    back (the largest ones if more reach the final threshold).
+
+    Unlike the paper, adjustments that end below 2k/3 entries (they can overshoot: 1, 800,
+    60, then 0 entries) fall back to the lowest threshold tried, so that a step never sends
+    far fewer entries than an adjustment found."""
     n = ops.numel(x)
     capacity = gaussian_capacity(k, n)
     if capacity >= n:
@@ -159,13 +163,16 @@ def select_gaussian(ops: TensorOps, x: Tensor, k: int) -> Tensor:
     candidates = _BlockFilter(ops, x, block_size(k / n))
     low, high = GAUSSIAN_LOW * k, GAUSSIAN_HIGH * k
 
-    def adjust(t: Scalar, count: Scalar) -> Tuple[Scalar, Scalar]:
+    def adjust(t: Scalar, count: Scalar, lowest: Scalar) -> Tuple[Scalar, Scalar, Scalar]:
         t = t * ops.where(count < low, GAUSSIAN_LOWER_BY, GAUSSIAN_RAISE_BY)
-        return t, candidates.count(t)
+        return t, candidates.count(t), ops.minimum(lowest, t)
 
     threshold = gaussian_threshold(ops, x, k / n)
-    threshold, count = ops.while_loop(lambda _t, c: (c < low) | (c > high), adjust,
-                                      (threshold, candidates.count(threshold)),
-                                      GAUSSIAN_ADJUSTMENTS)
-    return ops.cond(count > capacity, lambda: candidates.largest(threshold, capacity),
+    threshold, count, lowest = ops.while_loop(lambda _t, c, _l: (c < low) | (c > high), adjust,
+                                              (threshold, candidates.count(threshold), threshold),
+                                              GAUSSIAN_ADJUSTMENTS)
+    # count < 2k/3 for an integer count; an integer bound keeps integer counts comparable.
+    threshold = ops.cond(count < math.ceil(low), lambda: lowest, lambda: threshold)
+    return ops.cond(candidates.count(threshold) > capacity,
+                    lambda: candidates.largest(threshold, capacity),
                     lambda: candidates.at(threshold)[0])

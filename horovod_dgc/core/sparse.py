@@ -17,33 +17,20 @@ from typing import Any, ClassVar, List, Sequence, Tuple
 from . import wire
 from .config import SparseConfig
 from .method import CompressCall, Method, State, StateLayout, state_dtype
+from .nonfinite import is_finite, nan_like, none_flagged, received_finite
 from .ops import Scalar, Tensor, TensorOps
 from .selection import top_count
 
 
-class NonFiniteGradientError(FloatingPointError):
-    """A gradient holds NaN or Inf; the residual was left untouched."""
-
-
 @dataclass(frozen=True)
 class Compressed:
-    """One tensor's outgoing message and what it says, for statistics."""
+    """One tensor's outgoing message and what it says, for statistics. ``state`` is the
+    memory after this step, to be kept only if every rank's gradient was finite."""
 
     message: Tensor
     state: State
     count: Scalar
     layout: wire.MessageLayout
-
-
-def check_finite(ops: TensorOps, policy: str, grad: Tensor, call: CompressCall) -> Scalar:
-    """Whether ``grad`` is finite; with ``policy == "raise"`` a non-finite one raises
-    :class:`NonFiniteGradientError` naming the tensor, before any memory changes."""
-    finite = ops.is_finite(ops.sum(grad))
-    if policy == "raise":
-        ops.check(finite, NonFiniteGradientError(
-            f"gradient of tensor {call.name!r} holds NaN or Inf at step {call.step} on rank "
-            f"{call.rank}; its memory was left untouched"))
-    return finite
 
 
 class SparseMethod(Method):
@@ -69,8 +56,9 @@ class SparseMethod(Method):
         return k
 
     def prepare(self, ops: TensorOps, grad: Tensor, call: CompressCall) -> Tuple[Tensor, Scalar]:
-        """The gradient the memory accumulates, and a factor to scale it by."""
-        return grad, 1.0
+        """The gradient the memory accumulates, and a factor to scale it by (at least the
+        inverse of the loss scale)."""
+        return grad, call.unscale
 
     # -- per-tensor layout and state ----------------------------------------------------------
     def layout(self, name: str, numel: int, grad_dtype: str, density: float) -> wire.MessageLayout:
@@ -88,12 +76,11 @@ class SparseMethod(Method):
         numel = ops.numel(grad)
         layout = self.layout(call.name, numel, ops.dtype(grad), call.density)
         k = top_count(call.density, numel)
-        finite = check_finite(ops, self.config.nonfinite, grad, call)
 
         def send():
             x, new_state = self.memory.accumulate(ops, state, *self.prepare(ops, grad, call))
             indices = self.select(ops, x, k, call)
-            wire_values = ops.cast(ops.gather(x, indices), layout.value_dtype)
+            wire_values = wire.to_wire(ops, ops.gather(x, indices), layout.value_dtype)
             new_state = self.memory.update(ops, new_state, indices,
                                            ops.cast(wire_values, ops.dtype(x)))
             return (new_state, ops.cast(indices, layout.index_dtype), wire_values,
@@ -101,9 +88,9 @@ class SparseMethod(Method):
 
         def skip():
             return (state, ops.zeros(0, layout.index_dtype, like=grad),
-                    ops.zeros(0, layout.value_dtype, like=grad), 0, wire.FLAG_SKIPPED)
+                    ops.zeros(0, layout.value_dtype, like=grad), 0, wire.FLAG_NONFINITE)
 
-        new_state, indices, values, count, flags = ops.cond(finite, send, skip)
+        new_state, indices, values, count, flags = ops.cond(is_finite(ops, grad), send, skip)
         header = layout.header(call.rank, call.step, count, flags)
         message = wire.encode(ops, layout, header, ops.pad(indices, layout.capacity),
                               ops.pad(values, layout.capacity))
@@ -114,21 +101,26 @@ class SparseMethod(Method):
         return self.memory.dense(ops, state, *self.prepare(ops, grad, call))
 
     def decompress(self, ops: TensorOps, gathered: Tensor, layouts: Sequence[wire.MessageLayout],
-                   world_size: int, step: Any, out_dtypes: Sequence[str]) -> List[Tensor]:
+                   world_size: int, step: Any, out_dtypes: Sequence[str]) -> Tuple[List[Tensor], Scalar]:
         """Average the messages of all ranks. ``gathered`` is the allgather of each rank's
-        messages for ``layouts``, concatenated in that order; returns one flat dense tensor
-        per layout: ``(sum over ranks r = 0..N-1 of scatter_add) * (1 / N)``."""
-        return decode_and_average(ops, gathered, layouts, world_size, step, out_dtypes)
+        messages for ``layouts``, concatenated in that order. Returns one flat dense tensor
+        per layout, ``(sum over ranks r = 0..N-1 of scatter_add) * (1 / N)`` (NaN for a tensor
+        some rank flagged as not finite), and whether no rank flagged any."""
+        expected = [(layout, rank) for rank in range(world_size) for layout in layouts]
+        received = wire.receive(ops, gathered, expected, step)
+        sums = [ops.zeros(layout.numel, state_dtype(dtype), like=gathered)
+                for layout, dtype in zip(layouts, out_dtypes)]
+        for i, (indices, values) in enumerate(received.parts):
+            t = i % len(layouts)
+            sums[t] = ops.scatter_add(sums[t], indices, ops.cast(values, ops.dtype(sums[t])))
+        averaged = [ops.cast(ops.scale(s, 1.0 / world_size), dtype) for s, dtype in zip(sums, out_dtypes)]
+        names = [layout.name for layout in layouts]
+        finite = received_finite(ops, self.config.nonfinite, received.flags, names, step)
 
+        def poisoned() -> List[Tensor]:
+            # Only the tensors some rank flagged become NaN.
+            return [ops.cond(none_flagged(ops, ops.strided_sample(received.flags, t, len(layouts))),
+                             lambda a=a: a, lambda a=a, d=d: nan_like(ops, ops.numel(a), d, a))
+                    for t, (a, d) in enumerate(zip(averaged, out_dtypes))]
 
-def decode_and_average(ops: TensorOps, gathered: Tensor, layouts: Sequence[wire.MessageLayout],
-                       world_size: int, step: Any, out_dtypes: Sequence[str]) -> List[Tensor]:
-    """See :meth:`SparseMethod.decompress`; shared by every sparse method."""
-    expected = [(layout, rank) for rank in range(world_size) for layout in layouts]
-    messages = wire.receive(ops, gathered, expected, step)
-    sums = [ops.zeros(layout.numel, state_dtype(dtype), like=gathered)
-            for layout, dtype in zip(layouts, out_dtypes)]
-    for i, (indices, values) in enumerate(messages):
-        t = i % len(layouts)
-        sums[t] = ops.scatter_add(sums[t], indices, ops.cast(values, ops.dtype(sums[t])))
-    return [ops.cast(ops.scale(s, 1.0 / world_size), dtype) for s, dtype in zip(sums, out_dtypes)]
+        return ops.cond(finite, lambda: averaged, poisoned), finite

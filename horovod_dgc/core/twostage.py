@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Dict, List, Sequence, Tuple
 
 from .collectives import emulate
 from .method import CompressCall, Method, State
-from .ops import Tensor, TensorOps
+from .ops import Scalar, Tensor, TensorOps
 
 
 @dataclass
@@ -56,8 +56,9 @@ class TwoStageMethod(Method):
         """Stage 2: the message for the SECOND collective, from what FIRST delivered."""
 
     @abstractmethod
-    def finish(self, ops: TensorOps, received: Tensor, handover: StageHandover) -> Tensor:
-        """The averaged update (flat, the gradient's dtype) from what SECOND delivered."""
+    def finish(self, ops: TensorOps, received: Tensor, handover: StageHandover) -> Tuple[Tensor, Scalar]:
+        """The averaged update (flat, the gradient's dtype) from what SECOND delivered, and
+        whether every rank's gradient was finite (else the update is NaN)."""
 
 
 def simulate_step(ops: TensorOps, method: TwoStageMethod, states: List[State],
@@ -68,5 +69,5 @@ def simulate_step(ops: TensorOps, method: TwoStageMethod, states: List[State],
     seconds = [method.second(ops, state, r, handover)
                for (_, state, handover), r in zip(firsts, received)]
     received = emulate(ops, method.SECOND, [m for m, _ in seconds], method.root(calls[0]))
-    results = [method.finish(ops, r, handover) for r, (_, _, handover) in zip(received, firsts)]
+    results = [method.finish(ops, r, handover)[0] for r, (_, _, handover) in zip(received, firsts)]
     return results, [state for _, state in seconds]

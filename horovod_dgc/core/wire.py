@@ -30,11 +30,15 @@ HEADER_FIELDS = ("magic", "method", "tensor id", "numel (low)", "numel (high)", 
                  "count", "second part dtype", "first part dtype", "sender rank", "step", "flags")
 HEADER_WORDS = len(HEADER_FIELDS)
 HEADER_BYTES = HEADER_WORDS * 4
+FLAGS_WORD = HEADER_FIELDS.index("flags")
 ALIGN_BYTES = 8
 
 DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3, "int32": 4, "int64": 5, "uint8": 6}
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8, "uint8": 1}
-FLAG_SKIPPED = 1  # the sender's gradient was not finite and it sent nothing
+FLAG_NONFINITE = 1  # the sender's gradient was not finite: it sent nothing, kept its memory
+# The largest finite value of each 16-bit wire format: larger values are clamped to it before
+# they are sent (the excess stays in the memory) instead of turning into Inf.
+FORMAT_MAX = {"float16": 65504.0}
 
 _INT31 = 2 ** 31
 
@@ -103,7 +107,7 @@ class Layout:
         """(lowest, highest) accepted value of each header word of a message from ``rank``
         at ``step``: every word is fixed but the count (0 to capacity) and the flags."""
         low = self.header(rank, step, 0, 0)
-        high = self.header(rank, step, self.capacity, FLAG_SKIPPED)
+        high = self.header(rank, step, self.capacity, FLAG_NONFINITE)
         return low, high
 
     def diagnose(self, words: Sequence[int], rank: int, step: int) -> None:
@@ -148,6 +152,13 @@ class PartsLayout(Layout):
         return self.part_list
 
 
+def to_wire(ops: TensorOps, values: Tensor, dtype: str) -> Tensor:
+    """``values`` in the wire ``dtype``, clamped to its finite range (see FORMAT_MAX)."""
+    if dtype in FORMAT_MAX:
+        values = ops.clamp(values, FORMAT_MAX[dtype])
+    return ops.cast(values, dtype)
+
+
 def encode_parts(ops: TensorOps, layout: Layout, header: List[Any], parts: Sequence[Tensor]) -> Tensor:
     """The message bytes; each part already holds its count of entries in its dtype."""
     encoded = [ops.to_bytes(ops.constant(header, "int32", like=parts[0]))]
@@ -174,13 +185,22 @@ def parts_of(ops: TensorOps, message: Tensor, layout: Layout) -> List[Tensor]:
 Expected = Tuple[Layout, Any]  # a message's layout and its sender's rank (int or 0-d tensor)
 
 
+@dataclass(frozen=True)
+class Received:
+    """What :func:`receive` found: each message's parts, and each message's flags word
+    (nonzero: the sender's gradient was not finite)."""
+
+    parts: List[List[Tensor]]
+    flags: Tensor
+
+
 def receive(ops: TensorOps, data: Tensor, expected: Sequence[Expected], step: Any,
-            receiver: Any = None) -> List[List[Tensor]]:
-    """The parts of each message in ``data``, the concatenation of one message per entry of
-    ``expected``, after checking the total size and every header at once (one comparison;
-    ``step`` may be a run-time tensor). On any difference :class:`MessageError` names the
-    first sending rank and tensor that differ, or the receiving rank ``receiver`` when only
-    the size differs."""
+            receiver: Any = None) -> Received:
+    """The parts and flags of each message in ``data``, the concatenation of one message per
+    entry of ``expected``, after checking the total size and every header at once (one
+    comparison; ``step`` may be a run-time tensor). On any difference :class:`MessageError`
+    names the first sending rank and tensor that differ, or the receiving rank ``receiver``
+    when only the size differs."""
     total = sum(layout.nbytes for layout, _ in expected)
     size_ok = ops.size(data) == total
     fitted = ops.fit(data, total)
@@ -198,8 +218,10 @@ def receive(ops: TensorOps, data: Tensor, expected: Sequence[Expected], step: An
     fitted = ops.verify(ops.where(size_ok, valid, False), [data, senders, step],
                         lambda values, ranks, at: _diagnose(values, ranks, at, expected, total, receiver),
                         fitted)
-    return [parts_of(ops, ops.slice(fitted, offset, layout.nbytes), layout)
-            for offset, (layout, _) in zip(offsets, expected)]
+    flags = ops.gather(headers, ops.constant([i * HEADER_WORDS + FLAGS_WORD
+                                              for i in range(len(expected))], "int64", like=headers))
+    return Received([parts_of(ops, ops.slice(fitted, offset, layout.nbytes), layout)
+                     for offset, (layout, _) in zip(offsets, expected)], flags)
 
 
 def _offsets(expected: Sequence[Expected]) -> List[int]:

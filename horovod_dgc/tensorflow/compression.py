@@ -39,7 +39,7 @@ from ..core.method import Method
 from ..core.methods import METHODS, MethodSpec, spec_of
 from ..core.wire import tensor_id
 from .collectives import PREFIX, run
-from .engine import Engine
+from .engine import DenseUpdate, Engine
 from .twostage import TwoStageEngine
 # Each rank all-reduces 1.0: Horovod's average is 1.0 only with op=hvd.Average.
 _PLACEHOLDER_VALUE = 1.0
@@ -140,6 +140,13 @@ class MethodCompressor(CompressorControls, Compressor):
                                              rank=hvd.rank())
         return self._engine
 
+    def attach_loss_scale(self, scale: Any) -> None:
+        """Mixed precision: gradients arrive multiplied by ``scale`` (a ``tf.Variable``, or a
+        function returning the current scale: a Keras ``LossScaleOptimizer``'s
+        ``dynamic_scale``); memories keep them unscaled and the averaged gradients go back
+        scaled, as the loss scale optimizer expects."""
+        self.engine.use_loss_scale(scale if callable(scale) else lambda: scale)
+
     def state_dict(self) -> dict:
         """This rank's memories, step counters and epoch, for checkpoints (call it eagerly)."""
         return self.engine.state_dict()
@@ -200,7 +207,8 @@ class MethodCompressor(CompressorControls, Compressor):
         engine = self.engine
         name, variable, occurrence = self._lookup(tensor)
         if not engine.compresses(tensor):
-            return engine.dense(name, tensor, variable), None
+            update = engine.dense(name, tensor, variable)
+            return update.tensor, update
         collective = collective_name(name, occurrence)
         step, finish = self.start_exchange(name, tensor, variable, collective)
         # Horovod's collectives are stateless ops to TensorFlow: Grappler would run the
@@ -211,9 +219,11 @@ class MethodCompressor(CompressorControls, Compressor):
         return placeholder, DeferredUpdate(finish)
 
     @tf.autograph.experimental.do_not_convert
-    def decompress(self, tensor: tf.Tensor, ctx: Optional[DeferredUpdate]) -> tf.Tensor:
+    def decompress(self, tensor: tf.Tensor, ctx: Optional[Any]) -> tf.Tensor:
         if ctx is None:
             return tensor
+        if isinstance(ctx, DenseUpdate):
+            return self.engine.dense_received(ctx, tensor)
         ops = self.engine.ops
         with ops.guards() as guards:
             ops.check(tf.abs(tensor[0] - _PLACEHOLDER_VALUE) < 1e-3, ValueError(

@@ -17,14 +17,17 @@ TensorFlow op:
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
 from ..core.method import CompressCall, Method
+from ..core.nonfinite import settle
 from ..core.state import check_loadable, state_frame
 from ..core.stats import CompressionStats
+from ..core.warmup import WarmupWatch
 from ..core.wire import MessageLayout
 from .ops import TFOps, dtype_name
 
@@ -49,6 +52,25 @@ class TracedMessage:
     step: tf.Tensor
     shape: tf.TensorShape
     dtype: tf.DType
+    old_state: Dict[str, tf.Tensor]
+    new_state: Dict[str, tf.Tensor]
+    loss_scale: Any = 1.0
+
+
+@dataclass
+class DenseUpdate:
+    """A tensor that travels dense: what to all-reduce, and how to give the result back."""
+
+    name: str
+    tensor: tf.Tensor
+    dtype: tf.DType
+    step: tf.Tensor
+    old_state: Dict[str, tf.Tensor]
+    new_state: Dict[str, tf.Tensor]
+    loss_scale: Any = 1.0
+
+# Horovod's collectives take no bfloat16: such dense tensors travel as float32.
+_REDUCIBLE = {tf.bfloat16: tf.float32}
 
 
 class Engine:
@@ -67,8 +89,10 @@ class Engine:
         self.world_size = world_size
         self.rank = rank
         self.epoch = 0.0
-        epochs = range(getattr(method.config, "warmup_epochs", 0) + 1)
-        self.densities = tuple(sorted({method.config.density_at(e) for e in epochs}, reverse=True))
+        schedule = method.config.schedule
+        self.densities = schedule.densities_in_use if schedule else (1.0,)
+        self._watch = WarmupWatch(schedule)
+        self._loss_scale: Optional[Callable[[], Any]] = None
         with tf.init_scope():
             self._density_index = tf.Variable(self.densities.index(self.density), trainable=False,
                                               name="horovod_dgc/density_index")
@@ -103,7 +127,26 @@ class Engine:
     def set_epoch(self, epoch: float) -> None:
         """Select the density of ``floor(epoch)`` for the steps that follow (call it eagerly)."""
         self.epoch = float(epoch)
+        self._watch.epoch_set(self.epoch)
         self._density_index.assign(self.densities.index(self.density))
+
+    def use_loss_scale(self, scale: Callable[[], Any]) -> None:
+        """Read the current loss scale from ``scale()`` (a tensor in the graph) at every
+        compress: memories keep unscaled gradients, results go back scaled."""
+        self._loss_scale = scale
+
+    def _current_loss_scale(self) -> Any:
+        return 1.0 if self._loss_scale is None else tf.cast(self._loss_scale(), tf.float32)
+
+    def _density_index_at(self, step: tf.Tensor) -> tf.Tensor:
+        """The density index in force at a tensor's ``step``: from the step count when the
+        schedule has ``steps_per_epoch``, else from the epoch last set."""
+        schedule = self.config.schedule
+        if schedule is None or schedule.steps_per_epoch is None:
+            return self._density_index.read_value()
+        table = [self.densities.index(schedule.density(e)) for e in range(schedule.warmup_epochs + 1)]
+        epoch = tf.minimum(step // schedule.steps_per_epoch, schedule.warmup_epochs)
+        return tf.gather(tf.constant(table, tf.int32), epoch)
 
     def stats(self) -> CompressionStats:
         """Totals since the last reset (call it eagerly)."""
@@ -189,11 +232,24 @@ class Engine:
         for key, value in state.items():
             self._states[name][key].assign(value)
 
-    def _call(self, name: str, step: tf.Tensor, density: float,
-                param: Optional[Any]) -> CompressCall:
+    def _keep_if(self, finite: tf.Tensor, name: str, old: Dict[str, tf.Tensor],
+                 new: Dict[str, tf.Tensor]) -> tf.Operation:
+        """Keep the step's memories of tensor ``name`` only if every rank's gradient was
+        finite (per tensor in TensorFlow: see README's mixed-precision section)."""
+        return tf.group([self._states[name][key].assign(tf.where(finite, new[key], old[key]))
+                         for key in new])
+
+    def _call(self, name: str, step: tf.Tensor, density: float, param: Optional[Any],
+              loss_scale: Any) -> CompressCall:
         flat_param = None if param is None else tf.reshape(tf.convert_to_tensor(param), [-1])
         return CompressCall(name=name, rank=self.rank, world_size=self.world_size, step=step,
-                           density=density, param=flat_param)
+                            density=density, param=flat_param, loss_scale=loss_scale)
+
+    def _traced_step(self, name: str) -> tf.Tensor:
+        warning = self._watch.warning(0)
+        if warning and self.rank == 0:
+            warnings.warn(warning, stacklevel=4)
+        return self._next_step(name)
 
     def _by_density(self, index: tf.Tensor, fn: Callable[[int], Any]) -> Any:
         """``fn(i)`` for the density index ``index`` in force at run time."""
@@ -208,45 +264,59 @@ class Engine:
         flat = tf.reshape(grad, [-1])
         numel, grad_dtype = flat.shape.num_elements(), dtype_name(grad.dtype)
         layouts = tuple(self.method.layout(name, numel, grad_dtype, d) for d in self.densities)
-        index = self._density_index.read_value()
-        step = self._next_step(name)
-        state = self._read_state(name)
+        step = self._traced_step(name)
+        index = self._density_index_at(step)
+        state, scale = self._read_state(name), self._current_loss_scale()
 
         def at_density(i: int) -> Tuple[tf.Tensor, Dict[str, tf.Tensor], tf.Tensor]:
             result = self.method.compress(self.ops, state, flat,
-                                          self._call(name, step, self.densities[i], param))
+                                          self._call(name, step, self.densities[i], param, scale))
             return result.message, result.state, tf.cast(result.count, tf.int64)
 
         with tf.control_dependencies([started]):
             message, new_state, count = self._by_density(index, at_density)
-        self._assign_state(name, new_state)
         with tf.control_dependencies([message, count]):
             elapsed = tf.timestamp() - started
         nbytes = tf.gather(tf.constant([layout.nbytes for layout in layouts], tf.int64), index)
         self._record(bytes_sent=nbytes, dense_bytes=numel * grad.dtype.size, elements_sent=count,
                      elements_compressed=numel, selection_time_s=elapsed)
-        return TracedMessage(name, message, layouts, index, step, grad.shape, grad.dtype)
+        return TracedMessage(name, message, layouts, index, step, grad.shape, grad.dtype, state,
+                             new_state, scale)
 
-    def dense(self, name: str, grad: tf.Tensor, param: Optional[Any]) -> tf.Tensor:
-        """What to all-reduce for a tensor that does not compress."""
+    def dense(self, name: str, grad: tf.Tensor, param: Optional[Any]) -> DenseUpdate:
+        """What to all-reduce for a tensor that does not compress (float32 for a bfloat16
+        gradient); give the result to :meth:`dense_received`."""
         flat = tf.reshape(grad, [-1])
         step = self._next_step(name)
-        update, state = self.method.dense(self.ops, self._read_state(name), flat,
-                                          self._call(name, step, self.density, param))
-        self._assign_state(name, state)
-        nbytes = flat.shape.num_elements() * grad.dtype.size
-        self._record(bytes_sent=nbytes, dense_bytes=nbytes)
-        return tf.reshape(tf.cast(update, grad.dtype), grad.shape)
+        old, scale = self._read_state(name), self._current_loss_scale()
+        update, state = self.method.dense(self.ops, old, flat,
+                                          self._call(name, step, self.density, param, scale))
+        update = tf.cast(update, _REDUCIBLE.get(grad.dtype, grad.dtype)) * tf.cast(scale, update.dtype)
+        nbytes = flat.shape.num_elements() * update.dtype.size
+        self._record(bytes_sent=nbytes, dense_bytes=flat.shape.num_elements() * grad.dtype.size)
+        return DenseUpdate(name, tf.reshape(update, grad.shape), grad.dtype, step, old, state, scale)
+
+    def dense_received(self, sent: DenseUpdate, averaged: tf.Tensor) -> tf.Tensor:
+        """The all-reduced ``sent.tensor`` in the gradient's dtype; the tensor's memories of
+        this step are kept only if the result is finite."""
+        finite = settle(self.ops, self.config.nonfinite, self.ops.is_finite(self.ops.sum(averaged)),
+                        [], lambda: f"tensor {sent.name!r} on some rank", sent.step)
+        with tf.control_dependencies([self._keep_if(finite, sent.name, sent.old_state, sent.new_state)]):
+            return tf.cast(tf.identity(averaged), sent.dtype)
 
     def decompress(self, gathered: tf.Tensor, message: TracedMessage) -> tf.Tensor:
         """Averaged dense gradient of ``message``'s tensor from the allgather of every rank's
         message; the core checks every header against the run-time step."""
-        def decode(i: int) -> tf.Tensor:
+        def decode(i: int) -> Tuple[tf.Tensor, tf.Tensor]:
             with self.ops.guards() as guards:
-                flat = self.method.decompress(self.ops, gathered, [message.layouts[i]],
-                                              self.world_size, message.step,
-                                              [dtype_name(message.dtype)])[0]
+                flats, finite = self.method.decompress(self.ops, gathered, [message.layouts[i]],
+                                                       self.world_size, message.step,
+                                                       [dtype_name(message.dtype)])
             with tf.control_dependencies(guards):
-                return tf.identity(flat)
+                return tf.identity(flats[0]), tf.identity(finite)
 
-        return tf.reshape(self._by_density(message.density_index, decode), message.shape)
+        flat, finite = self._by_density(message.density_index, decode)
+        kept = self._keep_if(finite, message.name, message.old_state, message.new_state)
+        with tf.control_dependencies([kept]):
+            flat = flat * tf.cast(message.loss_scale, flat.dtype)
+        return tf.reshape(flat, message.shape)

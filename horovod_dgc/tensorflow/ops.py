@@ -194,19 +194,22 @@ class TFOps(TensorOps):
     def scale(self, out: tf.Tensor, alpha: Scalar) -> tf.Tensor:
         return out * _tensor(alpha, out.dtype)
 
-    def add(self, x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
+    def add(self, x: tf.Tensor, y: tf.Tensor, alpha: Scalar = 1.0, beta: Scalar = 1.0) -> tf.Tensor:
         x, y = _promoted(x, y)
-        return x + y
+        return self.scale_add(x, alpha, y, beta)
 
     def multiply(self, x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
         x, y = _promoted(x, y)
         return x * y
 
     def sum(self, x: tf.Tensor) -> tf.Tensor:
-        return tf.reduce_sum(x)
+        return tf.reduce_sum(_at_least_float32(x))
 
     def dot(self, x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
-        return tf.tensordot(x, y, 1)
+        return tf.tensordot(_at_least_float32(x), _at_least_float32(y), 1)
+
+    def clamp(self, x: tf.Tensor, bound: float) -> tf.Tensor:
+        return tf.clip_by_value(x, -bound, bound)
 
     def abs(self, x: Any) -> Any:
         return abs(x) if isinstance(x, _PYTHON_NUMBERS) else tf.abs(x)
@@ -403,6 +406,10 @@ class TFOps(TensorOps):
             return branch
 
         return tf.cond(pred, normalised(true_fn), normalised(false_fn))
+
+
+def _at_least_float32(x: tf.Tensor) -> tf.Tensor:
+    return tf.cast(x, tf.float32) if x.dtype in (tf.float16, tf.bfloat16) else x
 
 
 def _host_value(value: Any) -> Any:

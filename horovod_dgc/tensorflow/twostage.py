@@ -35,22 +35,23 @@ class TwoStageEngine(Engine):
         started = tf.timestamp()
         flat = tf.reshape(grad, [-1])
         numel = flat.shape.num_elements()
-        index = self._density_index.read_value()
-        step = self._next_step(name)
-        state = self._read_state(name)
+        step = self._traced_step(name)
+        index = self._density_index_at(step)
+        state, scale = self._read_state(name), self._current_loss_scale()
         step_value = int(step) if tf.executing_eagerly() else step
 
-        def at_density(i: int) -> Tuple[tf.Tensor, Dict[str, tf.Tensor], tf.Tensor]:
-            call = self._call(name, step_value, self.densities[i], param)
+        def at_density(i: int) -> Tuple[tf.Tensor, Dict[str, tf.Tensor], tf.Tensor, tf.Tensor]:
+            call = self._call(name, step_value, self.densities[i], param, scale)
             with self.ops.guards() as guards:
-                update, new_state, nbytes = self._stages(state, flat, call, collective,
-                                                         f"{collective_name}.d{i}")
+                update, new_state, nbytes, finite = self._stages(state, flat, call, collective,
+                                                                 f"{collective_name}.d{i}")
             with tf.control_dependencies(guards):
-                return tf.identity(update), new_state, nbytes
+                return tf.identity(update), new_state, nbytes, tf.identity(finite)
 
         with tf.control_dependencies([started]):
-            update, new_state, nbytes = self._by_density(index, at_density)
-        self._assign_state(name, new_state)
+            update, new_state, nbytes, finite = self._by_density(index, at_density)
+        with tf.control_dependencies([self._keep_if(finite, name, state, new_state)]):
+            update = update * tf.cast(scale, update.dtype)
         with tf.control_dependencies([update]):
             elapsed = tf.timestamp() - started
         density = tf.gather(tf.constant(self.densities, tf.float64), index)
@@ -61,16 +62,17 @@ class TwoStageEngine(Engine):
 
     def _stages(self, state: Dict[str, tf.Tensor], flat: tf.Tensor, call: CompressCall,
                 collective: Collective, collective_name: str):
-        """(update, new state, bytes handed to the collectives) of one exchange."""
+        """(update, new state, bytes handed to the collectives, whether every rank's gradient
+        was finite) of one exchange."""
         method = self.method
         root = method.root(call)
         message, state, handover = method.first(self.ops, state, flat, call)
         received = collective(method.FIRST, message, f"{collective_name}.1", root)
         second, state = method.second(self.ops, state, received, handover)
         received = collective(method.SECOND, second, f"{collective_name}.2", root)
-        update = method.finish(self.ops, received, handover)
+        update, finite = method.finish(self.ops, received, handover)
         first_bytes = tf.size(message, out_type=tf.int64) * message.dtype.size
         if method.FIRST == BROADCAST:
             first_bytes = tf.where(tf.equal(tf.cast(root, tf.int64), call.rank), first_bytes, 0)
         second_bytes = tf.size(second, out_type=tf.int64) * second.dtype.size
-        return update, state, first_bytes + second_bytes
+        return update, state, first_bytes + second_bytes, finite

@@ -25,7 +25,7 @@ from ..core.method import Method
 from ..core.methods import METHODS, MethodSpec, spec_of
 from ..core.twostage import StageHandover
 from .collectives import launch, wait
-from .engine import Engine, OutgoingMessage
+from .engine import DenseUpdate, Engine, OutgoingMessage
 
 NamedParameters = Iterable[Tuple[str, torch.nn.Parameter]]
 # What one tensor brings to an exchange: its name, gradient and parameter.
@@ -70,13 +70,22 @@ class MethodCompressor(CompressorControls, Compressor):
         self.method = type(self.method)(dataclasses.replace(self.config, **changes))
         self.config = self.method.config
         if self._engine is not None:
-            self._engine.method = self.method
+            self._engine.set_method(self.method)
 
     @property
     def engine(self) -> Engine:
         if self._engine is None:
             self._engine = Engine(self.method, world_size=hvd.size(), rank=hvd.rank())
         return self._engine
+
+    def attach_grad_scaler(self, scaler: "torch.amp.GradScaler") -> None:
+        """Mixed precision: gradients arrive multiplied by ``scaler``'s current scale; the
+        memories keep them unscaled (so that a change of scale does not change what they
+        hold) and the averaged gradients go back scaled, as ``scaler.unscale_`` expects.
+        Horovod's recipe then works unchanged (``optimizer.synchronize()``,
+        ``scaler.unscale_(optimizer)``, ``with optimizer.skip_synchronize():
+        scaler.step(optimizer)``, ``scaler.update()``)."""
+        self.engine.use_loss_scale(scaler.get_scale)
 
     def state_dict(self) -> dict:
         """This rank's memories, step counters and epoch, for checkpoints: save every rank's."""
@@ -109,9 +118,11 @@ class MethodCompressor(CompressorControls, Compressor):
             return tensor, None
         name, param = self._lookup(tensor)
         if not self.engine.compresses(tensor):
-            return self.engine.dense(name, tensor, param), None
+            update = self.engine.dense(name, tensor, param)
+            return update.tensor, update
         exchange = self.launch(name, [(name, tensor, param)])
-        placeholder = tensor.new_zeros(1)
+        # float32 whatever the gradient's dtype: Horovod all-reduces no bfloat16.
+        placeholder = tensor.new_zeros(1, dtype=torch.float32)
         self.engine.record_placeholder(exchange.step, placeholder.element_size())
         return placeholder, exchange
 
@@ -120,6 +131,8 @@ class MethodCompressor(CompressorControls, Compressor):
             self._check_wrapping_optimizer()
         if ctx is None:
             return tensor
+        if isinstance(ctx, DenseUpdate):
+            return self.engine.dense_received(ctx, tensor)
         return self.finish(ctx)[0]
 
     # -- the family's exchange: one tensor (stock path) or a bucket (fused path) -------------
@@ -133,7 +146,9 @@ class MethodCompressor(CompressorControls, Compressor):
         raise NotImplementedError
 
     def abandon_exchanges(self) -> None:
-        """Forget the exchanges of a step interrupted by an elastic reset."""
+        """Forget the exchanges of a step interrupted by an elastic reset, and the memories
+        that step computed."""
+        self.engine.abandon_step()
 
     # -- guarding against momentum applied twice -------------------------------------------------
     def _check_wrapping_optimizer(self) -> None:
@@ -143,6 +158,12 @@ class MethodCompressor(CompressorControls, Compressor):
         self._optimizer_checked = True
         for optimizer in _optimizers_holding(self):
             check_optimizer_compatible(optimizer, self.config, getattr(optimizer, "op", hvd.Average))
+            process_set = getattr(optimizer, "process_set", hvd.global_process_set)
+            if process_set is not hvd.global_process_set and process_set.size() != hvd.size():
+                raise ValueError(
+                    f"horovod_dgc compressors exchange among all {hvd.size()} workers; the "
+                    f"optimizer was given a process set of {process_set.size()}: use the "
+                    f"global process set (process sets are not supported)")
 
 
 @dataclass
@@ -220,6 +241,7 @@ class TwoStageCompressor(MethodCompressor):
     def abandon_exchanges(self) -> None:
         with self._lock:
             self._in_flight.clear()
+        super().abandon_exchanges()
 
     def launch_second_stages(self) -> None:
         """Stage 2 of every exchange whose stage 1 is in flight, in label order."""

@@ -4,20 +4,32 @@ An :class:`Engine` knows nothing of Horovod: it turns a named gradient into eith
 message (bytes) or a dense tensor to all-reduce, and turns gathered messages back into the
 averaged dense gradient. ``compression.py`` (stock ``hvd.DistributedOptimizer``) and
 ``optimizer.py`` (our own, fused) put the collectives around it.
+
+**A step is kept or dropped whole.** The memories a step computes are staged, not kept, until
+every tensor exchanged in the step has come back: if any rank's gradient of any tensor was
+not finite (every rank learns of it from the messages), every staged memory is dropped, so
+every memory of every rank is exactly what it was before the step; else all are kept.
+
+**Loss scaling.** With a mixed-precision loss scaler attached (:meth:`Engine.use_loss_scale`),
+gradients are divided by the scale before they reach the memories, and the averaged gradients
+are multiplied by it again, so that the scaler's ``unscale_`` finds what it expects.
 """
 from __future__ import annotations
 
 import threading
 import time
+import warnings
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
 from ..core.method import CompressCall, Method
+from ..core.nonfinite import NonFiniteGradientError
 from ..core.state import check_loadable, state_frame
 from ..core.stats import CompressionStats, StatsRecorder
 from ..core.twostage import StageHandover
+from ..core.warmup import WarmupWatch
 from ..core.wire import MessageLayout
 from .ops import TorchOps, dtype_name
 
@@ -32,21 +44,54 @@ class OutgoingMessage:
     step: int
     shape: torch.Size
     dtype: torch.dtype
+    loss_scale: float = 1.0
+
+
+@dataclass
+class DenseUpdate:
+    """A tensor that travels dense: what to all-reduce, and how to give the result back."""
+
+    name: str
+    tensor: torch.Tensor
+    dtype: torch.dtype
+    loss_scale: float = 1.0
+
+# Horovod's collectives take no bfloat16: such dense tensors travel as float32.
+_REDUCIBLE = {torch.bfloat16: torch.float32}
 
 
 class Engine:
     """Holds a method, the per-tensor memories, the step counters and the statistics."""
 
     def __init__(self, method: Method, world_size: int, rank: int):
-        self.method = method
         self.ops = TorchOps()
+        self.set_method(method)
         self.world_size = world_size
         self.rank = rank
         self.epoch = 0.0
         self._states: Dict[str, dict] = {}
+        self._staged: Dict[str, dict] = {}
+        self._open: Set[str] = set()
+        self._step_finite = True
         self._steps: Dict[str, int] = {}
         self._lock = threading.Lock()
         self._stats = StatsRecorder()
+        self._loss_scale: Callable[[], float] = lambda: 1.0
+        self._weight_decays: Dict[str, float] = {}
+
+    def set_weight_decays(self, decays: Dict[str, float]) -> None:
+        """Per-tensor weight decays (by name), in place of the config's: the fused
+        optimizer's parameter groups."""
+        self._weight_decays = dict(decays)
+
+    def use_loss_scale(self, scale: Callable[[], float]) -> None:
+        """Read the current loss scale from ``scale()`` at every compress."""
+        self._loss_scale = scale
+
+    def set_method(self, method: Method) -> None:
+        """Run ``method`` (a new config, before training)."""
+        self.method = method
+        self._watch = WarmupWatch(method.config.schedule)
 
     @property
     def config(self):
@@ -55,11 +100,12 @@ class Engine:
     # -- schedule and statistics ------------------------------------------------------------
     def set_epoch(self, epoch: float) -> None:
         self.epoch = float(epoch)
+        self._watch.epoch_set(self.epoch)
 
     @property
     def density(self) -> float:
         """Density in force now (after warm-up)."""
-        return self.config.density_at(self.epoch)
+        return self.config.density_for(max(self._steps.values(), default=0), self.epoch)
 
     def stats(self) -> CompressionStats:
         return self._stats.snapshot()
@@ -80,7 +126,10 @@ class Engine:
         with self._lock:
             step = self._steps.get(name, 0)
             self._steps[name] = step + 1
-            return step
+        warning = self._watch.warning(step)
+        if warning and self.rank == 0:
+            warnings.warn(warning, stacklevel=4)
+        return step
 
     def _state(self, name: str, flat: torch.Tensor, compressed: bool) -> dict:
         with self._lock:
@@ -89,53 +138,97 @@ class Engine:
                                                             self.world_size)
             return self._states[name]
 
-    def _call(self, name: str, step: int, param: Optional[torch.Tensor]) -> CompressCall:
+    def _call(self, name: str, step: int, param: Optional[torch.Tensor],
+              loss_scale: float) -> CompressCall:
         flat_param = None if param is None else param.detach().reshape(-1)
         return CompressCall(name=name, rank=self.rank, world_size=self.world_size, step=step,
-                           density=self.density, param=flat_param)
+                            density=self.config.density_for(step, self.epoch), param=flat_param, loss_scale=loss_scale,
+                            weight_decay=self._weight_decays.get(name))
+
+    # -- keeping or dropping a step's memories --------------------------------------------------
+    def _stage(self, name: str, state: dict) -> None:
+        with self._lock:
+            self._staged[name] = state
+            self._open.add(name)
+
+    def _staged_state(self, name: str) -> dict:
+        with self._lock:
+            return self._staged[name]
+
+    def _conclude(self, names: Sequence[str], finite: bool) -> None:
+        """These tensors came back (finite or not); once every open tensor has, the step's
+        staged memories are kept, or all dropped if any tensor was not finite."""
+        with self._lock:
+            self._step_finite = self._step_finite and finite
+            self._open.difference_update(names)
+            if self._open:
+                return
+            if self._step_finite:
+                self._states.update(self._staged)
+            self._staged.clear()
+            self._step_finite = True
+
+    def abandon_step(self) -> None:
+        """Drop the memories of a step that will not finish (an elastic reset)."""
+        with self._lock:
+            self._staged.clear()
+            self._open.clear()
+            self._step_finite = True
 
     # -- the two paths ------------------------------------------------------------------------
     def compress(self, name: str, grad: torch.Tensor, param: Optional[torch.Tensor]) -> OutgoingMessage:
         """Sparse message for a tensor that :meth:`compresses`."""
         started = time.perf_counter()
         flat = grad.detach().reshape(-1)
-        step = self._next_step(name)
+        step, scale = self._next_step(name), self._loss_scale()
         result = self.method.compress(self.ops, self._state(name, flat, True), flat,
-                                      self._call(name, step, param))
-        with self._lock:
-            self._states[name] = result.state
+                                      self._call(name, step, param, scale))
+        self._stage(name, result.state)
         elapsed = time.perf_counter() - started
         self._stats.record(step=step, bytes_sent=result.layout.nbytes,
                            dense_bytes=grad.numel() * grad.element_size(),
                            elements_sent=int(result.count), elements_compressed=grad.numel(),
                            selection_time_s=elapsed)
-        return OutgoingMessage(name, result.message, result.layout, step, grad.shape, grad.dtype)
+        return OutgoingMessage(name, result.message, result.layout, step, grad.shape, grad.dtype, scale)
 
-    def dense(self, name: str, grad: torch.Tensor, param: Optional[torch.Tensor]) -> torch.Tensor:
-        """What to all-reduce for a tensor that does not compress (a new tensor)."""
+    def dense(self, name: str, grad: torch.Tensor, param: Optional[torch.Tensor]) -> DenseUpdate:
+        """What to all-reduce for a tensor that does not compress (a new tensor, float32 for
+        a bfloat16 gradient); give the result to :meth:`dense_received`."""
         flat = grad.detach().reshape(-1)
-        step = self._next_step(name)
+        step, scale = self._next_step(name), self._loss_scale()
         update, state = self.method.dense(self.ops, self._state(name, flat, False), flat,
-                                          self._call(name, step, param))
-        with self._lock:
-            self._states[name] = state
-        update = update.to(grad.dtype).reshape(grad.shape)
+                                          self._call(name, step, param, scale))
+        self._stage(name, state)
+        if scale != 1.0:
+            update = update * scale
+        update = update.to(_REDUCIBLE.get(grad.dtype, grad.dtype)).reshape(grad.shape)
         if update.data_ptr() == grad.data_ptr():
             update = update.clone()
         self._stats.record(step=step, bytes_sent=update.numel() * update.element_size(),
                            dense_bytes=grad.numel() * grad.element_size())
-        return update
+        return DenseUpdate(name, update, grad.dtype, scale)
+
+    def dense_received(self, sent: DenseUpdate, averaged: torch.Tensor) -> torch.Tensor:
+        """The all-reduced ``sent.tensor`` in the gradient's dtype; a non-finite result (some
+        rank's gradient was not finite) drops the step's memories."""
+        finite = bool(torch.isfinite(averaged.sum(dtype=torch.float32)))
+        if not finite and self.config.nonfinite == "raise":
+            self._conclude([sent.name], False)
+            raise NonFiniteGradientError(f"gradient of tensor {sent.name!r} held NaN or Inf on "
+                                         f"some rank; every memory was left as it was before "
+                                         f"this step")
+        self._conclude([sent.name], finite)
+        return averaged.to(sent.dtype)
 
     def first(self, name: str, grad: torch.Tensor,
               param: Optional[torch.Tensor]) -> Tuple[torch.Tensor, StageHandover]:
         """Stage 1 of a two-stage method: (message for its FIRST collective, handover)."""
         started = time.perf_counter()
         flat = grad.detach().reshape(-1)
-        step = self._next_step(name)
+        step, scale = self._next_step(name), self._loss_scale()
         message, state, handover = self.method.first(self.ops, self._state(name, flat, True), flat,
-                                                    self._call(name, step, param))
-        with self._lock:
-            self._states[name] = state
+                                                    self._call(name, step, param, scale))
+        self._stage(name, state)
         self._stats.record(step=step, bytes_sent=message.numel() * message.element_size(),
                            dense_bytes=grad.numel() * grad.element_size(),
                            elements_sent=round(grad.numel() * handover.call.density),
@@ -146,16 +239,25 @@ class Engine:
     def second(self, name: str, received: torch.Tensor, handover: StageHandover) -> torch.Tensor:
         """Stage 2: the message for the SECOND collective."""
         started = time.perf_counter()
-        message, state = self.method.second(self.ops, self._states[name], received, handover)
-        with self._lock:
-            self._states[name] = state
+        try:
+            message, state = self.method.second(self.ops, self._staged_state(name), received, handover)
+        except NonFiniteGradientError:
+            self._conclude([name], False)
+            raise
+        self._stage(name, state)
         self._stats.record(step=handover.call.step, bytes_sent=message.numel() * message.element_size(),
                            dense_bytes=0, selection_time_s=time.perf_counter() - started)
         return message
 
     def finish(self, received: torch.Tensor, handover: StageHandover, shape: torch.Size) -> torch.Tensor:
         """The averaged update of a two-stage method, shaped like the gradient."""
-        return self.method.finish(self.ops, received, handover).reshape(shape)
+        try:
+            update, finite = self.method.finish(self.ops, received, handover)
+        except NonFiniteGradientError:
+            self._conclude([handover.call.name], False)
+            raise
+        self._conclude([handover.call.name], bool(finite))
+        return _rescaled(update, handover.call.loss_scale).reshape(shape)
 
     def record_placeholder(self, step: int, nbytes: int) -> None:
         """Count the bytes of the placeholder Horovod all-reduces beside a sparse message."""
@@ -169,8 +271,15 @@ class Engine:
         steps = {o.step for o in outgoing}
         if len(steps) != 1:
             raise RuntimeError(f"tensors of one fused message are at different steps: {sorted(steps)}")
-        flats = self.method.decompress(self.ops, gathered, layouts, self.world_size, steps.pop(), dtypes)
-        return [flat.reshape(o.shape) for flat, o in zip(flats, outgoing)]
+        names = [o.name for o in outgoing]
+        try:
+            flats, finite = self.method.decompress(self.ops, gathered, layouts, self.world_size,
+                                                   steps.pop(), dtypes)
+        except NonFiniteGradientError:
+            self._conclude(names, False)
+            raise
+        self._conclude(names, bool(finite))
+        return [_rescaled(flat, o.loss_scale).reshape(o.shape) for flat, o in zip(flats, outgoing)]
 
     # -- checkpointing --------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -193,13 +302,21 @@ class Engine:
         check_loadable(self.ops, state, self.method, numels, self.world_size, self.rank,
                        "load every rank's part with horovod_dgc.torch.checkpoint.redistribute"
                        "(parts, world_size, rank) instead")
+        self._watch.epoch_set(float(state["epoch"]))
         with self._lock:
             self.epoch = float(state["epoch"])
             self._steps = dict(state["steps"])
             self._states = {n: {k: v.clone() for k, v in s.items()} for n, s in state["states"].items()}
+            self._staged.clear()
+            self._open.clear()
 
     def join(self, world_size: int, rank: int) -> None:
         """Take a new place in a resized world (elastic reset); load a matching state next."""
         with self._lock:
             self.world_size, self.rank = world_size, rank
 
+
+
+def _rescaled(update: torch.Tensor, loss_scale: float) -> torch.Tensor:
+    """An averaged update back in the loss scale's units (see the module docstring)."""
+    return update if loss_scale == 1.0 else update.mul_(loss_scale)

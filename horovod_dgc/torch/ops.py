@@ -16,6 +16,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
           "float64": torch.float64, "int32": torch.int32, "int64": torch.int64,
           "uint8": torch.uint8, "bool": torch.bool}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+_HALF = (torch.float16, torch.bfloat16)
 _GATHER_BITS = 0x0102040810204080
 # Row b: the eight signs (+1 for a set bit, -1 otherwise) that byte b packs, bit i first.
 _SIGN_TABLE = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).float() * 2 - 1
@@ -62,17 +63,28 @@ class TorchOps(TensorOps):
     def scale(self, out: torch.Tensor, alpha: Scalar) -> torch.Tensor:
         return out.mul_(alpha)
 
-    def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return x + y
+    def add(self, x: torch.Tensor, y: torch.Tensor, alpha: Scalar = 1.0,
+            beta: Scalar = 1.0) -> torch.Tensor:
+        numbers = isinstance(alpha, (int, float)) and isinstance(beta, (int, float))
+        if numbers and alpha == 1.0:
+            return torch.add(x, y, alpha=beta)
+        if numbers:
+            return torch.mul(x, alpha).add_(y, alpha=beta)
+        return x * alpha + y * beta
 
     def multiply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return x * y
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
-        return x.sum()
+        return x.sum(dtype=torch.float32) if x.dtype in _HALF else x.sum()
 
     def dot(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if x.dtype in _HALF or y.dtype in _HALF:
+            return torch.dot(x.float(), y.float())
         return torch.dot(x, y)
+
+    def clamp(self, x: torch.Tensor, bound: float) -> torch.Tensor:
+        return x.clamp(-bound, bound)
 
     def abs(self, x: Any) -> Any:
         return x.abs() if isinstance(x, torch.Tensor) else abs(x)

@@ -24,7 +24,7 @@ import torch
 from ..core.methods import spec_of
 from .collectives import PREFIX, wait
 from .compression import Compression, MethodCompressor, check_optimizer_compatible
-from .engine import Engine
+from .engine import DenseUpdate, Engine
 
 DEFAULT_BUCKET_CAP_MB = 25.0
 
@@ -45,6 +45,7 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         self._bucket_of = {p: i for i, bucket in enumerate(self._buckets) for p in bucket}
         self._reset_step()
         self._should_synchronize = True
+        self._synchronized = False
         for p in self._params:
             p.register_post_accumulate_grad_hook(self._hook)
 
@@ -69,7 +70,7 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
     def _reset_step(self) -> None:
         self._ready: set = set()
         self._exchanges: Dict[int, object] = {}
-        self._dense_handles: Dict[torch.nn.Parameter, int] = {}
+        self._dense_handles: Dict[torch.nn.Parameter, Tuple[int, Optional[DenseUpdate]]] = {}
 
     # -- per-parameter work as gradients become ready ------------------------------------------------
     def _hook(self, p: torch.nn.Parameter) -> None:
@@ -79,15 +80,17 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
             raise AssertionError("gradients were computed more than backward_passes_per_step "
                                  "times before step(); raise backward_passes_per_step")
         self._delay[p] -= 1
+        self._synchronized = False
         if self._delay[p] == 0:
             self._submit(p)
 
     def _submit(self, p: torch.nn.Parameter) -> None:
         engine, name, grad = self._compression.engine, self._names[p], p.grad
         if Engine.passes_through(grad) or not engine.compresses(grad):
-            update = grad.clone() if Engine.passes_through(grad) else engine.dense(name, grad, p)
-            self._dense_handles[p] = hvd.allreduce_async_(update, name=f"{PREFIX}dense.{name}",
-                                                          op=hvd.Average)
+            update = None if Engine.passes_through(grad) else engine.dense(name, grad, p)
+            tensor = grad.clone() if update is None else update.tensor
+            handle = hvd.allreduce_async_(tensor, name=f"{PREFIX}dense.{name}", op=hvd.Average)
+            self._dense_handles[p] = (handle, update)
             return
         self._ready.add(p)
         bucket = self._bucket_of[p]
@@ -104,7 +107,11 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
 
     # -- Horovod's optimizer interface -------------------------------------------------------------------
     def synchronize(self) -> None:
-        """Finish every exchange of this step and write the averaged gradients to ``.grad``."""
+        """Finish every exchange of this step and write the averaged gradients to ``.grad``.
+        A second call before ``step()`` does nothing: the gradients are averaged already
+        (compressing them again would send the average once more)."""
+        if self._synchronized:
+            return
         for p in self._params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -112,11 +119,14 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
                 self._delay[p] = 0
                 self._submit(p)
         self._finish_buckets()
-        for p, handle in self._dense_handles.items():
-            p.grad.copy_(wait(handle))
+        for p, (handle, update) in self._dense_handles.items():
+            averaged = wait(handle)
+            p.grad.copy_(averaged if update is None
+                         else self._compression.engine.dense_received(update, averaged))
         for p in self._params:
             self._delay[p] = self.backward_passes_per_step
         self._reset_step()
+        self._synchronized = True
 
     @contextmanager
     def skip_synchronize(self):
@@ -130,6 +140,7 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         if self._should_synchronize:
             self.synchronize()
+        self._synchronized = False
         return super(self.__class__, self).step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -151,18 +162,19 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
             self._compression.load_state_dict(compression_state)
 
 
-def _move_sgd_hyperparameters(optimizer: torch.optim.Optimizer,
-                              compression: MethodCompressor) -> MethodCompressor:
+def _move_sgd_hyperparameters(optimizer: torch.optim.Optimizer, compression: MethodCompressor,
+                              named: List[Tuple[str, torch.nn.Parameter]]) -> MethodCompressor:
     """Make a compressor that keeps momentum itself (the method table's
     ``momentum_in_compressor``) apply the SGD's momentum, and its Nesterov flag and weight
-    decay where the config has them; they are then zeroed in the optimizer. Other methods and
-    optimizers are checked instead."""
+    decay where the config has them; they are then zeroed in the optimizer. Parameter groups
+    with different weight decays (none on norms and biases, say) keep theirs, per tensor.
+    Other methods and optimizers are checked instead."""
     config = compression.config
     if not spec_of(compression.method).momentum_in_compressor or not isinstance(optimizer, torch.optim.SGD):
         check_optimizer_compatible(optimizer, config, hvd.Average)
         return compression
     fields = {f.name for f in dataclasses.fields(config)}
-    keys = [key for key in ("momentum", "nesterov", "weight_decay") if key in fields]
+    keys = [key for key in ("momentum", "nesterov") if key in fields]
     values = {key: {g.get(key, 0.0) for g in optimizer.param_groups} for key in keys}
     for key, found in values.items():
         if len(found) > 1:
@@ -174,11 +186,17 @@ def _move_sgd_hyperparameters(optimizer: torch.optim.Optimizer,
         moved["momentum"] = float(chosen["momentum"])
         if "nesterov" in chosen:
             moved["nesterov"] = bool(chosen["nesterov"])
-    if chosen.get("weight_decay"):
-        moved["weight_decay"] = float(chosen["weight_decay"])
+    if "weight_decay" in fields:
+        names = {id(p): n for n, p in named}
+        decays = {names[id(p)]: float(g.get("weight_decay", 0.0))
+                  for g in optimizer.param_groups for p in g["params"] if id(p) in names}
+        if len(set(decays.values())) > 1:
+            compression.engine.set_weight_decays(decays)
+        elif any(decays.values()):
+            moved["weight_decay"] = next(iter(decays.values()))
     for group in optimizer.param_groups:
         group.update(momentum=0.0, nesterov=False)
-        if "weight_decay" in moved:
+        if "weight_decay" in fields:
             group["weight_decay"] = 0.0
     if moved:
         compression.reconfigure(**moved)
@@ -210,7 +228,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {backward_passes_per_step!r}")
     named = _named_parameters(optimizer, named_parameters)
-    compression = _move_sgd_hyperparameters(optimizer, compression)
+    compression = _move_sgd_hyperparameters(optimizer, compression, named)
     compression.bind(named)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_FusedDistributedOptimizer.__dict__))

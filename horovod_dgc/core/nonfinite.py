@@ -1,0 +1,64 @@
+"""What a NaN or Inf gradient does, in every family: the sender flags its message and keeps
+its memory; every receiver learns of the flag, so every rank drops the step alike (each
+memory stays as it was), and either raises or passes NaN on, as a dense all-reduce would
+(``CompressionConfig.nonfinite``)."""
+from __future__ import annotations
+
+from typing import Any, Callable, List, Sequence
+
+from .ops import Scalar, Tensor, TensorOps
+from .wire import FLAG_NONFINITE
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A gradient held NaN or Inf on some rank; every memory was left as it was."""
+
+
+def is_finite(ops: TensorOps, grad: Tensor) -> Scalar:
+    """Whether every element of ``grad`` is finite: its float32 sum is (a NaN or Inf makes it
+    NaN or Inf; finite gradients do not reach float32's range)."""
+    return ops.is_finite(ops.sum(grad))
+
+
+def settle(ops: TensorOps, policy: str, finite: Scalar, inputs: Sequence[Any],
+           culprit: Callable[..., str], step: Any) -> Scalar:
+    """``finite``, after raising :class:`NonFiniteGradientError` (``policy == "raise"``)
+    when it is false, with ``culprit(*values of inputs)`` naming the tensor and the rank."""
+    if policy != "raise":
+        return finite
+
+    def explain(*values: Any) -> None:
+        raise NonFiniteGradientError(
+            f"gradient of {culprit(*values[:-1])} held NaN or Inf at step {values[-1]}; every "
+            f"memory was left as it was before this step")
+
+    return ops.verify(finite, [*inputs, step], explain, finite)
+
+
+def received_finite(ops: TensorOps, policy: str, flags: Tensor, names: Sequence[str],
+                    step: Any) -> Scalar:
+    """Whether no sender flagged a non-finite gradient (``flags``: one word per message, the
+    messages of ``names`` rank after rank); see :func:`settle`."""
+    def culprit(values: List[int]) -> str:
+        flagged = [(i // len(names), names[i % len(names)]) for i, v in enumerate(values) if v]
+        rank, name = flagged[0]
+        more = f" (and {len(flagged) - 1} more)" if len(flagged) > 1 else ""
+        return f"tensor {name!r} on rank {rank}{more}"
+
+    return settle(ops, policy, none_flagged(ops, flags), [flags], culprit, step)
+
+
+def flag(ops: TensorOps, finite: Scalar) -> Any:
+    """The flags word of a message whose sender's gradient is (not) finite."""
+    return ops.where(finite, 0, FLAG_NONFINITE)
+
+
+def nan_like(ops: TensorOps, n: int, dtype: str, like: Tensor) -> Tensor:
+    """``n`` NaNs: the averaged gradient of a tensor some rank could not send."""
+    return ops.scale(ops.zeros(n, dtype, like=like), float("nan"))
+
+
+def none_flagged(ops: TensorOps, flags: Tensor) -> Scalar:
+    """Whether every flags word is 0."""
+    zeros = ops.zeros(ops.numel(flags), "int32", like=flags)
+    return ops.all_within(flags, zeros, zeros)

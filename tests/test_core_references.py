@@ -1,0 +1,137 @@
+"""Pieces of the methods against naive references written here (a loop, a sort, the
+paper's equation), never against the core itself: Gaussian-k's threshold, blocksign's
+scaled sign, ScaleCom's leader and low-pass memory, the average over N workers, and what
+16-bit gradients and loss scales do to the wire and the memories."""
+import statistics
+
+import pytest
+import torch
+
+from horovod_dgc.core import (BlockSign, BlockSignConfig, CompressCall, DGC, DGCConfig, ScaleCom,
+                              ScaleComConfig, TopK, TopKConfig)
+from horovod_dgc.core.collectives import emulate
+from horovod_dgc.core.selection import gaussian_threshold, top_count
+from horovod_dgc.torch.engine import Engine
+from horovod_dgc.torch.ops import TorchOps
+
+ops = TorchOps()
+
+
+def call(name="w", rank=0, world=1, step=0, density=0.01, **more) -> CompressCall:
+    return CompressCall(name, rank, world, step, density, **more)
+
+
+def naive_topk(values, k):
+    """Positions of the k largest magnitudes, by a sort of Python floats."""
+    return set(sorted(range(len(values)), key=lambda i: -abs(values[i]))[:k])
+
+
+@pytest.mark.parametrize("density", [0.001, 0.01, 0.1])
+def test_gaussian_threshold_is_mean_plus_std_times_the_normal_quantile(density):
+    values = (torch.randn(10_000, generator=torch.Generator().manual_seed(4)) * 3 + 0.5).tolist()
+    mean = sum(values) / len(values)
+    std = statistics.pstdev(values)
+    expected = abs(mean) + std * statistics.NormalDist().inv_cdf(1 - density / 2)
+    got = float(gaussian_threshold(ops, torch.tensor(values), density))
+    assert got == pytest.approx(expected, rel=1e-4)
+
+
+def test_blocksign_sends_the_l1_mean_of_each_block_times_its_signs_and_zero_counts_as_plus():
+    x = torch.tensor([1.0, -2.0, 0.0, 4.0, -1.0, 0.0, 0.0, 3.0, 5.0, -5.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    block, valid = 4, 10  # the last block holds 2 valid entries, then padding
+    _, scales, decoded = BlockSign(BlockSignConfig(block_size=block)).scaled_signs(ops, x, block, valid)
+    values = x.tolist()
+    for b in range(0, 16, block):
+        entries = [values[i] for i in range(b, min(b + block, valid))]
+        scale = sum(abs(v) for v in entries) / len(entries) if entries else 0.0
+        assert float(scales[b // block]) == pytest.approx(scale)
+        for i in range(b, min(b + block, valid)):
+            sign = 1.0 if values[i] >= 0 else -1.0
+            assert float(decoded[i]) == pytest.approx(sign * scale), i
+
+
+def test_scalecom_sends_the_leaders_own_topk_and_keeps_a_low_pass_memory():
+    beta, workers, n, density = 0.5, 3, 2000, 0.01
+    method = ScaleCom(ScaleComConfig(density=density, beta=beta))
+    k = top_count(density, n)
+    gen = torch.Generator().manual_seed(2)
+    states = [method.init_state(ops, torch.zeros(n), True, workers) for _ in range(workers)]
+    memories = [[0.0] * n for _ in range(workers)]
+    for t in range(6):
+        grads = [torch.randn(n, generator=gen) for _ in range(workers)]
+        calls = [call(rank=r, world=workers, step=t, density=density) for r in range(workers)]
+        p = [[m + g for m, g in zip(memories[r], grads[r].tolist())] for r in range(workers)]
+        leader = t % workers
+        firsts = [method.first(ops, s, g, c) for s, g, c in zip(states, grads, calls)]
+        received = emulate(ops, method.FIRST, [m for m, _, _ in firsts], leader)
+        seconds = [method.second(ops, s, r, h) for (_, s, h), r in zip(firsts, received)]
+        chosen = set(firsts[0][2].data["indices"].tolist())
+        assert chosen == naive_topk(p[leader], k), f"step {t}: not the leader's top-k"
+        for r in range(workers):
+            memories[r] = [(1 - beta) * memories[r][i] + beta * (0.0 if i in chosen else p[r][i])
+                           for i in range(n)]
+            assert seconds[r][1]["memory"].tolist() == pytest.approx(memories[r], abs=1e-5)
+        states = [state for _, state in seconds]
+
+
+def test_the_averaged_update_is_the_mean_of_every_ranks_top_k():
+    world, n, density = 4, 3000, 0.02
+    method = TopK(TopKConfig(density=density))
+    grads = [torch.randn(n, generator=torch.Generator().manual_seed(10 + r)) for r in range(world)]
+    messages, layout = [], None
+    for r, grad in enumerate(grads):
+        result = method.compress(ops, method.init_state(ops, grad, True, world), grad,
+                                 call(rank=r, world=world, density=density))
+        messages.append(result.message)
+        layout = result.layout
+    averaged, finite = method.decompress(ops, torch.cat(messages), [layout], world, 0, ["float32"])
+    expected = [0.0] * n
+    for grad in grads:
+        values = grad.tolist()
+        for i in naive_topk(values, top_count(density, n)):
+            expected[i] += values[i] / world
+    assert bool(finite)
+    assert averaged[0].tolist() == pytest.approx(expected, abs=1e-6)
+
+
+def test_a_value_beyond_float16_is_clamped_on_the_wire_and_the_excess_stays_in_the_memory():
+    method = TopK(TopKConfig(density=0.01, value_dtype="float16"))
+    grad = torch.zeros(1000)
+    grad[3] = 1e6
+    result = method.compress(ops, method.init_state(ops, grad, True, 1), grad, call())
+    sent, _ = method.decompress(ops, result.message, [result.layout], 1, 0, ["float32"])
+    assert float(sent[0][3]) == 65504.0 and torch.isfinite(sent[0]).all()
+    assert float(result.state["residual"][3]) == 1e6 - 65504.0
+
+
+def test_float16_gradients_too_large_to_sum_in_float16_are_still_finite_and_clipped_right():
+    method = DGC(DGCConfig(density=0.01, clip_norm=1.0, momentum=0.0))
+    grad = torch.full((20_000,), 300.0, dtype=torch.float16)  # sum 6e6, squares 1.8e9: Inf in float16
+    result = method.compress(ops, method.init_state(ops, grad, True, 1), grad, call())
+    sent, finite = method.decompress(ops, result.message, [result.layout], 1, 0, ["float16"])
+    assert bool(finite) and torch.isfinite(sent[0]).all()
+    norm = (300.0 ** 2 * 20_000) ** 0.5
+    assert float(sent[0].float().abs().max()) == pytest.approx(300.0 / norm, rel=1e-3)
+
+
+@pytest.mark.parametrize("name", ["dgc", "topk", "scalecom", "blocksign"])
+def test_memories_hold_unscaled_gradients_whatever_the_loss_scale(name):
+    from horovod_dgc.core.methods import BY_NAME
+
+    spec = BY_NAME[name]
+    plain, scaled = (Engine(spec.build(), world_size=1, rank=0) for _ in range(2))
+    scaled.use_loss_scale(lambda: 1024.0)
+    grads = [torch.randn(64, 64, generator=torch.Generator().manual_seed(t)) for t in range(3)]
+    for t, grad in enumerate(grads):
+        outputs = []
+        for engine, g in ((plain, grad), (scaled, grad * 1024.0)):
+            if spec.family == "sparse":
+                message = engine.compress("w", g, None)
+                outputs.append(engine.decompress(message.message, [message])[0])
+            else:
+                first, handover = engine.first("w", g, None)
+                second = engine.second("w", first, handover)
+                outputs.append(engine.finish(second, handover, g.shape))
+        torch.testing.assert_close(outputs[1], outputs[0] * 1024.0, rtol=1e-6, atol=0)
+    for key, value in plain.state_dict()["states"]["w"].items():
+        torch.testing.assert_close(scaled.state_dict()["states"]["w"][key], value, rtol=1e-6, atol=1e-7)

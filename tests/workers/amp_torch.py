@@ -1,0 +1,81 @@
+"""Mixed precision in Horovod's documented recipe (``torch.amp`` autocast in float16 with a
+``GradScaler``), through the stock ``hvd.DistributedOptimizer`` and the fused optimizer. At
+step OVERFLOW rank 1 alone overflows: every rank must skip that step, back its scale off,
+keep every memory (dense tensors' momentum included) exactly as it was, and keep parameters
+identical to the other ranks'; the steps after it train on.
+"""
+import argparse
+
+import horovod.torch as hvd
+import torch
+
+import horovod_dgc.torch as hdgc
+
+STEPS, OVERFLOW = 6, 3
+
+
+def build(method: str, path: str):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    options = dict(density=0.05) if method != "blocksign" else dict(momentum=0.5)
+    compression = getattr(hdgc.Compression, method)(named_parameters=net.named_parameters(), **options)
+    wrap = hvd.DistributedOptimizer if path == "stock" else hdgc.DistributedOptimizer
+    optimizer = wrap(torch.optim.SGD(net.parameters(), lr=0.05), named_parameters=net.named_parameters(),
+                     compression=compression)
+    # A growing scale (every 2 good steps) shows that memories do not follow the scale.
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+    compression.attach_grad_scaler(scaler)
+    return net, compression, optimizer, scaler
+
+
+def memories(compression) -> dict:
+    return {f"{n}.{k}": v.clone() for n, s in compression.state_dict()["states"].items()
+            for k, v in s.items()}
+
+
+def run(method: str, path: str) -> None:
+    rank = hvd.rank()
+    net, compression, optimizer, scaler = build(method, path)
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(100 * step + rank)
+        x, labels = torch.randn(32, 64, generator=gen), torch.randint(10, (32,), generator=gen)
+        params = [p.detach().clone() for p in net.parameters()]
+        kept, scale = memories(compression), scaler.get_scale()
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(net(x).float(), labels)
+        if rank == 1 and step == OVERFLOW:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        optimizer.synchronize()
+        scaler.unscale_(optimizer)
+        with optimizer.skip_synchronize():
+            scaler.step(optimizer)
+        scaler.update()
+        moved = any(not torch.equal(p, q) for p, q in zip(net.parameters(), params))
+        if step == OVERFLOW:
+            assert scaler.get_scale() == scale * 0.5, f"{method}/{path}: the scale did not back off"
+            assert not moved, f"{method}/{path}: a skipped step changed the parameters"
+            after = memories(compression)
+            assert after.keys() == kept.keys()
+            for key, value in kept.items():
+                assert torch.equal(after[key], value), f"{method}/{path}: memory {key} changed"
+        else:
+            assert moved, f"{method}/{path} step {step}: no update"
+            assert scaler.get_scale() >= scale, f"{method}/{path} step {step}: scale fell"
+    flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    assert torch.isfinite(flat).all()
+    for other in hvd.allgather_object(flat, name=f"amp.{method}.{path}"):
+        assert torch.equal(other, flat), f"{method}/{path}: ranks hold different parameters"
+    print(f"rank {rank} {method} {path} amp ok", flush=True)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--methods", default="dgc,topk,scalecom,blocksign")
+    args = parser.parse_args()
+    hvd.init()
+    torch.set_num_threads(1)
+    for path in ("stock", "own"):
+        for method in args.methods.split(","):
+            run(method, path)

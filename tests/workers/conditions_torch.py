@@ -1,0 +1,92 @@
+"""Training conditions beyond float32 with plain SGD, on real ranks: a bfloat16 model on every
+method and both paths (Horovod all-reduces no bfloat16), Adam under a method that keeps a
+plain residual, and DGC refusing Adam (it keeps the momentum itself)."""
+import horovod.torch as hvd
+import torch
+
+import horovod_dgc.torch as hdgc
+from horovod_dgc.core.methods import METHODS
+
+OPTIONS = {"dgc": dict(density=0.05), "topk": dict(density=0.05), "gaussiank": dict(density=0.05),
+           "scalecom": dict(density=0.05), "blocksign": dict()}
+
+
+def model(dtype=torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
+                               torch.nn.Linear(128, 10)).to(dtype)
+
+
+def steps(net, optimizer, count: int, dtype=torch.float32) -> None:
+    for step in range(count):
+        gen = torch.Generator().manual_seed(100 * step + hvd.rank())
+        optimizer.zero_grad()
+        net(torch.randn(16, 64, generator=gen).to(dtype)).float().pow(2).mean().backward()
+        optimizer.step()
+
+
+def same_on_every_rank(net, label: str) -> None:
+    flat = torch.cat([p.detach().float().reshape(-1) for p in net.parameters()])
+    assert torch.isfinite(flat).all(), f"{label}: parameters not finite"
+    for other in hvd.allgather_object(flat, name=label):
+        assert torch.equal(other, flat), f"{label}: ranks hold different parameters"
+
+
+def bfloat16_model(method: str, path: str) -> None:
+    net = model(torch.bfloat16)
+    before = [p.detach().clone() for p in net.parameters()]
+    compression = getattr(hdgc.Compression, method)(named_parameters=net.named_parameters(),
+                                                    **OPTIONS[method])
+    wrap = hvd.DistributedOptimizer if path == "stock" else hdgc.DistributedOptimizer
+    optimizer = wrap(torch.optim.SGD(net.parameters(), lr=0.05), named_parameters=net.named_parameters(),
+                     compression=compression)
+    steps(net, optimizer, 3, torch.bfloat16)
+    assert any(not torch.equal(p, q) for p, q in zip(net.parameters(), before)), "no update"
+    same_on_every_rank(net, f"bf16.{method}.{path}")
+
+
+def adam_under_a_plain_residual(path: str) -> None:
+    net = model()
+    compression = hdgc.Compression.topk(named_parameters=net.named_parameters(), density=0.05)
+    wrap = hvd.DistributedOptimizer if path == "stock" else hdgc.DistributedOptimizer
+    optimizer = wrap(torch.optim.Adam(net.parameters(), lr=1e-3), named_parameters=net.named_parameters(),
+                     compression=compression)
+    steps(net, optimizer, 3)
+    same_on_every_rank(net, f"adam.topk.{path}")
+
+
+def dgc_refuses_adam() -> None:
+    for make in (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad):
+        net = model()
+        compression = hdgc.Compression.dgc(named_parameters=net.named_parameters())
+        try:
+            hdgc.DistributedOptimizer(make(net.parameters(), lr=1e-3), named_parameters=net.named_parameters(),
+                                      compression=compression)
+        except ValueError as error:
+            assert make.__name__ in str(error) and "momentum" in str(error), str(error)
+        else:
+            raise AssertionError(f"the fused optimizer took DGC with {make.__name__}")
+        # Names of their own: the refused step leaves its collectives in flight.
+        net = model()
+        compression = hdgc.Compression.dgc(named_parameters=net.named_parameters(prefix=make.__name__))
+        optimizer = hvd.DistributedOptimizer(make(net.parameters(), lr=1e-3),
+                                             named_parameters=net.named_parameters(prefix=make.__name__),
+                                             compression=compression)
+        try:
+            steps(net, optimizer, 1)
+        except ValueError as error:
+            assert make.__name__ in str(error), str(error)
+        else:
+            raise AssertionError(f"the stock optimizer took DGC with {make.__name__}")
+
+
+if __name__ == "__main__":
+    hvd.init()
+    torch.set_num_threads(1)
+    for spec in METHODS:
+        for path in ("stock", "own"):
+            bfloat16_model(spec.name, path)
+    for path in ("stock", "own"):
+        adam_under_a_plain_residual(path)
+    dgc_refuses_adam()
+    print(f"rank {hvd.rank()} conditions ok", flush=True)
