@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _fashion_mnist as data  # noqa: E402
 from _flags import BASELINES, METHODS, MOMENTUM_IN_COMPRESSOR, SPARSE_METHODS  # noqa: E402
 import horovod_dgc.torch as hdgc  # noqa: E402
+from horovod_dgc.core import CompressionConfig  # noqa: E402
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -135,8 +136,9 @@ def main(args: argparse.Namespace) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step / (args.epochs * steps), 1.0))))
     if hvd.rank() == 0:
-        compressed = sum(p.numel() for p in model.parameters()
-                         if getattr(compression, "engine", None) and compression.engine.compresses(p))
+        # What a compressor with the default min_numel compresses (dense runs included).
+        rule = CompressionConfig()
+        compressed = sum(p.numel() for p in model.parameters() if rule.compresses(tuple(p.shape), "float32"))
         total = sum(p.numel() for p in model.parameters())
         print(f"{hvd.size()} workers, {total:,} parameters ({compressed / total:.2%} in compressed "
               f"tensors), {args.compression} on the {args.path} path, {args.precision}, "

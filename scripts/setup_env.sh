@@ -2,7 +2,8 @@
 # Creates or reuses the project environment in .venv/ (idempotent).
 #
 # What it does, in order:
-#   1. system packages (OpenMPI, a C++ compiler, iproute2) via apt-get when missing (needs root);
+#   1. system packages (OpenMPI, a C++ compiler, iproute2, the Fashion-MNIST data set) via
+#      apt-get when missing (needs root);
 #   2. .venv with Python 3.11 and the pinned packages of scripts/constraints.txt;
 #   3. Horovod compiled from PyPI's source archive with PyTorch + TensorFlow + Gloo + MPI,
 #      the wheel cached in $HOROVOD_DGC_CACHE (default ~/.cache/horovod_dgc) keyed by the
@@ -18,7 +19,7 @@ VENV=${HOROVOD_DGC_VENV:-$ROOT/.venv}
 CONSTRAINTS=$ROOT/scripts/constraints.txt
 CACHE=${HOROVOD_DGC_CACHE:-$HOME/.cache/horovod_dgc}
 STAMP=$VENV/.horovod_dgc-setup
-read -r -a SYSTEM_PACKAGES <<<"${HOROVOD_DGC_SYSTEM_PACKAGES:-libopenmpi-dev openmpi-bin g++ iproute2}"
+read -r -a SYSTEM_PACKAGES <<<"${HOROVOD_DGC_SYSTEM_PACKAGES:-libopenmpi-dev openmpi-bin g++ iproute2 dataset-fashion-mnist}"
 
 say() { printf 'setup: %s\n' "$*" >&2; }
 die() { printf 'setup: ERROR: %s\n' "$*" >&2; exit 1; }
