@@ -31,7 +31,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from horovod_dgc.core import CompressCall, DGCConfig, Method
-from horovod_dgc.core.methods import METHODS
+from horovod_dgc.core.codecs import bits_per_entry
+from horovod_dgc.core.methods import BY_NAME, METHODS
 from horovod_dgc.core.selection import select_gaussian, select_sampled, top_count
 from horovod_dgc.torch.ops import TorchOps
 
@@ -41,6 +42,7 @@ DEFAULT_REPEAT = 11
 WARMUP = 2
 SEED = 0
 
+DECODE_WORLD = 4  # messages decoded at once, as from an allgather of 4 workers
 MAX_READ_PASSES = 5.0
 MIN_TOPK_SPEEDUP = 10.0
 
@@ -156,6 +158,41 @@ def compress_case(ops: TorchOps, name: str, method: Method, x: torch.Tensor,
 
 def compress_cases(ops: TorchOps, x: torch.Tensor, density: float) -> List[Case]:
     return [compress_case(ops, name, make(), x, density) for name, make in COMPRESSORS]
+
+
+def coding_cases(ops: TorchOps, x: torch.Tensor, density: float, k: int) -> List[Case]:
+    """DGC's message encoding alone (positions and values of its selection), and every sparse
+    method's decoding of DECODE_WORLD messages (one per rank, as an allgather delivers)."""
+    dgc = BY_NAME["dgc"].build()
+    layout = dgc.layout("resnet50.flat_grad", x.numel(), "float32", density)
+    positions, _ = ops.sort(dgc_selection(ops, x, k, 0))
+    values = x[positions]
+    header = layout.header(0, 0, k, 0)
+    cases = [Case("message coding", "dgc encode (positions, values)",
+                  lambda rep: layout.encode(ops, header, positions, k, values))]
+    for spec in METHODS:
+        if spec.family != "sparse":
+            continue
+        method, messages = spec.build(), []
+        for rank in range(DECODE_WORLD):
+            call = CompressCall("resnet50.flat_grad", rank, DECODE_WORLD, 0, density)
+            result = method.compress(ops, method.init_state(ops, x, True, DECODE_WORLD), x, call)
+            messages.append(result.message)
+        gathered, layouts = torch.cat(messages), [result.layout]
+        cases.append(Case("message coding", f"{spec.name} decode {DECODE_WORLD} messages",
+                          lambda rep, m=method, g=gathered, l=layouts: m.decompress(
+                              ops, g, l, DECODE_WORLD, 0, ["float32"])))
+    return cases
+
+
+def print_formats(numel: int, density: float) -> None:
+    """Bits per position and per value of each sparse method's message (its defaults)."""
+    for spec in METHODS:
+        if spec.family == "sparse":
+            layout = spec.build().layout("w", numel, "float32", density)
+            index_bits, value_bits = bits_per_entry(layout.indices, layout.values)
+            print(f"{spec.name} message: {layout.nbytes} bytes, {layout.indices.name} positions "
+                  f"{index_bits:.1f} bits each, {layout.value_format} values {value_bits:.1f} bits each")
 
 
 def time_call(case: Case, rep: int) -> Tuple[float, Optional[int]]:
@@ -309,7 +346,8 @@ def main() -> None:
     k = top_count(args.density, args.numel)
     print_header(args.numel, args.density, k, args.repeat)
 
-    cases = reference_cases(x) + selection_cases(ops, x, k) + compress_cases(ops, x, args.density)
+    cases = (reference_cases(x) + selection_cases(ops, x, k) + compress_cases(ops, x, args.density)
+             + coding_cases(ops, x, args.density, k))
     load_before = os.getloadavg()[0]
     rows = measure(cases, args.repeat)
     load = (load_before, os.getloadavg()[0])
@@ -320,6 +358,8 @@ def main() -> None:
     # with runs on an equally loaded machine.
     print(f"1-minute load average: {load[0]:.1f} before, {load[1]:.1f} after "
           f"({os.cpu_count()} CPUs)\n")
+    print_formats(args.numel, args.density)
+    print()
 
     check = check_dgc_selection(ops, x, k, range(WARMUP + args.repeat))
     check["correct"] = print_dgc_check(check, k)

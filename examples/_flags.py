@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from horovod_dgc.core.methods import METHODS as TABLE
+from horovod_dgc.core.wire import VALUE_FORMATS
 
 # Horovod's own uncompressed exchanges, by the names the examples and benchmarks give them,
 # and the name of each in Horovod's ``Compression`` namespace.
@@ -33,13 +34,20 @@ def add_compression_flags(p: argparse.ArgumentParser) -> None:
     comp.add_argument("--sparsity-warmup-epochs", type=int, default=4,
                       help="epochs of DGC's warm-up sparsity (densities 25%%, 6.25%%, ... down "
                       "to --density); sparse methods")
-    comp.add_argument("--value-dtype", choices=("float32", "float16"), default="float32",
-                      help="wire dtype of the values sent (sparse methods)")
-    comp.add_argument("--min-numel", type=int, default=1024,
-                      help="tensors with fewer elements travel dense")
+    comp.add_argument("--value-dtype", choices=VALUE_FORMATS,
+                      help="how the values sent travel (sparse methods; default: the method's)")
+    comp.add_argument("--min-numel", type=int,
+                      help="tensors with fewer elements are sent at their own small density "
+                      "(default: the method's)")
     comp.add_argument("--beta", type=float, default=1.0, help="scalecom: low-pass filter of the memory")
     comp.add_argument("--block-size", type=int, help="blocksign: elements per scaled sign block "
                       "(default: one block per tensor)")
+
+
+def given(args: argparse.Namespace, *names: str) -> dict:
+    """The options among ``names`` set on the command line (the library keeps its own
+    defaults for the others)."""
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
 
 
 def imagenet_parser(description: str, *, loader_workers_help: str, optimizers: Sequence[str],

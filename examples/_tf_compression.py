@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Sequence
 
-from _flags import BASELINES, MOMENTUM_IN_COMPRESSOR, SPARSE_METHODS
+from _flags import BASELINES, MOMENTUM_IN_COMPRESSOR, SPARSE_METHODS, given
 from horovod_dgc.tensorflow import Compression
 
 
@@ -13,10 +13,10 @@ def make(args: argparse.Namespace, variables: Sequence[Any]):
     """Horovod's compressor for ``args.compression``, keyed by ``variables``."""
     if args.compression in BASELINES:
         return getattr(Compression, BASELINES[args.compression])
-    options: dict = dict(min_numel=args.min_numel)
+    options: dict = given(args, "min_numel")
     if args.compression in SPARSE_METHODS:
         options.update(density=args.density, warmup_epochs=args.sparsity_warmup_epochs,
-                       value_dtype=args.value_dtype)
+                       **given(args, "value_dtype"))
     if args.compression in MOMENTUM_IN_COMPRESSOR:
         options["momentum"] = args.momentum
     if args.compression == "dgc" and getattr(args, "wd", 0.0):

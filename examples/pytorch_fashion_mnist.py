@@ -28,7 +28,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _fashion_mnist as data  # noqa: E402
-from _flags import BASELINES, METHODS, MOMENTUM_IN_COMPRESSOR, SPARSE_METHODS  # noqa: E402
+from _flags import (BASELINES, METHODS, MOMENTUM_IN_COMPRESSOR, SPARSE_METHODS,  # noqa: E402
+                    given)
+from horovod_dgc.core.wire import VALUE_FORMATS  # noqa: E402
 import horovod_dgc.torch as hdgc  # noqa: E402
 from horovod_dgc.core import CompressionConfig  # noqa: E402
 
@@ -48,7 +50,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="final fraction of each compressed tensor sent per step")
     p.add_argument("--warmup-epochs", type=int, default=1,
                    help="epochs of warm-up sparsity (densities rho^(e+1)/(W+1), e < W)")
-    p.add_argument("--value-dtype", choices=("float32", "float16"), default="float32")
+    p.add_argument("--value-dtype", choices=VALUE_FORMATS,
+                   help="how values travel (default: the method's)")
+    p.add_argument("--min-numel", type=int, help="tensors with fewer elements travel dense "
+                   "(default: the method's)")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=64, help="images per step, per rank")
     p.add_argument("--lr", type=float, help="peak learning rate (SGD 0.05 x workers/4, "
@@ -84,10 +89,10 @@ class Net(nn.Module):
 def make_compression(args: argparse.Namespace, model: nn.Module):
     if args.compression in BASELINES:
         return getattr(hdgc.Compression, BASELINES[args.compression])
-    options = {}
+    options = given(args, "min_numel")
     if args.compression in SPARSE_METHODS:
         options.update(density=args.density, warmup_epochs=args.warmup_epochs,
-                       value_dtype=args.value_dtype)
+                       **given(args, "value_dtype"))
     if args.compression in MOMENTUM_IN_COMPRESSOR and args.path == "stock" and args.optimizer == "sgd":
         options["momentum"] = args.momentum
     return getattr(hdgc.Compression, args.compression)(named_parameters=model.named_parameters(),
@@ -135,12 +140,13 @@ def main(args: argparse.Namespace) -> None:
     steps = len(shard.labels) // args.batch_size
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step / (args.epochs * steps), 1.0))))
+    # Parameters in tensors a compressor with the default min_numel compresses at the full
+    # density (not as small tensors), the same figure for every run, dense ones included.
+    total = sum(p.numel() for p in model.parameters())
+    compressed_share = sum(p.numel() for p in model.parameters()
+                           if not CompressionConfig().is_small(tuple(p.shape))) / total
     if hvd.rank() == 0:
-        # What a compressor with the default min_numel compresses (dense runs included).
-        rule = CompressionConfig()
-        compressed = sum(p.numel() for p in model.parameters() if rule.compresses(tuple(p.shape), "float32"))
-        total = sum(p.numel() for p in model.parameters())
-        print(f"{hvd.size()} workers, {total:,} parameters ({compressed / total:.2%} in compressed "
+        print(f"{hvd.size()} workers, {total:,} parameters ({compressed_share:.2%} in compressed "
               f"tensors), {args.compression} on the {args.path} path, {args.precision}, "
               f"{args.optimizer}, {steps} steps per epoch", flush=True)
     history, started = [], time.perf_counter()
@@ -175,9 +181,11 @@ def main(args: argparse.Namespace) -> None:
                                 density=getattr(compression, "density", 1.0),
                                 bytes_per_step=stats.bytes_sent_per_step if stats else None,
                                 ratio=stats.ratio if stats else 1.0,
+                                handed_ratio=stats.handed_ratio if stats else 1.0,
                                 wall_s=time.perf_counter() - started))
             traffic = (f", {stats.bytes_sent_per_step / 1e3:.1f} kB/step to Horovod "
-                       f"({stats.ratio:.0f}x fewer than dense)" if stats else "")
+                       f"({stats.handed_ratio:.0f}x fewer than dense; on the network "
+                       f"{stats.ratio:.0f}x)" if stats else "")
             print(f"epoch {epoch + 1}/{args.epochs}: loss {mean_loss:.4f}, test accuracy {acc:.4f}, "
                   f"density {history[-1]['density']:.4g}{traffic}", flush=True)
     if hvd.rank() == 0:
@@ -185,7 +193,7 @@ def main(args: argparse.Namespace) -> None:
         print(f"final test accuracy: {history[-1]['accuracy']:.4f} after {wall:.0f} s", flush=True)
         if args.json:
             args.json.write_text(json.dumps(dict(vars(args), json=str(args.json), workers=hvd.size(),
-                                                 accuracy=history[-1]["accuracy"], wall_s=wall,
+                                                 compressed_share=compressed_share, accuracy=history[-1]["accuracy"], wall_s=wall,
                                                  history=history), indent=2))
 
 

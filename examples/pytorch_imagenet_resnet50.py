@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _flags import (BASELINES, MOMENTUM_IN_COMPRESSOR, SPARSE_METHODS,  # noqa: E402
-                    imagenet_parser, parse_imagenet_args)
+                    given, imagenet_parser, parse_imagenet_args)
 from _imagefolder import ImageFolder, SyntheticImages  # noqa: E402
 from _resnet import resnet50  # noqa: E402
 
@@ -69,10 +69,10 @@ def make_compression(args: argparse.Namespace, model: nn.Module):
     if args.compression in BASELINES:
         return getattr(hdgc.Compression, BASELINES[args.compression])
     factory = getattr(hdgc.Compression, args.compression)
-    options = dict(min_numel=args.min_numel)
+    options = given(args, "min_numel")
     if args.compression in SPARSE_METHODS:
         options.update(density=args.density, warmup_epochs=args.sparsity_warmup_epochs,
-                       value_dtype=args.value_dtype)
+                       **given(args, "value_dtype"))
     if args.compression == "scalecom":
         options["beta"] = args.beta
     if args.compression == "blocksign":

@@ -22,11 +22,23 @@ def test_density_outside_zero_one_raises_value_error(factory, density):
                                            (dict(weight_decay=-1.0), "weight_decay"),
                                            (dict(clip_norm=0.0), "clip_norm"),
                                            (dict(retry_factor=1.0), "retry_factor"),
-                                           (dict(value_dtype="int8"), "value_dtype"),
+                                           (dict(value_dtype="int4"), "value_dtype"),
                                            (dict(nonfinite="ignore"), "nonfinite")])
 def test_bad_dgc_settings_raise_value_error_at_construction(options, field):
     with pytest.raises(ValueError, match=field):
         Compression.dgc(**options)
+
+
+@pytest.mark.parametrize("value_dtype", ["float16", "int8"])
+def test_scalecom_refuses_values_its_all_reduce_would_sum_lossily(value_dtype):
+    with pytest.raises(ValueError, match="value_dtype must be 'float32' for ScaleCom"):
+        Compression.scalecom(value_dtype=value_dtype)
+
+
+@pytest.mark.parametrize("small_density", [0.0, 1.5])
+def test_small_density_outside_zero_one_raises_value_error(small_density):
+    with pytest.raises(ValueError, match="small_density"):
+        Compression.topk(small_density=small_density)
 
 
 def test_unknown_option_is_a_type_error():

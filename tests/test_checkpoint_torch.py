@@ -61,3 +61,10 @@ def test_redistribute_refuses_parts_of_different_runs_or_missing_ranks():
         redistribute([fake_part(0, 2, 100, shard), fake_part(1, 2, 100, shard, {"w": 4})], 3, 0)
     with pytest.raises(ValueError, match="not a horovod_dgc compressor state"):
         redistribute([{"epoch": 0}], 1, 0)
+
+
+def test_a_state_saved_before_the_coded_message_format_is_refused_by_name():
+    shard = shard_length(100, 2, None)
+    part = dict(fake_part(0, 2, 100, shard), format=1)
+    with pytest.raises(ValueError, match=f"format 1 is not {STATE_FORMAT}: it was saved by an earlier"):
+        redistribute([part, dict(fake_part(1, 2, 100, shard), format=1)], 3, 0)

@@ -100,7 +100,8 @@ def test_dgc_momentum_correction_and_masking_match_the_equations_for_10_steps(ne
     n, density, world_size = 3000, 0.01, 4
     gen = torch.Generator().manual_seed(1)
     grads = [torch.randn(n, generator=gen) for _ in range(10)]
-    method = DGC(DGCConfig(density=density, momentum=0.9, nesterov=nesterov, clip_norm=clip_norm))
+    method = DGC(DGCConfig(density=density, momentum=0.9, nesterov=nesterov, clip_norm=clip_norm,
+                           value_dtype="float32"))
     state = method.init_state(ops, grads[0], True, 1)
     expected = reference_dgc(grads, top_count(density, n), 0.9, nesterov, clip_norm, world_size)
     for t, (grad, (ref_sent, ref_u, ref_v)) in enumerate(zip(grads, expected)):
@@ -114,7 +115,7 @@ def test_dgc_momentum_correction_and_masking_match_the_equations_for_10_steps(ne
 def test_dgc_weight_decay_is_folded_into_the_gradient():
     n = 2048
     grad, param = torch.randn(n), torch.randn(n)
-    method = DGC(DGCConfig(density=1.0, momentum=0.0, weight_decay=0.1))
+    method = DGC(DGCConfig(density=1.0, momentum=0.0, weight_decay=0.1, value_dtype="float32"))
     sent, _ = step(method, method.init_state(ops, grad, True, 1), grad, 0, param=param)
     torch.testing.assert_close(sent, grad + 0.1 * param)
 

@@ -52,7 +52,7 @@ def test_blocksign_sends_the_l1_mean_of_each_block_times_its_signs_and_zero_coun
 
 def test_scalecom_sends_the_leaders_own_topk_and_keeps_a_low_pass_memory():
     beta, workers, n, density = 0.5, 3, 2000, 0.01
-    method = ScaleCom(ScaleComConfig(density=density, beta=beta))
+    method = ScaleCom(ScaleComConfig(density=density, beta=beta, value_dtype="float32"))
     k = top_count(density, n)
     gen = torch.Generator().manual_seed(2)
     states = [method.init_state(ops, torch.zeros(n), True, workers) for _ in range(workers)]
@@ -76,7 +76,7 @@ def test_scalecom_sends_the_leaders_own_topk_and_keeps_a_low_pass_memory():
 
 def test_the_averaged_update_is_the_mean_of_every_ranks_top_k():
     world, n, density = 4, 3000, 0.02
-    method = TopK(TopKConfig(density=density))
+    method = TopK(TopKConfig(density=density, value_dtype="float32"))
     grads = [torch.randn(n, generator=torch.Generator().manual_seed(10 + r)) for r in range(world)]
     messages, layout = [], None
     for r, grad in enumerate(grads):

@@ -22,7 +22,11 @@ ResNet-50's 25,557,032 parameters) for ``--warmup-steps`` untimed steps, then
 Per method, rank 0 prints and (``--out``) appends one JSON line: the median over the timed
 steps of the slowest worker's step time, images/s of the whole cluster, and the bytes each
 worker sent per step, read from its interface's ``tx_bytes`` counter (the interface Gloo
-uses, ``HOROVOD_GLOO_IFACE``) before and after the timed steps.
+uses, ``HOROVOD_GLOO_IFACE``) before and after the timed steps, next to what the library
+says it should be: the bytes handed to Horovod and the bytes sent on the network by the
+collectives used, per worker per step (``stats()`` for our methods; for Horovod's own the
+ring all-reduce of the float32 or float16 gradient, ``collectives.network_bytes``; none for
+PowerSGD).
 """
 from __future__ import annotations
 
@@ -46,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import horovod_dgc.torch as hdgc
+from horovod_dgc.core.collectives import ALLREDUCE, network_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from _resnet import resnet50  # noqa: E402
@@ -114,6 +119,8 @@ class Record:
     images_per_s: float
     tx_bytes_per_step: float
     tx_bytes_per_step_max: float
+    handed_bytes_per_step: Optional[float]
+    estimated_bytes_per_step: Optional[float]
     step_s: Tuple[float, ...]
 
 
@@ -177,20 +184,22 @@ def sgd(model: nn.Module) -> torch.optim.SGD:
 
 
 def build_method(method: str, model: nn.Module, args: argparse.Namespace
-                 ) -> Tuple[nn.Module, torch.optim.Optimizer, str, str]:
-    """(module to call, optimizer, optimizer label, setting label) for ``method``."""
+                 ) -> Tuple[nn.Module, torch.optim.Optimizer, str, str, object]:
+    """(module to call, optimizer, optimizer label, setting label, our compression or None)
+    for ``method``."""
     if method in ("dense", "fp16"):
         compression = hvd.Compression.none if method == "dense" else hvd.Compression.fp16
         optimizer = hvd.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters(),
                                              compression=compression)
-        return model, optimizer, "hvd.DistributedOptimizer", "float32" if method == "dense" else "float16"
+        return (model, optimizer, "hvd.DistributedOptimizer",
+                "float32" if method == "dense" else "float16", None)
     if method in SPARSE_METHODS:
         compression = getattr(hdgc.Compression, method)()
         optimizer = hdgc.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters(),
                                               compression=compression)
         density = getattr(compression.config, "density", None)
         setting = f"density {density:g}" if density is not None else "1-bit signs"
-        return model, optimizer, "horovod_dgc.torch.DistributedOptimizer", setting
+        return model, optimizer, "horovod_dgc.torch.DistributedOptimizer", setting, compression
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
     from torch.nn.parallel import DistributedDataParallel
 
@@ -203,14 +212,31 @@ def build_method(method: str, model: nn.Module, args: argparse.Namespace
     state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
                                    start_powerSGD_iter=POWERSGD_START_ITER)
     ddp.register_comm_hook(state, powersgd.powerSGD_hook)
-    return ddp, sgd(ddp), "torch DDP (Gloo) + PowerSGD hook", f"rank {args.powersgd_rank}"
+    return (ddp, sgd(ddp), "torch DDP (Gloo) + PowerSGD hook", f"rank {args.powersgd_rank}",
+            None)
 
 
-def time_steps(step: Step, warmup_steps: int, steps: int, iface: str) -> Tuple[List[float], int]:
-    """Run the warm-up, then the timed steps: (seconds per step, bytes sent meanwhile)."""
+def estimate(method: str, model: nn.Module, compression: object, timed_steps: int
+             ) -> Tuple[Optional[float], Optional[float]]:
+    """(bytes handed to Horovod, bytes sent on the network) per worker per timed step, as
+    the library models them; (None, None) where it has no model (PowerSGD)."""
+    if compression is not None:
+        stats = compression.stats()
+        return stats.bytes_sent / timed_steps, stats.network_bytes / timed_steps
+    if method not in ("dense", "fp16"):
+        return None, None
+    handed = sum(p.numel() for p in model.parameters()) * (4 if method == "dense" else 2)
+    return float(handed), network_bytes(ALLREDUCE, handed, hvd.size())
+
+
+def time_steps(step: Step, warmup_steps: int, steps: int, iface: str,
+               reset_counters: Callable[[], None]) -> Tuple[List[float], int]:
+    """Run the warm-up, then the timed steps: (seconds per step, bytes sent meanwhile);
+    ``reset_counters`` runs between the two."""
     for _ in range(warmup_steps):
         step()
     hvd.barrier()
+    reset_counters()
     sent_before = tx_bytes(iface)
     seconds = []
     for _ in range(steps):
@@ -223,7 +249,7 @@ def time_steps(step: Step, warmup_steps: int, steps: int, iface: str) -> Tuple[L
 def bench_method(method: str, args: argparse.Namespace) -> Record:
     model, classes = build_model(args.model)
     params = sum(p.numel() for p in model.parameters())
-    module, optimizer, optimizer_label, setting = build_method(method, model, args)
+    module, optimizer, optimizer_label, setting, compression = build_method(method, model, args)
     generator = torch.Generator().manual_seed(SEED + 1 + hvd.rank())
     images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=generator)
     labels = torch.randint(0, classes, (args.batch_size,), generator=generator)
@@ -234,7 +260,9 @@ def bench_method(method: str, args: argparse.Namespace) -> Record:
         optimizer.step()
 
     warmup = max(args.warmup_steps, POWERSGD_START_ITER) if method == "powersgd" else args.warmup_steps
-    seconds, sent = time_steps(step, warmup, args.steps, args.iface)
+    reset = compression.reset_stats if compression is not None else (lambda: None)
+    seconds, sent = time_steps(step, warmup, args.steps, args.iface, reset)
+    handed, estimated = estimate(method, model, compression, args.steps)
     all_seconds = hvd.allgather_object(seconds, name=f"cluster_step.seconds.{method}")
     all_sent = hvd.allgather_object(sent, name=f"cluster_step.sent.{method}")
     slowest = [max(per_rank[i] for per_rank in all_seconds) for i in range(args.steps)]
@@ -246,6 +274,7 @@ def bench_method(method: str, args: argparse.Namespace) -> Record:
                   steps=args.steps,
                   median_step_s=median_s, images_per_s=hvd.size() * args.batch_size / median_s,
                   tx_bytes_per_step=statistics.mean(per_step), tx_bytes_per_step_max=max(per_step),
+                  handed_bytes_per_step=handed, estimated_bytes_per_step=estimated,
                   step_s=tuple(slowest))
 
 
@@ -263,7 +292,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         if hvd.rank() == 0:
             print(f"{record.link:>10} {method:>10}: {record.median_step_s:8.3f} s/step, "
                   f"{record.images_per_s:8.1f} images/s, "
-                  f"{record.tx_bytes_per_step / 1e6:9.3f} MB sent per worker per step",
+                  f"{record.tx_bytes_per_step / 1e6:9.3f} MB sent per worker per step"
+                  + (f" (estimated {record.estimated_bytes_per_step / 1e6:.3f} MB, handed to "
+                     f"Horovod {record.handed_bytes_per_step / 1e6:.3f} MB)"
+                     if record.estimated_bytes_per_step is not None else ""),
                   flush=True)
             if args.out is not None:
                 with open(args.out, "a") as out:

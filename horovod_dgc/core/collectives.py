@@ -18,6 +18,26 @@ ALLGATHER = "allgather"  # everyone receives all messages, concatenated in rank 
 KINDS = (BROADCAST, ALLREDUCE, ALLTOALL, ALLGATHER)
 
 
+def network_bytes(kind: str, nbytes: int, world_size: int) -> float:
+    """Bytes one worker sends on the network, averaged over the workers, when each worker
+    hands ``nbytes`` to collective ``kind`` among ``world_size`` workers (Gloo's ring
+    algorithms; packet headers and Horovod's own negotiation not counted):
+
+    * allgather: the N - 1 other workers' messages pass through every worker once;
+    * allreduce: a ring reduce-scatter and all-gather, 2 (N - 1) / N of the message;
+    * alltoall: each worker keeps its own chunk, (N - 1) / N;
+    * broadcast: the root sends the message to N - 1 workers, (N - 1) / N on average.
+    """
+    n = world_size
+    if kind == ALLGATHER:
+        return (n - 1) * nbytes
+    if kind == ALLREDUCE:
+        return 2 * (n - 1) / n * nbytes
+    if kind in (ALLTOALL, BROADCAST):
+        return (n - 1) / n * nbytes
+    raise ValueError(f"unknown collective {kind!r}")
+
+
 def emulate(ops: TensorOps, kind: str, messages: Sequence[Tensor], root: int = 0) -> List[Tensor]:
     """What each of ``len(messages)`` workers receives from collective ``kind``."""
     n = len(messages)

@@ -12,7 +12,7 @@ Conventions:
 * Scalars that depend on data (norms, thresholds, counts) stay tensors, so TensorFlow can build
   a graph; :meth:`while_loop` and :meth:`cond` are the only control flow the core uses.
 * Dtypes are named by strings: ``"float32"``, ``"float16"``, ``"bfloat16"``, ``"float64"``,
-  ``"int32"``, ``"int64"``, ``"uint8"``.
+  ``"int32"``, ``"int64"``, ``"int8"``, ``"uint8"``.
 """
 from __future__ import annotations
 
@@ -47,6 +47,11 @@ class TensorOps(ABC):
     def constant(self, values: Sequence[Any], dtype: str, like: Tensor) -> Tensor:
         """A small 1-D tensor of ``values`` (Python ints or 0-d integer tensors) on the
         device of ``like``."""
+
+    @abstractmethod
+    def ones(self, n: int, dtype: str, like: Tensor) -> Tensor:
+        """A new tensor of ``n`` ones on the device of ``like`` (``n`` may be a run-time
+        scalar)."""
 
     @abstractmethod
     def copy(self, x: Tensor) -> Tensor:
@@ -208,14 +213,54 @@ class TensorOps(ABC):
         """+1 where the bit is set, -1 elsewhere: the inverse of :meth:`pack_signs`."""
 
     @abstractmethod
+    def pack_bits(self, bits: Tensor) -> Tensor:
+        """Bit ``i % 8`` of byte ``i // 8`` is ``bits[i]`` (a boolean or 0/1 tensor whose length
+        is a multiple of 8): the uint8 bytes."""
+
+    @abstractmethod
+    def unpack_bits(self, packed: Tensor) -> Tensor:
+        """The booleans :meth:`pack_bits` packed (8 per byte)."""
+
+    @abstractmethod
+    def bits_of(self, values: Tensor, width: int) -> Tensor:
+        """The ``width`` lowest bits of each non-negative int64 of ``values``, lowest first,
+        as one flat boolean tensor of ``len(values) * width`` entries."""
+
+    @abstractmethod
+    def from_bits(self, bits: Tensor, width: int) -> Tensor:
+        """The int64 values whose ``width`` lowest bits :meth:`bits_of` gave."""
+
+    @abstractmethod
+    def sort(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        """(``x`` ascending, the int64 positions it came from)."""
+
+    @abstractmethod
+    def arange(self, n: Scalar, like: Tensor) -> Tensor:
+        """``0, 1, ..., n - 1`` as int64 on the device of ``like`` (``n`` may be a run-time
+        scalar)."""
+
+    @abstractmethod
+    def floordiv(self, x: Tensor, divisor: int) -> Tensor:
+        """``x // divisor`` for non-negative integers."""
+
+    @abstractmethod
+    def round(self, x: Tensor) -> Tensor:
+        """Each element rounded to the nearest integer (halves to even), same dtype."""
+
+    @abstractmethod
     def fit(self, data: Tensor, length: int) -> Tensor:
         """``data`` cut or zero-padded to ``length`` elements, with that length known when the
         graph is built; the caller checks the true length separately."""
 
     # -- checks ------------------------------------------------------------------------------
     @abstractmethod
-    def all_within(self, x: Tensor, low: Tensor, high: Tensor) -> Scalar:
-        """Whether ``low <= x <= high`` holds for every element (a boolean scalar)."""
+    def equal(self, a: Scalar, b: Scalar) -> Scalar:
+        """Whether the integer scalars ``a`` and ``b`` are equal, whatever their dtypes."""
+
+    @abstractmethod
+    def all_within(self, x: Tensor, low: Any, high: Any) -> Scalar:
+        """Whether ``low <= x <= high`` holds for every element (a boolean scalar); the bounds
+        are tensors like ``x`` or numbers."""
 
     @abstractmethod
     def check(self, pred: Scalar, error: Exception) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Tuple
 
 from . import wire
+from .codecs import value_coding
 from .collectives import ALLREDUCE, BROADCAST
 from .config import SparseConfig
 from .memory import LowPassMemory
@@ -38,9 +39,13 @@ class ScaleComConfig(SparseConfig):
         leader_selection: ``"exact"`` top-k on the leader, or ``"chunked"``: the top
             ``k / chunks`` of each of ``chunks`` equal slices (approximate, cheaper).
         chunks: number of slices for ``"chunked"``.
+        value_dtype: ``"float32"`` only: the values are summed by Horovod's all-reduce in
+            the format they travel in, and a float16 sum rounds away mass that no residual
+            keeps, and overflows where the workers' values add up past 65504.
     """
 
     density: float = 0.001
+    value_dtype: str = "float32"
     beta: float = 1.0
     leader_selection: str = "exact"
     chunks: int = 32
@@ -50,12 +55,11 @@ class ScaleComConfig(SparseConfig):
         require_fraction("beta", self.beta)
         require_choice("leader_selection", self.leader_selection, LEADER_SELECTIONS)
         require_positive_int("chunks", self.chunks)
-
-
-def allreduce_value_dtype(grad_dtype: str, value_dtype: str) -> str:
-    """Horovod all-reduces float16 and float32, not bfloat16."""
-    dtype = wire.wire_value_dtype(grad_dtype, value_dtype)
-    return "float32" if dtype == "bfloat16" else dtype
+        if self.value_dtype != "float32":
+            raise ValueError(f"value_dtype must be 'float32' for ScaleCom, not "
+                             f"{self.value_dtype!r}: its values are summed by an all-reduce in "
+                             "the format they travel in, where float16 would round away "
+                             "gradient mass and overflow, and int8 would mix each rank's scale")
 
 
 class ScaleCom(TwoStageMethod):
@@ -74,10 +78,10 @@ class ScaleCom(TwoStageMethod):
     def state_layout(self, compressed: bool) -> StateLayout:
         return StateLayout(self.memory.state_names if compressed else ())
 
-    def index_layout(self, name: str, numel: int, density: float) -> wire.PartsLayout:
-        k = top_count(density, numel)
-        return wire.PartsLayout(name=name, method_id=self.method_id, numel=numel, capacity=k,
-                                part_list=((wire.index_dtype(numel), k),))
+    def index_layout(self, name: str, numel: int, density: float) -> wire.MessageLayout:
+        """The leader's message: its k positions, coded (no values)."""
+        return wire.MessageLayout(name=name, method_id=self.method_id, numel=numel,
+                                  capacity=top_count(density, numel), value_format=None)
 
     def leader_indices(self, ops: TensorOps, p: Tensor, k: int, call: CompressCall) -> Tensor:
         """The leader's choice: exact top-k, or the top of each chunk."""
@@ -103,12 +107,12 @@ class ScaleCom(TwoStageMethod):
 
         def leader_message() -> Tensor:
             def chosen() -> Tensor:
-                return ops.cast(self.leader_indices(ops, p, layout.capacity, call), layout.parts[0][0])
+                positions, _ = ops.sort(self.leader_indices(ops, p, layout.capacity, call))
+                header = layout.header(call.rank, call.step, layout.capacity, 0)
+                return layout.encode(ops, header, positions, layout.capacity)[0]
 
-            indices, count = ops.cond(finite, lambda: (chosen(), layout.capacity),
-                                      lambda: (ops.zeros(layout.capacity, layout.parts[0][0], like=grad), 0))
-            header = layout.header(call.rank, call.step, count, flag(ops, finite))
-            return wire.encode_parts(ops, layout, header, [indices])
+            header = layout.header(call.rank, call.step, 0, flag(ops, False))
+            return ops.cond(finite, chosen, lambda: layout.empty(ops, header, like=grad))
 
         # ops.cond: in a TensorFlow graph the step, hence the leader, is known only at run time.
         message = ops.cond(call.rank == self.root(call), leader_message,
@@ -122,11 +126,15 @@ class ScaleCom(TwoStageMethod):
         sends NaN values, so that the all-reduce tells every rank (the leader's flag alone
         would not: only the leader's message is broadcast)."""
         layout, call = handover.data["layout"], handover.call
-        (indices,) = wire.receive(ops, received, [(layout, self.root(call))], call.step,
-                                  call.rank).parts[0]
-        dtype = allreduce_value_dtype(handover.dtype, self.config.value_dtype)
-        values = wire.to_wire(ops, ops.gather(handover.data["p"], indices), dtype)
-        state = self.memory.update(ops, state, indices, ops.cast(values, state_dtype(handover.dtype)))
+        expected = [(layout, self.root(call))]
+        received = wire.receive(ops, received, expected, call.step, call.rank)
+        positions, _, consistent = layout.decode(ops, received.parts[0],
+                                                 ops.gather(received.counts, 0), "float32")
+        (indices,) = wire.checked_positions(ops, [(positions, consistent)], expected, call.step)
+        dtype = self.config.value_dtype
+        (values,), decoded = value_coding(dtype, layout.capacity).encode(
+            ops, ops.gather(handover.data["p"], indices))
+        state = self.memory.update(ops, state, indices, ops.cast(decoded, state_dtype(handover.dtype)))
         values = ops.cond(handover.data["finite"], lambda: values,
                           lambda: nan_like(ops, ops.numel(values), dtype, values))
         handover.data["indices"] = indices

@@ -65,7 +65,7 @@ class SparseMethod(Method):
         k = top_count(density, numel)
         return wire.MessageLayout(name=name, method_id=self.method_id, numel=numel,
                                   capacity=self.capacity(k, numel),
-                                  value_dtype=wire.wire_value_dtype(grad_dtype, self.config.value_dtype))
+                                  value_format=wire.value_format(grad_dtype, self.config.value_dtype))
 
     def state_layout(self, compressed: bool) -> StateLayout:
         return StateLayout(self.memory.state_names if compressed else self.memory.dense_state_names)
@@ -79,21 +79,18 @@ class SparseMethod(Method):
 
         def send():
             x, new_state = self.memory.accumulate(ops, state, *self.prepare(ops, grad, call))
-            indices = self.select(ops, x, k, call)
-            wire_values = wire.to_wire(ops, ops.gather(x, indices), layout.value_dtype)
-            new_state = self.memory.update(ops, new_state, indices,
-                                           ops.cast(wire_values, ops.dtype(x)))
-            return (new_state, ops.cast(indices, layout.index_dtype), wire_values,
-                    ops.size(indices), 0)
+            positions, _ = ops.sort(self.select(ops, x, k, call))
+            count = ops.size(positions)
+            header = layout.header(call.rank, call.step, count, 0)
+            message, decoded = layout.encode(ops, header, positions, count, ops.gather(x, positions))
+            sent = ops.cast(ops.slice(decoded, 0, count), ops.dtype(x))
+            return self.memory.update(ops, new_state, positions, sent), message, count
 
         def skip():
-            return (state, ops.zeros(0, layout.index_dtype, like=grad),
-                    ops.zeros(0, layout.value_dtype, like=grad), 0, wire.FLAG_NONFINITE)
+            header = layout.header(call.rank, call.step, 0, wire.FLAG_NONFINITE)
+            return state, layout.empty(ops, header, like=grad), 0
 
-        new_state, indices, values, count, flags = ops.cond(is_finite(ops, grad), send, skip)
-        header = layout.header(call.rank, call.step, count, flags)
-        message = wire.encode(ops, layout, header, ops.pad(indices, layout.capacity),
-                              ops.pad(values, layout.capacity))
+        new_state, message, count = ops.cond(is_finite(ops, grad), send, skip)
         return Compressed(message=message, state=new_state, count=count, layout=layout)
 
     def dense(self, ops: TensorOps, state: State, grad: Tensor, call: CompressCall) -> Tuple[Tensor, State]:
@@ -110,9 +107,13 @@ class SparseMethod(Method):
         received = wire.receive(ops, gathered, expected, step)
         sums = [ops.zeros(layout.numel, state_dtype(dtype), like=gathered)
                 for layout, dtype in zip(layouts, out_dtypes)]
-        for i, (indices, values) in enumerate(received.parts):
+        decoded = [layouts[i % len(layouts)].decode(ops, parts, ops.gather(received.counts, i),
+                                                    ops.dtype(sums[i % len(layouts)]))
+                   for i, parts in enumerate(received.parts)]
+        positions = wire.checked_positions(ops, [(p, ok) for p, _, ok in decoded], expected, step)
+        for i, (where, (_, values, _)) in enumerate(zip(positions, decoded)):
             t = i % len(layouts)
-            sums[t] = ops.scatter_add(sums[t], indices, ops.cast(values, ops.dtype(sums[t])))
+            sums[t] = ops.scatter_add(sums[t], where, values)
         averaged = [ops.cast(ops.scale(s, 1.0 / world_size), dtype) for s, dtype in zip(sums, out_dtypes)]
         names = [layout.name for layout in layouts]
         finite = received_finite(ops, self.config.nonfinite, received.flags, names, step)

@@ -20,7 +20,9 @@ from .method import Method
 from .methods import from_saved
 from .ops import Tensor, TensorOps
 
-STATE_FORMAT = 1
+# 2: messages with coded indices and 16/8-bit values (configs gained value_dtype and
+# small_density); a format-1 state is refused rather than loaded under other defaults.
+STATE_FORMAT = 2
 STATE_KEYS = ("format", "method", "config", "world_size", "rank", "epoch", "steps", "states")
 Memories = Dict[str, Dict[str, Tensor]]
 
@@ -39,7 +41,12 @@ def check_format(state: Any) -> None:
     if missing:
         raise ValueError(f"not a horovod_dgc compressor state (missing {sorted(missing)})")
     if state["format"] != STATE_FORMAT:
-        raise ValueError(f"compressor state format {state['format']} is not {STATE_FORMAT}")
+        older = isinstance(state["format"], int) and state["format"] < STATE_FORMAT
+        raise ValueError(
+            f"compressor state format {state['format']} is not {STATE_FORMAT}: "
+            + ("it was saved by an earlier horovod_dgc whose configs had other fields and "
+               "defaults; resume with that version, or start the compressor afresh (drop "
+               "its entry from the checkpoint)" if older else "saved by a newer horovod_dgc?"))
 
 
 def check_method(state: dict, method: Method) -> None:

@@ -1,6 +1,7 @@
 """Traffic and time counters a compressor keeps, so users can log the achieved ratio."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 from dataclasses import dataclass
 from typing import Optional
@@ -14,6 +15,9 @@ class CompressionStats:
         steps: optimizer steps seen (compress calls of the most frequently compressed tensor).
         bytes_sent: bytes handed to Horovod (messages, placeholders and dense tensors).
         dense_bytes: bytes a dense all-reduce of the same tensors would have handed over.
+        network_bytes: bytes this worker sends on the network for what it handed over, by
+            the collectives used and the number of workers (``collectives.network_bytes``).
+        dense_network_bytes: the same for a dense all-reduce of the same tensors.
         elements_sent: values sent by the sparse path (padding excluded).
         elements_compressed: elements of the tensors that went through the sparse path.
         selection_time_s: seconds spent in compress (accumulate, select, encode).
@@ -22,13 +26,24 @@ class CompressionStats:
     steps: int = 0
     bytes_sent: int = 0
     dense_bytes: int = 0
+    network_bytes: float = 0.0
+    dense_network_bytes: float = 0.0
     elements_sent: int = 0
     elements_compressed: int = 0
     selection_time_s: float = 0.0
 
     @property
     def ratio(self) -> float:
-        """Dense bytes over bytes sent (how many times smaller the traffic is)."""
+        """How many times fewer bytes this worker sends on the network than with a dense
+        all-reduce (with one worker, nothing crosses the network: the bytes handed to
+        Horovod instead)."""
+        if self.dense_network_bytes and self.network_bytes:
+            return self.dense_network_bytes / self.network_bytes
+        return self.handed_ratio
+
+    @property
+    def handed_ratio(self) -> float:
+        """Dense bytes over bytes handed to Horovod."""
         return self.dense_bytes / self.bytes_sent if self.bytes_sent else float("nan")
 
     @property
@@ -46,21 +61,24 @@ class CompressionStats:
         return self.dense_bytes / self.steps if self.steps else 0.0
 
     @property
+    def network_bytes_per_step(self) -> float:
+        return self.network_bytes / self.steps if self.steps else 0.0
+
+    @property
     def selection_time_per_step_s(self) -> float:
         return self.selection_time_s / self.steps if self.steps else 0.0
 
     def __add__(self, other: "CompressionStats") -> "CompressionStats":
         """Totals of two spans of steps (e.g. epochs) taken one after the other."""
-        return CompressionStats(self.steps + other.steps, self.bytes_sent + other.bytes_sent,
-                                self.dense_bytes + other.dense_bytes,
-                                self.elements_sent + other.elements_sent,
-                                self.elements_compressed + other.elements_compressed,
-                                self.selection_time_s + other.selection_time_s)
+        return CompressionStats(*(a + b for a, b in zip(dataclasses.astuple(self),
+                                                        dataclasses.astuple(other))))
 
     def summary(self) -> str:
-        return (f"{self.steps} steps: {self.bytes_sent_per_step / 1e3:.1f} kB/step sent vs "
-                f"{self.dense_bytes_per_step / 1e3:.1f} kB/step dense ({self.ratio:.1f}x smaller), "
-                f"density {self.density:.4%}, compress {self.selection_time_per_step_s * 1e3:.2f} ms/step")
+        return (f"{self.steps} steps: {self.bytes_sent_per_step / 1e3:.1f} kB/step handed to "
+                f"Horovod ({self.handed_ratio:.1f}x fewer than dense), "
+                f"{self.network_bytes_per_step / 1e3:.1f} kB/step sent on the network "
+                f"({self.ratio:.1f}x fewer), density {self.density:.4%}, compress "
+                f"{self.selection_time_per_step_s * 1e3:.2f} ms/step")
 
 
 class StatsRecorder:
@@ -71,8 +89,9 @@ class StatsRecorder:
         self._totals = CompressionStats()
         self._first_step: Optional[int] = None
 
-    def record(self, *, step: int, bytes_sent: int, dense_bytes: int, elements_sent: int = 0,
-               elements_compressed: int = 0, selection_time_s: float = 0.0) -> None:
+    def record(self, *, step: int, bytes_sent: int, dense_bytes: int, network_bytes: float,
+               dense_network_bytes: float, elements_sent: int = 0, elements_compressed: int = 0,
+               selection_time_s: float = 0.0) -> None:
         with self._lock:
             t = self._totals
             if self._first_step is None:
@@ -80,6 +99,8 @@ class StatsRecorder:
             self._totals = CompressionStats(
                 steps=max(t.steps, step - self._first_step + 1), bytes_sent=t.bytes_sent + bytes_sent,
                 dense_bytes=t.dense_bytes + dense_bytes,
+                network_bytes=t.network_bytes + network_bytes,
+                dense_network_bytes=t.dense_network_bytes + dense_network_bytes,
                 elements_sent=t.elements_sent + elements_sent,
                 elements_compressed=t.elements_compressed + elements_compressed,
                 selection_time_s=t.selection_time_s + selection_time_s)

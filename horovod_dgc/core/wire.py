@@ -2,14 +2,15 @@
 
 Layout of a sparse message for one tensor (native byte order, every part 8-byte aligned)::
 
-    header   HEADER_WORDS int32 words (see ``Header``)
-    indices  capacity x int32 (int64 when the tensor has 2**31 elements or more)
-    values   capacity x float32 | float16 | bfloat16
-    padding  zeros up to a multiple of 8 bytes
+    header   HEADER_WORDS int32 words (HEADER_FIELDS)
+    indices  the positions, sorted, in the smallest index coding (``codecs.py``: raw,
+             Elias-Fano or bitmap)
+    values   the values in the same order: float32 | float16 | bfloat16 | int8 and a scale
+    padding  zeros up to a multiple of 8 bytes, after each part
 
 ``capacity`` is fixed per tensor and density, so every rank sends the same number of bytes
 for a tensor: Horovod's response cache keeps its fast path, and the receiver finds rank r's
-message at ``r * nbytes``. Unused slots (``count < capacity``) hold index 0 and value 0.
+message at ``r * nbytes``. Unused slots (``count < capacity``) decode as position 0, value 0.
 
 :func:`receive` is the one way in for every family: it checks the size of what a collective
 delivered and every header in it against what this rank expects, in one vectorised
@@ -18,27 +19,29 @@ difference (adapters never read or write header words).
 """
 from __future__ import annotations
 
+import functools
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
+from . import codecs
 from .ops import Tensor, TensorOps
 
-MAGIC = 0x44474331  # "DGC" and format version 1
+MAGIC = 0x44474332  # "DGC" and format version 2 (coded indices and values)
 HEADER_FIELDS = ("magic", "method", "tensor id", "numel (low)", "numel (high)", "capacity",
-                 "count", "second part dtype", "first part dtype", "sender rank", "step", "flags")
+                 "count", "value format", "index format", "sender rank", "step", "flags")
 HEADER_WORDS = len(HEADER_FIELDS)
 HEADER_BYTES = HEADER_WORDS * 4
 FLAGS_WORD = HEADER_FIELDS.index("flags")
-ALIGN_BYTES = 8
+COUNT_WORD = HEADER_FIELDS.index("count")
+ALIGN_BYTES = codecs.ALIGN_BYTES
 
-DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3, "int32": 4, "int64": 5, "uint8": 6}
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8, "uint8": 1}
+DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3, "int32": 4, "int64": 5, "uint8": 6,
+               "int8": 7}
+DTYPE_BYTES = codecs.DTYPE_BYTES
 FLAG_NONFINITE = 1  # the sender's gradient was not finite: it sent nothing, kept its memory
-# The largest finite value of each 16-bit wire format: larger values are clamped to it before
-# they are sent (the excess stays in the memory) instead of turning into Inf.
-FORMAT_MAX = {"float16": 65504.0}
+VALUE_FORMATS = ("float32", "float16", "int8")
 
 _INT31 = 2 ** 31
 
@@ -53,16 +56,12 @@ def tensor_id(name: str) -> int:
     return value - 2 ** 32 if value >= _INT31 else value
 
 
-def index_dtype(numel: int) -> str:
-    return "int32" if numel < _INT31 else "int64"
-
-
-def wire_value_dtype(grad_dtype: str, value_dtype: str) -> str:
-    """bfloat16 and float16 gradients keep their own 16-bit format (no loss); others use
-    the configured ``value_dtype``."""
-    if grad_dtype in ("bfloat16", "float16"):
-        return grad_dtype if value_dtype == "float16" else "float32"
-    return value_dtype
+def value_format(grad_dtype: str, configured: str) -> str:
+    """The format values travel in: the configured one (``VALUE_FORMATS``), except that a
+    16-bit setting keeps a bfloat16 gradient's own 16-bit format (no loss)."""
+    if configured == "float16" and grad_dtype == "bfloat16":
+        return "bfloat16"
+    return configured
 
 
 def _aligned(nbytes: int) -> int:
@@ -95,12 +94,18 @@ class Layout:
         """Size of the whole message in bytes."""
         return HEADER_BYTES + sum(self.part_bytes(i) for i in range(len(self.parts)))
 
+    @property
+    def format_codes(self) -> Tuple[int, int]:
+        """(value format, index format) codes of the header: the first two parts' dtypes."""
+        codes = [DTYPE_CODES[dtype] for dtype, _ in self.parts] + [0, 0]
+        return codes[1], codes[0]
+
     def header(self, rank: Any, step: Any, count: Any, flags: Any) -> List[Any]:
         """The header words of a message from ``rank`` at ``step`` (Python ints or 0-d
         integer tensors, so a graph can write run-time values)."""
-        codes = [DTYPE_CODES[dtype] for dtype, _ in self.parts] + [0, 0]
+        value_code, index_code = self.format_codes
         return [MAGIC, self.method_id, tensor_id(self.name), self.numel % _INT31,
-                self.numel // _INT31, self.capacity, count, codes[1], codes[0],
+                self.numel // _INT31, self.capacity, count, value_code, index_code,
                 rank, step % _INT31, flags]
 
     def bounds(self, rank: Any, step: Any) -> Tuple[List[Any], List[Any]]:
@@ -128,17 +133,53 @@ class Layout:
 
 @dataclass(frozen=True)
 class MessageLayout(Layout):
-    """A sparse message: ``capacity`` indices, then ``capacity`` values."""
+    """A sparse message: ``capacity`` positions in the smallest index coding, then (unless
+    ``value_format`` is None: a message of positions only) ``capacity`` values."""
 
-    value_dtype: str = "float32"
+    value_format: Optional[str] = "float32"
 
-    @property
-    def index_dtype(self) -> str:
-        return index_dtype(self.numel)
+    @functools.cached_property
+    def indices(self) -> codecs.IndexCoding:
+        return codecs.index_coding(self.numel, self.capacity)
 
-    @property
+    @functools.cached_property
+    def values(self) -> Optional[codecs.ValueCoding]:
+        return None if self.value_format is None else codecs.value_coding(self.value_format,
+                                                                           self.capacity)
+
+    @functools.cached_property
     def parts(self) -> Tuple[Tuple[str, int], ...]:
-        return ((self.index_dtype, self.capacity), (self.value_dtype, self.capacity))
+        return self.indices.parts + (self.values.parts if self.values else ())
+
+    @property
+    def format_codes(self) -> Tuple[int, int]:
+        value_code = 0 if self.value_format is None else DTYPE_CODES[self.value_format]
+        return value_code, self.indices.code
+
+    def encode(self, ops: TensorOps, header: List[Any], positions: Tensor, count: Any,
+               values: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
+        """(the message, the values receivers will decode as float32) for ``count`` sorted
+        ``positions`` and their ``values``."""
+        parts = self.indices.encode(ops, positions, count)
+        decoded = None
+        if self.values is not None:
+            value_parts, decoded = self.values.encode(ops, values)
+            parts += value_parts
+        return encode_parts(ops, self, header, parts), decoded
+
+    def empty(self, ops: TensorOps, header: List[Any], like: Tensor) -> Tensor:
+        """A message with no entries (a flagged sender's)."""
+        parts = [ops.zeros(count, dtype, like=like) for dtype, count in self.parts]
+        return encode_parts(ops, self, header, parts)
+
+    def decode(self, ops: TensorOps, parts: Sequence[Tensor], count: Any,
+               dtype: str) -> Tuple[Tensor, Optional[Tensor], Any]:
+        """(``capacity`` positions, their values in ``dtype`` or None, whether the positions
+        agree with ``count`` and the tensor's size)."""
+        n = len(self.indices.parts)
+        positions, consistent = self.indices.decode(ops, parts[:n], count)
+        values = None if self.values is None else self.values.decode(ops, parts[n:], dtype)
+        return positions, values, consistent
 
 
 @dataclass(frozen=True)
@@ -152,25 +193,11 @@ class PartsLayout(Layout):
         return self.part_list
 
 
-def to_wire(ops: TensorOps, values: Tensor, dtype: str) -> Tensor:
-    """``values`` in the wire ``dtype``, clamped to its finite range (see FORMAT_MAX)."""
-    if dtype in FORMAT_MAX:
-        values = ops.clamp(values, FORMAT_MAX[dtype])
-    return ops.cast(values, dtype)
-
-
 def encode_parts(ops: TensorOps, layout: Layout, header: List[Any], parts: Sequence[Tensor]) -> Tensor:
     """The message bytes; each part already holds its count of entries in its dtype."""
     encoded = [ops.to_bytes(ops.constant(header, "int32", like=parts[0]))]
     encoded += [ops.pad(ops.to_bytes(part), layout.part_bytes(i)) for i, part in enumerate(parts)]
     return ops.concat(encoded)
-
-
-def encode(ops: TensorOps, layout: MessageLayout, header: List[Any], indices: Tensor,
-           values: Tensor) -> Tensor:
-    """A sparse message; ``indices`` and ``values`` already hold ``capacity`` entries in
-    the wire dtypes."""
-    return encode_parts(ops, layout, header, [indices, values])
 
 
 def parts_of(ops: TensorOps, message: Tensor, layout: Layout) -> List[Tensor]:
@@ -188,10 +215,11 @@ Expected = Tuple[Layout, Any]  # a message's layout and its sender's rank (int o
 @dataclass(frozen=True)
 class Received:
     """What :func:`receive` found: each message's parts, and each message's flags word
-    (nonzero: the sender's gradient was not finite)."""
+    (nonzero: the sender's gradient was not finite) and count word."""
 
     parts: List[List[Tensor]]
     flags: Tensor
+    counts: Tensor
 
 
 def receive(ops: TensorOps, data: Tensor, expected: Sequence[Expected], step: Any,
@@ -218,10 +246,10 @@ def receive(ops: TensorOps, data: Tensor, expected: Sequence[Expected], step: An
     fitted = ops.verify(ops.where(size_ok, valid, False), [data, senders, step],
                         lambda values, ranks, at: _diagnose(values, ranks, at, expected, total, receiver),
                         fitted)
-    flags = ops.gather(headers, ops.constant([i * HEADER_WORDS + FLAGS_WORD
-                                              for i in range(len(expected))], "int64", like=headers))
     return Received([parts_of(ops, ops.slice(fitted, offset, layout.nbytes), layout)
-                     for offset, (layout, _) in zip(offsets, expected)], flags)
+                     for offset, (layout, _) in zip(offsets, expected)],
+                    ops.strided_sample(headers, FLAGS_WORD, HEADER_WORDS),
+                    ops.strided_sample(headers, COUNT_WORD, HEADER_WORDS))
 
 
 def _offsets(expected: Sequence[Expected]) -> List[int]:
@@ -251,3 +279,27 @@ def _diagnose(data: Sequence[int], senders: Sequence[int], step: int,
         except MessageError as error:
             raise MessageError(f"{error}{size_note}") from None
     raise MessageError(f"the messages are malformed{size_note or f' for tensor(s) {names}{where}'}")
+
+
+def checked_positions(ops: TensorOps, decoded: Sequence[Tuple[Tensor, Any]],
+                      expected: Sequence[Expected], step: Any) -> List[Tensor]:
+    """The positions of every message, once every message's positions are known to agree
+    with its count and to lie inside its tensor (``decoded``: (positions, whether they do)
+    per message of ``expected``); else MessageError names the first sender that differs."""
+    all_positions = ops.concat([positions for positions, _ in decoded])
+    verdicts = ops.constant([ops.where(ok, 1, 0) for _, ok in decoded], "int32", like=all_positions)
+    senders = ops.constant([sender for _, sender in expected], "int64", like=all_positions)
+
+    def explain(values: List[int], ranks: List[int], at: int) -> None:
+        for ok, (layout, _), rank in zip(values, expected, ranks):
+            if not ok:
+                layout._fail(rank, "its positions disagree with its count or lie outside the "
+                             "tensor (a corrupted message?)")
+
+    all_positions = ops.verify(ops.all_within(verdicts, 1, 1), [verdicts, senders, step], explain,
+                               all_positions)
+    out, offset = [], 0
+    for positions, _ in decoded:
+        out.append(ops.slice(all_positions, offset, ops.numel(positions)))
+        offset += ops.numel(positions)
+    return out

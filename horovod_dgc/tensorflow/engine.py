@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
+from ..core.collectives import ALLGATHER, ALLREDUCE, network_bytes
 from ..core.method import CompressCall, Method
 from ..core.nonfinite import settle
 from ..core.state import check_loadable, state_frame
@@ -32,7 +33,8 @@ from ..core.wire import MessageLayout
 from .ops import TFOps, dtype_name
 
 State = Dict[str, tf.Variable]
-_TOTALS = {"bytes_sent": tf.int64, "dense_bytes": tf.int64, "elements_sent": tf.int64,
+_TOTALS = {"bytes_sent": tf.int64, "dense_bytes": tf.int64, "network_bytes": tf.float64,
+           "dense_network_bytes": tf.float64, "elements_sent": tf.int64,
            "elements_compressed": tf.int64, "selection_time_s": tf.float64}
 
 
@@ -151,12 +153,9 @@ class Engine:
     def stats(self) -> CompressionStats:
         """Totals since the last reset (call it eagerly)."""
         totals = {field: variable.numpy() for field, variable in self._totals.items()}
-        return CompressionStats(steps=max(0, self._max_step() - self._steps_at_reset),
-                                bytes_sent=int(totals["bytes_sent"]),
-                                dense_bytes=int(totals["dense_bytes"]),
-                                elements_sent=int(totals["elements_sent"]),
-                                elements_compressed=int(totals["elements_compressed"]),
-                                selection_time_s=float(totals["selection_time_s"]))
+        values = {field: (float if dtype == tf.float64 else int)(totals[field])
+                  for field, dtype in _TOTALS.items()}
+        return CompressionStats(steps=max(0, self._max_step() - self._steps_at_reset), **values)
 
     def reset_stats(self) -> None:
         for variable in self._totals.values():
@@ -166,14 +165,21 @@ class Engine:
     def _max_step(self) -> int:
         return max((int(step.numpy()) for step in self._steps.values()), default=0)
 
-    def _record(self, **amounts: Any) -> None:
+    def _record(self, handed: Sequence[Tuple[str, Any]], dense_bytes: int, **counts: Any) -> None:
+        """Count the bytes ``handed`` to collectives ((kind, bytes) pairs) and what they send
+        on the network, for a gradient of ``dense_bytes`` (0: counted already)."""
+        amounts = dict(counts, dense_bytes=dense_bytes,
+                       bytes_sent=tf.add_n([tf.cast(n, tf.int64) for _, n in handed]),
+                       network_bytes=tf.add_n([network_bytes(kind, tf.cast(n, tf.float64), self.world_size)
+                                               for kind, n in handed]),
+                       dense_network_bytes=network_bytes(ALLREDUCE, float(dense_bytes), self.world_size))
         for field, amount in amounts.items():
             variable = self._totals[field]
             variable.assign_add(tf.cast(amount, variable.dtype))
 
     def record_placeholder(self, nbytes: int) -> None:
         """Count the bytes of the placeholder Horovod all-reduces beside a sparse message."""
-        self._record(bytes_sent=nbytes)
+        self._record([(ALLREDUCE, nbytes)], 0)
 
     # -- checkpointing --------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -251,6 +257,12 @@ class Engine:
             warnings.warn(warning, stacklevel=4)
         return self._next_step(name)
 
+    def _density(self, i: int, shape: Any) -> float:
+        """The ``i``-th density of the schedule for a tensor of ``shape`` (small ones have a
+        floor of their own)."""
+        floor = self.config.density_floor(tuple(tf.TensorShape(shape).as_list()))
+        return self.densities[i] if floor is None else max(self.densities[i], floor)
+
     def _by_density(self, index: tf.Tensor, fn: Callable[[int], Any]) -> Any:
         """``fn(i)`` for the density index ``index`` in force at run time."""
         if len(self.densities) == 1:
@@ -263,14 +275,15 @@ class Engine:
         started = tf.timestamp()
         flat = tf.reshape(grad, [-1])
         numel, grad_dtype = flat.shape.num_elements(), dtype_name(grad.dtype)
-        layouts = tuple(self.method.layout(name, numel, grad_dtype, d) for d in self.densities)
+        layouts = tuple(self.method.layout(name, numel, grad_dtype, self._density(i, grad.shape))
+                        for i in range(len(self.densities)))
         step = self._traced_step(name)
         index = self._density_index_at(step)
         state, scale = self._read_state(name), self._current_loss_scale()
 
         def at_density(i: int) -> Tuple[tf.Tensor, Dict[str, tf.Tensor], tf.Tensor]:
             result = self.method.compress(self.ops, state, flat,
-                                          self._call(name, step, self.densities[i], param, scale))
+                                          self._call(name, step, self._density(i, grad.shape), param, scale))
             return result.message, result.state, tf.cast(result.count, tf.int64)
 
         with tf.control_dependencies([started]):
@@ -278,7 +291,7 @@ class Engine:
         with tf.control_dependencies([message, count]):
             elapsed = tf.timestamp() - started
         nbytes = tf.gather(tf.constant([layout.nbytes for layout in layouts], tf.int64), index)
-        self._record(bytes_sent=nbytes, dense_bytes=numel * grad.dtype.size, elements_sent=count,
+        self._record([(ALLGATHER, nbytes)], numel * grad.dtype.size, elements_sent=count,
                      elements_compressed=numel, selection_time_s=elapsed)
         return TracedMessage(name, message, layouts, index, step, grad.shape, grad.dtype, state,
                              new_state, scale)
@@ -293,7 +306,7 @@ class Engine:
                                           self._call(name, step, self.density, param, scale))
         update = tf.cast(update, _REDUCIBLE.get(grad.dtype, grad.dtype)) * tf.cast(scale, update.dtype)
         nbytes = flat.shape.num_elements() * update.dtype.size
-        self._record(bytes_sent=nbytes, dense_bytes=flat.shape.num_elements() * grad.dtype.size)
+        self._record([(ALLREDUCE, nbytes)], flat.shape.num_elements() * grad.dtype.size)
         return DenseUpdate(name, tf.reshape(update, grad.shape), grad.dtype, step, old, state, scale)
 
     def dense_received(self, sent: DenseUpdate, averaged: tf.Tensor) -> tf.Tensor:

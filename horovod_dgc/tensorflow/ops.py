@@ -16,8 +16,8 @@ import tensorflow as tf
 from ..core.ops import Scalar, TensorOps
 
 DTYPES = {"float32": tf.float32, "float16": tf.float16, "bfloat16": tf.bfloat16,
-          "float64": tf.float64, "int32": tf.int32, "int64": tf.int64, "uint8": tf.uint8,
-          "bool": tf.bool}
+          "float64": tf.float64, "int32": tf.int32, "int64": tf.int64, "int8": tf.int8,
+          "uint8": tf.uint8, "bool": tf.bool}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _PYTHON_NUMBERS = (bool, int, float)
 _BIT_SHIFTS = tuple(range(8))
@@ -155,14 +155,20 @@ class TFOps(TensorOps):
             return tf.constant(list(values), target)
         return tf.stack([_tensor(v, target) for v in values])
 
+    def ones(self, n: Any, dtype: str, like: tf.Tensor) -> tf.Tensor:
+        return tf.ones(tf.reshape(tf.cast(n, tf.int32), [1]), DTYPES[dtype])
+
     def copy(self, x: tf.Tensor) -> tf.Tensor:
         return tf.identity(x)
 
     def concat(self, parts: Sequence[tf.Tensor]) -> tf.Tensor:
         return tf.concat(list(parts), 0)
 
-    def slice(self, x: tf.Tensor, start: int, length: int) -> tf.Tensor:
-        return tf.slice(x, [start], [length])
+    def slice(self, x: tf.Tensor, start: Any, length: Any) -> tf.Tensor:
+        if isinstance(start, int) and isinstance(length, int):
+            return tf.slice(x, [start], [length])
+        bounds = [tf.reshape(tf.cast(v, tf.int64), [1]) for v in (start, length)]
+        return tf.slice(x, *bounds)
 
     # -- elementwise arithmetic and reductions ------------------------------------------------
     def scale_add(self, out: tf.Tensor, alpha: Scalar, x: tf.Tensor,
@@ -334,6 +340,41 @@ class TFOps(TensorOps):
         bits = tf.bitwise.bitwise_and(tf.bitwise.right_shift(packed[:, None], shifts), 1)
         return tf.cast(tf.reshape(bits, [-1]), DTYPES[dtype]) * 2 - 1
 
+    def pack_bits(self, bits: tf.Tensor) -> tf.Tensor:
+        shifts = tf.constant(_BIT_SHIFTS, tf.uint8)
+        bytes_ = tf.reshape(tf.cast(bits, tf.uint8), [-1, 8])
+        return tf.reduce_sum(tf.bitwise.left_shift(bytes_, shifts), 1)
+
+    def unpack_bits(self, packed: tf.Tensor) -> tf.Tensor:
+        shifts = tf.constant(_BIT_SHIFTS, tf.uint8)
+        bits = tf.bitwise.bitwise_and(tf.bitwise.right_shift(packed[:, None], shifts), 1)
+        return tf.cast(tf.reshape(bits, [-1]), tf.bool)
+
+    def bits_of(self, values: tf.Tensor, width: int) -> tf.Tensor:
+        shifts = tf.range(width, dtype=tf.int64)
+        bits = tf.bitwise.bitwise_and(tf.bitwise.right_shift(tf.cast(values, tf.int64)[:, None], shifts), 1)
+        return tf.cast(tf.reshape(bits, [-1]), tf.bool)
+
+    def from_bits(self, bits: tf.Tensor, width: int) -> tf.Tensor:
+        if width == 0:
+            return tf.zeros([0], tf.int64)
+        shifts = tf.range(width, dtype=tf.int64)
+        words = tf.bitwise.left_shift(tf.reshape(tf.cast(bits, tf.int64), [-1, width]), shifts)
+        return tf.reduce_sum(words, 1)
+
+    def sort(self, x: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
+        order = tf.argsort(x, stable=True)
+        return tf.gather(x, order), tf.cast(order, tf.int64)
+
+    def arange(self, n: Scalar, like: tf.Tensor) -> tf.Tensor:
+        return tf.range(tf.cast(n, tf.int64), dtype=tf.int64)
+
+    def floordiv(self, x: tf.Tensor, divisor: int) -> tf.Tensor:
+        return tf.math.floordiv(x, tf.cast(divisor, x.dtype))
+
+    def round(self, x: tf.Tensor) -> tf.Tensor:
+        return tf.round(x)
+
     def fit(self, data: tf.Tensor, length: int) -> tf.Tensor:
         """Not ``tf.reshape(data, [length])``: Horovod's collectives are stateless ops to
         TensorFlow, and Grappler's shape inference takes such a reshape, even in a branch not
@@ -341,8 +382,11 @@ class TFOps(TensorOps):
         padding = tf.zeros(tf.maximum(length - tf.size(data), 0)[None], data.dtype)
         return tf.reshape(tf.concat([data[:length], padding], 0), [length])
 
-    def all_within(self, x: tf.Tensor, low: tf.Tensor, high: tf.Tensor) -> tf.Tensor:
-        return tf.reduce_all(tf.logical_and(x >= low, x <= high))
+    def equal(self, a: Scalar, b: Scalar) -> tf.Tensor:
+        return tf.equal(_tensor(a, tf.int64), _tensor(b, tf.int64))
+
+    def all_within(self, x: tf.Tensor, low: Any, high: Any) -> tf.Tensor:
+        return tf.reduce_all(tf.logical_and(x >= _tensor(low, x.dtype), x <= _tensor(high, x.dtype)))
 
     def check(self, pred: Scalar, error: Exception) -> None:
         if isinstance(pred, bool) or tf.executing_eagerly():

@@ -41,7 +41,7 @@ class TwoStageEngine(Engine):
         step_value = int(step) if tf.executing_eagerly() else step
 
         def at_density(i: int) -> Tuple[tf.Tensor, Dict[str, tf.Tensor], tf.Tensor, tf.Tensor]:
-            call = self._call(name, step_value, self.densities[i], param, scale)
+            call = self._call(name, step_value, self._density(i, grad.shape), param, scale)
             with self.ops.guards() as guards:
                 update, new_state, nbytes, finite = self._stages(state, flat, call, collective,
                                                                  f"{collective_name}.d{i}")
@@ -55,15 +55,15 @@ class TwoStageEngine(Engine):
         with tf.control_dependencies([update]):
             elapsed = tf.timestamp() - started
         density = tf.gather(tf.constant(self.densities, tf.float64), index)
-        self._record(bytes_sent=nbytes, dense_bytes=numel * grad.dtype.size,
-                     elements_sent=tf.round(density * numel), elements_compressed=numel,
-                     selection_time_s=elapsed)
+        self._record([(self.method.FIRST, nbytes[0]), (self.method.SECOND, nbytes[1])],
+                     numel * grad.dtype.size, elements_sent=tf.round(density * numel),
+                     elements_compressed=numel, selection_time_s=elapsed)
         return tf.reshape(update, grad.shape), step
 
     def _stages(self, state: Dict[str, tf.Tensor], flat: tf.Tensor, call: CompressCall,
                 collective: Collective, collective_name: str):
-        """(update, new state, bytes handed to the collectives, whether every rank's gradient
-        was finite) of one exchange."""
+        """(update, new state, bytes handed to the FIRST and the SECOND collective, whether
+        every rank's gradient was finite) of one exchange."""
         method = self.method
         root = method.root(call)
         message, state, handover = method.first(self.ops, state, flat, call)
@@ -75,4 +75,4 @@ class TwoStageEngine(Engine):
         if method.FIRST == BROADCAST:
             first_bytes = tf.where(tf.equal(tf.cast(root, tf.int64), call.rank), first_bytes, 0)
         second_bytes = tf.size(second, out_type=tf.int64) * second.dtype.size
-        return update, state, first_bytes + second_bytes, finite
+        return update, state, tf.stack([first_bytes, second_bytes]), finite

@@ -24,6 +24,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
+from ..core.collectives import ALLGATHER, ALLREDUCE, network_bytes
 from ..core.method import CompressCall, Method
 from ..core.nonfinite import NonFiniteGradientError
 from ..core.state import check_loadable, state_frame
@@ -138,11 +139,12 @@ class Engine:
                                                             self.world_size)
             return self._states[name]
 
-    def _call(self, name: str, step: int, param: Optional[torch.Tensor],
+    def _call(self, name: str, step: int, grad: torch.Tensor, param: Optional[torch.Tensor],
               loss_scale: float) -> CompressCall:
         flat_param = None if param is None else param.detach().reshape(-1)
+        density = self.config.density_for(step, self.epoch, self.config.is_small(tuple(grad.shape)))
         return CompressCall(name=name, rank=self.rank, world_size=self.world_size, step=step,
-                            density=self.config.density_for(step, self.epoch), param=flat_param, loss_scale=loss_scale,
+                            density=density, param=flat_param, loss_scale=loss_scale,
                             weight_decay=self._weight_decays.get(name))
 
     # -- keeping or dropping a step's memories --------------------------------------------------
@@ -182,13 +184,12 @@ class Engine:
         flat = grad.detach().reshape(-1)
         step, scale = self._next_step(name), self._loss_scale()
         result = self.method.compress(self.ops, self._state(name, flat, True), flat,
-                                      self._call(name, step, param, scale))
+                                      self._call(name, step, grad, param, scale))
         self._stage(name, result.state)
         elapsed = time.perf_counter() - started
-        self._stats.record(step=step, bytes_sent=result.layout.nbytes,
-                           dense_bytes=grad.numel() * grad.element_size(),
-                           elements_sent=int(result.count), elements_compressed=grad.numel(),
-                           selection_time_s=elapsed)
+        self._record(step, ALLGATHER, result.layout.nbytes, grad,
+                     elements_sent=int(result.count), elements_compressed=grad.numel(),
+                     selection_time_s=elapsed)
         return OutgoingMessage(name, result.message, result.layout, step, grad.shape, grad.dtype, scale)
 
     def dense(self, name: str, grad: torch.Tensor, param: Optional[torch.Tensor]) -> DenseUpdate:
@@ -197,15 +198,14 @@ class Engine:
         flat = grad.detach().reshape(-1)
         step, scale = self._next_step(name), self._loss_scale()
         update, state = self.method.dense(self.ops, self._state(name, flat, False), flat,
-                                          self._call(name, step, param, scale))
+                                          self._call(name, step, grad, param, scale))
         self._stage(name, state)
         if scale != 1.0:
             update = update * scale
         update = update.to(_REDUCIBLE.get(grad.dtype, grad.dtype)).reshape(grad.shape)
         if update.data_ptr() == grad.data_ptr():
             update = update.clone()
-        self._stats.record(step=step, bytes_sent=update.numel() * update.element_size(),
-                           dense_bytes=grad.numel() * grad.element_size())
+        self._record(step, ALLREDUCE, update.numel() * update.element_size(), grad)
         return DenseUpdate(name, update, grad.dtype, scale)
 
     def dense_received(self, sent: DenseUpdate, averaged: torch.Tensor) -> torch.Tensor:
@@ -227,13 +227,11 @@ class Engine:
         flat = grad.detach().reshape(-1)
         step, scale = self._next_step(name), self._loss_scale()
         message, state, handover = self.method.first(self.ops, self._state(name, flat, True), flat,
-                                                    self._call(name, step, param, scale))
+                                                    self._call(name, step, grad, param, scale))
         self._stage(name, state)
-        self._stats.record(step=step, bytes_sent=message.numel() * message.element_size(),
-                           dense_bytes=grad.numel() * grad.element_size(),
-                           elements_sent=round(grad.numel() * handover.call.density),
-                           elements_compressed=grad.numel(),
-                           selection_time_s=time.perf_counter() - started)
+        self._record(step, self.method.FIRST, message.numel() * message.element_size(), grad,
+                     elements_sent=round(grad.numel() * handover.call.density),
+                     elements_compressed=grad.numel(), selection_time_s=time.perf_counter() - started)
         return message, handover
 
     def second(self, name: str, received: torch.Tensor, handover: StageHandover) -> torch.Tensor:
@@ -245,8 +243,8 @@ class Engine:
             self._conclude([name], False)
             raise
         self._stage(name, state)
-        self._stats.record(step=handover.call.step, bytes_sent=message.numel() * message.element_size(),
-                           dense_bytes=0, selection_time_s=time.perf_counter() - started)
+        self._record(handover.call.step, self.method.SECOND, message.numel() * message.element_size(),
+                     None, selection_time_s=time.perf_counter() - started)
         return message
 
     def finish(self, received: torch.Tensor, handover: StageHandover, shape: torch.Size) -> torch.Tensor:
@@ -261,7 +259,17 @@ class Engine:
 
     def record_placeholder(self, step: int, nbytes: int) -> None:
         """Count the bytes of the placeholder Horovod all-reduces beside a sparse message."""
-        self._stats.record(step=step, bytes_sent=nbytes, dense_bytes=0)
+        self._record(step, ALLREDUCE, nbytes, None)
+
+    def _record(self, step: int, kind: str, nbytes: int, grad: Optional[torch.Tensor],
+                **counts) -> None:
+        """Count ``nbytes`` handed to collective ``kind`` (and on the network), for the
+        gradient ``grad`` (None: more bytes of a gradient counted already)."""
+        dense = 0 if grad is None else grad.numel() * grad.element_size()
+        self._stats.record(step=step, bytes_sent=nbytes, dense_bytes=dense,
+                           network_bytes=network_bytes(kind, nbytes, self.world_size),
+                           dense_network_bytes=network_bytes(ALLREDUCE, dense, self.world_size),
+                           **counts)
 
     def decompress(self, gathered: torch.Tensor, outgoing: Sequence[OutgoingMessage]) -> List[torch.Tensor]:
         """Averaged dense gradients of ``outgoing`` from the allgather of every rank's

@@ -14,12 +14,13 @@ from . import kernels
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64, "int32": torch.int32, "int64": torch.int64,
-          "uint8": torch.uint8, "bool": torch.bool}
+          "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _HALF = (torch.float16, torch.bfloat16)
 _GATHER_BITS = 0x0102040810204080
 # Row b: the eight signs (+1 for a set bit, -1 otherwise) that byte b packs, bit i first.
-_SIGN_TABLE = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).float() * 2 - 1
+_BIT_TABLE = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool()
+_SIGN_TABLE = _BIT_TABLE.float() * 2 - 1
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -42,6 +43,9 @@ class TorchOps(TensorOps):
 
     def constant(self, values: Sequence[Any], dtype: str, like: torch.Tensor) -> torch.Tensor:
         return torch.tensor([int(v) for v in values], dtype=DTYPES[dtype], device=like.device)
+
+    def ones(self, n: Any, dtype: str, like: torch.Tensor) -> torch.Tensor:
+        return torch.ones(int(n), dtype=DTYPES[dtype], device=like.device)
 
     def copy(self, x: torch.Tensor) -> torch.Tensor:
         return x.clone()
@@ -66,6 +70,8 @@ class TorchOps(TensorOps):
     def add(self, x: torch.Tensor, y: torch.Tensor, alpha: Scalar = 1.0,
             beta: Scalar = 1.0) -> torch.Tensor:
         numbers = isinstance(alpha, (int, float)) and isinstance(beta, (int, float))
+        if numbers and not x.is_floating_point():
+            alpha, beta = int(alpha), int(beta)
         if numbers and alpha == 1.0:
             return torch.add(x, y, alpha=beta)
         if numbers:
@@ -207,12 +213,46 @@ class TorchOps(TensorOps):
         table = _SIGN_TABLE.to(device=packed.device, dtype=DTYPES[dtype])
         return table.index_select(0, packed.to(torch.int64)).reshape(-1)
 
+    def pack_bits(self, bits: torch.Tensor) -> torch.Tensor:
+        words = bits.to(torch.uint8).contiguous().view(torch.int64)
+        return ((words * _GATHER_BITS) >> 56).to(torch.uint8)
+
+    def unpack_bits(self, packed: torch.Tensor) -> torch.Tensor:
+        table = _BIT_TABLE.to(device=packed.device)
+        return table.index_select(0, packed.to(torch.int64)).reshape(-1)
+
+    def bits_of(self, values: torch.Tensor, width: int) -> torch.Tensor:
+        shifts = torch.arange(width, device=values.device)
+        return ((values.unsqueeze(1) >> shifts) & 1).bool().reshape(-1)
+
+    def from_bits(self, bits: torch.Tensor, width: int) -> torch.Tensor:
+        if width == 0:
+            return bits.new_zeros(0, dtype=torch.int64)
+        shifts = torch.arange(width, device=bits.device)
+        return (bits.reshape(-1, width).to(torch.int64) << shifts).sum(1)
+
+    def sort(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        values, order = torch.sort(x)
+        return values, order
+
+    def arange(self, n: Scalar, like: torch.Tensor) -> torch.Tensor:
+        return torch.arange(int(n), device=like.device)
+
+    def floordiv(self, x: torch.Tensor, divisor: int) -> torch.Tensor:
+        return torch.div(x, divisor, rounding_mode="floor")
+
+    def round(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.round(x)
+
     def fit(self, data: torch.Tensor, length: int) -> torch.Tensor:
         if data.numel() >= length:
             return data[:length]
         return torch.cat([data, data.new_zeros(length - data.numel())])
 
-    def all_within(self, x: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    def equal(self, a: Scalar, b: Scalar) -> Any:
+        return a == b
+
+    def all_within(self, x: torch.Tensor, low: Any, high: Any) -> torch.Tensor:
         return ((x >= low) & (x <= high)).all()
 
     def check(self, pred: Scalar, error: Exception) -> None:

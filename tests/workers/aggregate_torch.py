@@ -19,9 +19,9 @@ DENSITY = 0.01
 class Net(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.first = torch.nn.Linear(64, 300)   # weight compressed, bias dense
+        self.first = torch.nn.Linear(64, 300)   # weight compressed, bias small (its own density)
         self.second = torch.nn.Linear(300, 50)  # weight compressed
-        self.unused = torch.nn.Linear(10, 40)   # too small to compress; never gets a gradient
+        self.unused = torch.nn.Linear(10, 40)   # small; never gets a gradient
 
 
 def gradients(rank: int, model: Net) -> dict:
@@ -49,8 +49,9 @@ def run(method: str, path: str) -> None:
     rank, size = hvd.rank(), hvd.size()
     torch.manual_seed(0)
     model = Net()
+    # float32 values: the sent values are then exactly the selected gradient entries.
     compression = getattr(hdgc.Compression, method)(named_parameters=model.named_parameters(),
-                                                    density=DENSITY)
+                                                    density=DENSITY, value_dtype="float32")
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     wrap = hvd.DistributedOptimizer if path == "stock" else hdgc.DistributedOptimizer
     optimizer = wrap(sgd, named_parameters=model.named_parameters(), compression=compression)
@@ -67,7 +68,8 @@ def run(method: str, path: str) -> None:
         compressed = compression.engine.compresses(grad)
         mine = sent_values(compression, name, grad) if compressed else grad
         if compressed and method in ("topk", "dgc"):
-            k = top_count(DENSITY, grad.numel())
+            k = top_count(compression.config.density_floor(tuple(grad.shape)) or DENSITY,
+                          grad.numel())
             assert torch.equal(mine, exact_topk_dense(grad, k)), f"{name}: not the exact top-k"
         everyone = hvd.allgather_object(mine, name=f"check.{method}.{path}.{name}")
         reference = torch.zeros_like(grad)

@@ -30,7 +30,7 @@ KILL_AT = 12  # two steps after the commit at step 10
 
 def make_model() -> torch.nn.Linear:
     torch.manual_seed(0)
-    return torch.nn.Linear(64, 48).double()  # weight 3072 elements: compressed; bias: dense
+    return torch.nn.Linear(64, 48).double()  # weight and bias both compressed, each with a residual
 
 
 def gradients(step: int, rank: int, size: int, model: torch.nn.Linear) -> dict:
@@ -50,18 +50,17 @@ def check(state, model, compression, initial: dict, label: str, same_residuals: 
         everyone = hvd.allgather_object(p.detach().clone(), name=f"check.{label}.{name}")
         assert all(torch.equal(everyone[0], q) for q in everyone), \
             f"rank {hvd.rank()} {label}: {name} differs between ranks"
-    residual = compression.state_dict()["states"].get("weight", {}).get("residual")
-    residual = torch.zeros(model.weight.numel(), dtype=torch.float64) if residual is None else residual
-    if same_residuals:
-        everyone = hvd.allgather_object(residual.clone(), name=f"check.{label}.residual")
-        assert all(torch.equal(everyone[0], r) for r in everyone), \
-            f"rank {hvd.rank()} {label}: residuals differ between ranks after the reset"
-    mean_residual = hvd.allreduce(residual, op=hvd.Average, name=f"check.{label}.mean").view_as(model.weight)
-    weight_law = initial["weight"] - model.weight.detach() + mean_residual
-    torch.testing.assert_close(weight_law, state.grad_sum["weight"], rtol=0, atol=1e-12,
-                               msg=f"{label}: weight mass not conserved")
-    torch.testing.assert_close(initial["bias"] - model.bias.detach(), state.grad_sum["bias"],
-                               rtol=0, atol=1e-12, msg=f"{label}: bias mass not conserved")
+    for name, p in model.named_parameters():
+        residual = compression.state_dict()["states"].get(name, {}).get("residual")
+        residual = torch.zeros(p.numel(), dtype=torch.float64) if residual is None else residual
+        if same_residuals:
+            everyone = hvd.allgather_object(residual.clone(), name=f"check.{label}.residual.{name}")
+            assert all(torch.equal(everyone[0], r) for r in everyone), \
+                f"rank {hvd.rank()} {label}: {name} residuals differ between ranks after the reset"
+        mean_residual = hvd.allreduce(residual, op=hvd.Average, name=f"check.{label}.mean.{name}")
+        law = initial[name] - p.detach() + mean_residual.view_as(p)
+        torch.testing.assert_close(law, state.grad_sum[name], rtol=0, atol=1e-12,
+                                   msg=f"{label}: {name} mass not conserved")
     print(f"rank {hvd.rank()} of {hvd.size()} {label} at step {state.step}: identical and "
           f"conserved ok", flush=True)
 

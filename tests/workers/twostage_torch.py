@@ -41,7 +41,10 @@ def simulation(method, all_grads, units, size):
     for step in range(STEPS):
         per_param = {}
         for unit, names in units.items():
-            ctxs = [CompressCall(unit, r, size, step, method.config.density_at(0)) for r in range(size)]
+            (name,) = names  # small tensors (biases) have a density of their own
+            density = method.config.density_for(
+                step, 0, method.config.is_small(tuple(all_grads[0][name].shape)))
+            ctxs = [CompressCall(unit, r, size, step, density) for r in range(size)]
             results, states[unit] = simulate_step(ops, method, states[unit], flat[unit], ctxs)
             sizes = [all_grads[0][n].numel() for n in names]
             for name, part in zip(names, results[0].split(sizes)):

@@ -1,0 +1,162 @@
+"""The coded message formats against a naive coder written here (Python ints and bytes, the
+format's definition), and a fuzz test of the decoder: random and mutated messages end in a
+clean MessageError or decode to exactly what the naive decoder reads from them."""
+import math
+import random
+import struct
+
+import pytest
+import torch
+
+from horovod_dgc.core import MessageError, TopK, TopKConfig
+from horovod_dgc.core.codecs import Bitmap, EliasFano, RawIndices, index_coding, value_coding
+from horovod_dgc.core.method import CompressCall
+from horovod_dgc.core.wire import HEADER_BYTES, HEADER_WORDS, MessageLayout
+from horovod_dgc.torch.ops import TorchOps
+
+ops = TorchOps()
+
+
+def naive_elias_fano(positions, n, capacity):
+    """The two parts as bytes, from the definition: l low bits each (LSB first), then a
+    bitvector where the i-th position sets bit (position >> l) + i."""
+    l = max(0, int(math.floor(math.log2(n / capacity)))) if capacity < n else 0
+    low_bits = []
+    for p in list(positions) + [0] * (capacity - len(positions)):
+        low_bits += [(p >> b) & 1 for b in range(l)]
+    upper = [0] * (capacity + (n >> l) + 1)
+    for i, p in enumerate(positions):
+        upper[(p >> l) + i] = 1
+    return bits_to_bytes(low_bits), bits_to_bytes(upper)
+
+
+def bits_to_bytes(bits):
+    bits = bits + [0] * (-len(bits) % 8)
+    return bytes(sum(bits[i + j] << j for j in range(8)) for i in range(0, len(bits), 8))
+
+
+def bytes_to_bits(data):
+    return [(byte >> j) & 1 for byte in data for j in range(8)]
+
+
+def naive_decode_elias_fano(lower, upper, n, capacity, count):
+    l = max(0, int(math.floor(math.log2(n / capacity)))) if capacity < n else 0
+    ones = [i for i, bit in enumerate(bytes_to_bits(upper)[:capacity + (n >> l) + 1]) if bit]
+    if len(ones) != count:
+        return None
+    low_bits = bytes_to_bits(lower)
+    lows = [sum(low_bits[i * l + b] << b for b in range(l)) for i in range(count)]
+    positions = [((one - i) << l) | low for i, (one, low) in enumerate(zip(ones, lows))]
+    return positions if all(0 <= p < n for p in positions) else None
+
+
+@pytest.mark.parametrize("n,capacity,count", [(1_000_000, 1000, 1000), (4096, 41, 30), (100, 100, 60),
+                                               (5000, 1, 1), (1 << 20, 1 << 18, 1 << 18)])
+def test_elias_fano_matches_the_definition_both_ways(n, capacity, count):
+    positions = sorted(random.Random(n).sample(range(n), count))
+    coding = EliasFano(n, capacity)
+    lower, upper = coding.encode(ops, torch.tensor(positions), count)
+    expected_lower, expected_upper = naive_elias_fano(positions, n, capacity)
+    assert bytes(lower.tolist()) == expected_lower and bytes(upper.tolist()) == expected_upper
+    decoded, consistent = coding.decode(ops, [lower, upper], torch.tensor(count))
+    assert bool(consistent)
+    assert decoded.tolist() == positions + [0] * (capacity - count)
+
+
+def test_bitmap_and_raw_round_trip_and_refuse_an_inconsistent_count():
+    n, positions = 1000, sorted(random.Random(1).sample(range(1000), 300))
+    for coding in (Bitmap(n, 400), RawIndices(n, 400)):
+        parts = coding.encode(ops, torch.tensor(positions), len(positions))
+        decoded, consistent = coding.decode(ops, parts, torch.tensor(len(positions)))
+        assert bool(consistent) and decoded.tolist()[:300] == positions, coding.name
+    parts = Bitmap(n, 400).encode(ops, torch.tensor(positions), len(positions))
+    assert bytes(parts[0].tolist()) == bits_to_bytes([int(i in set(positions)) for i in range(n)])
+    assert not bool(Bitmap(n, 400).decode(ops, parts, torch.tensor(299))[1])
+
+
+def test_the_smallest_coding_is_chosen_and_density_0_001_costs_12_bits_a_position():
+    assert index_coding(25_000_000, 25_000).name == "elias-fano"
+    bits = 8 * sum(count for _, count in EliasFano(25_000_000, 25_000).parts) / 25_000
+    assert 11 <= bits <= 13, bits
+    assert index_coding(1000, 250).name in ("bitmap", "elias-fano")
+    assert index_coding(1000, 600).name == "bitmap"
+    assert index_coding(64, 1).name == "raw"
+
+
+def test_int8_values_are_levels_of_max_over_127_and_16_bit_values_are_clamped():
+    values = torch.tensor([0.5, -1.27, 0.0031, 1.0, -0.4])
+    (levels, scale), decoded = value_coding("int8", 8).encode(ops, values)
+    s = 1.27 / 127
+    assert float(scale) == pytest.approx(s)
+    expected = [round(v / s) for v in values.tolist()] + [0, 0, 0]
+    assert levels.tolist() == expected
+    assert decoded.tolist() == pytest.approx([q * s for q in expected], rel=1e-6)
+    (_,), decoded = value_coding("float16", 2).encode(ops, torch.tensor([1e6, -7.0]))
+    assert decoded.tolist() == [65504.0, -7.0]
+
+
+def naive_decode_message(message: bytes, layout: MessageLayout):
+    """(positions, values) of a sparse message, from its bytes alone, or None if invalid."""
+    words = struct.unpack(f"={HEADER_WORDS}i", message[:HEADER_BYTES])
+    count, offset = words[6], HEADER_BYTES
+    parts = []
+    for dtype, size in layout.parts:
+        width = {"uint8": 1, "int8": 1, "int32": 4, "float16": 2, "float32": 4}[dtype]
+        parts.append(message[offset:offset + size * width])
+        offset += -(-size * width // 8) * 8
+    coding = layout.indices.name
+    if coding == "elias-fano":
+        positions = naive_decode_elias_fano(parts[0], parts[1], layout.numel, layout.capacity, count)
+    elif coding == "raw":
+        positions = list(struct.unpack(f"={layout.capacity}i", parts[0]))
+        positions = positions if all(0 <= p < layout.numel for p in positions) else None
+    else:
+        ones = [i for i, bit in enumerate(bytes_to_bits(parts[0])[:layout.numel]) if bit]
+        positions = ones if len(ones) == count else None
+    values = list(struct.unpack(f"={layout.capacity}e", parts[-1]))
+    if positions is None:
+        return None, None
+    # Slots past the count carry position 0 and value 0 (raw keeps what the bytes say).
+    positions = positions if coding == "raw" else positions + [0] * (layout.capacity - len(positions))
+    return positions, values
+
+
+def valid_message(rng: random.Random):
+    n = rng.choice([2000, 5000, 20_000])
+    method = TopK(TopKConfig(density=rng.choice([0.002, 0.01])))
+    grad = torch.randn(n, generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+    result = method.compress(ops, method.init_state(ops, grad, True, 1), grad,
+                             CompressCall("fuzz", 0, 1, 0, method.config.density))
+    return method, result
+
+
+def test_10000_random_and_mutated_messages_end_in_a_clean_error_or_a_correct_decode():
+    rng = random.Random(2026)
+    outcomes = {"error": 0, "decoded": 0}
+    for trial in range(10_000):
+        if trial % 50 == 0:
+            method, result = valid_message(rng)
+        data = bytearray(result.message.numpy().tobytes())
+        if trial % 10 == 0:
+            data = bytearray(rng.randrange(256) for _ in range(len(data)))
+        else:
+            for _ in range(rng.choice([1, 1, 2, 5])):
+                data[rng.randrange(len(data))] = rng.randrange(256)
+        if trial % 97 == 0:
+            data = data[:rng.randrange(len(data))]
+        message = torch.tensor(list(data), dtype=torch.uint8)
+        try:
+            (out,), _ = method.decompress(ops, message, [result.layout], 1, 0, ["float32"])
+        except MessageError:
+            outcomes["error"] += 1
+            continue
+        positions, values = naive_decode_message(bytes(data), result.layout)
+        assert positions is not None, f"trial {trial}: accepted a message the definition refuses"
+        expected = torch.zeros(result.layout.numel)
+        expected.index_add_(0, torch.tensor(positions, dtype=torch.int64), torch.tensor(values))
+        if struct.unpack("=i", bytes(data[HEADER_BYTES - 4:HEADER_BYTES]))[0]:
+            expected.fill_(float("nan"))  # flagged: the sender's gradient was not finite
+        assert torch.equal(out.isnan(), expected.isnan()), f"trial {trial}"
+        assert torch.equal(out.nan_to_num(), expected.nan_to_num()), f"trial {trial}"
+        outcomes["decoded"] += 1
+    assert outcomes["error"] > 1000 and outcomes["decoded"] > 1000, outcomes
