@@ -27,14 +27,14 @@ def test_ratios_are_to_dense_on_the_unshaped_link(tmp_path):
     rows = load_records(tmp_path / "r.jsonl")
     assert [r["step_vs_dense"] for r in rows] == pytest.approx([1.0, 1.1, 7.0])
     assert [r["bytes_vs_dense"] for r in rows] == pytest.approx([1.0, 1 / 150, 152 / 150])
-    assert "| 100mbit | dense | opt | s | 14.000 | 9.1 | 152.000 |  |  | 7 | 1.01 |  |" in markdown_table(rows)
+    assert "| 100mbit | dense | opt | s | 14.000 | 9.1 | 152.000 |  |  |  | 7 | 1.01 |  |" in markdown_table(rows)
 
 
 def test_without_dense_unshaped_the_ratios_are_blank(tmp_path):
     write_records(tmp_path / "r.jsonl", [record("100mbit", "dgc", 2.0, 1e6)])
     rows = load_records(tmp_path / "r.jsonl")
     assert rows[0]["step_vs_dense"] is None
-    assert markdown_table(rows).endswith("| 1.000 |  |  |  |  |  |")
+    assert markdown_table(rows).endswith("| 1.000 |  |  |  |  |  |  |")
 
 
 def test_no_records_is_an_error(tmp_path):

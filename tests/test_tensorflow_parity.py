@@ -19,6 +19,7 @@ from horovod_dgc.tensorflow.compression import SparseCompressor
 from horovod_dgc.core.blocksign import BlockSign, BlockSignConfig
 from horovod_dgc.core.twostage import simulate_step
 from horovod_dgc.core.scalecom import ScaleCom, ScaleComConfig
+from horovod_dgc.core.selection import top_count
 from horovod_dgc.tensorflow.engine import Engine
 from horovod_dgc.tensorflow.twostage import TwoStageEngine
 from tf_emulation import single_worker as emulated_single_worker
@@ -497,3 +498,29 @@ def test_two_stage_malformed_message_is_refused_in_graph_mode_with_rank_and_tens
     step = tf.function(lambda g: engine.exchange("fc.weight", g, None, _tampered(field, value), "x")[0])
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"rank 0 .*fc\.weight.*" + match):
         step(tf.ones([50, 100]))
+
+
+def test_under_a_loss_scale_memories_stay_unscaled_and_the_update_goes_back_scaled():
+    """Keras mixed precision: gradients arrive times the loss scale, which changes between
+    steps; a naive top-k with error feedback on the unscaled gradients is the reference."""
+    shape, density, scales = (50, 100), 0.01, [1024.0, 512.0, 512.0, 2048.0]
+    method = TopK(TopKConfig(density=density, value_dtype="float32"))
+    engine = Engine(method, [tf.TensorSpec(shape, tf.float32, "w")], world_size=1, rank=0)
+    scale = tf.Variable(1.0)
+    engine.use_loss_scale(lambda: scale)
+    k = top_count(density, int(np.prod(shape)))
+    residual = np.zeros(int(np.prod(shape)), np.float32)
+    rs = np.random.RandomState(7)
+    for step, current in enumerate(scales):
+        grad = rs.standard_normal(shape).astype(np.float32)
+        scale.assign(current)
+        outcome = engine.compress("w", tf.constant(grad * np.float32(current)), None)
+        got = engine.decompress(outcome.message, outcome).numpy().reshape(-1)
+        x = residual + grad.reshape(-1)
+        chosen = np.argsort(-np.abs(x), kind="stable")[:k]
+        want = np.zeros_like(x)
+        want[chosen] = x[chosen]
+        residual = x - want
+        np.testing.assert_allclose(got, want * current, rtol=1e-6, err_msg=f"step {step}")
+        np.testing.assert_allclose(np.asarray(engine.state_dict()["states"]["w"]["residual"]).reshape(-1),
+                                   residual, rtol=1e-5, atol=1e-6, err_msg=f"step {step}")

@@ -21,7 +21,7 @@ ESTIMATED_METHODS = ("dense", "dgc", "scalecom", "blocksign")
 COLUMNS = ("link", "method", "optimizer", "setting", "workers", "model", "params", "batch_size",
            "image_size", "warmup_steps", "steps", "median_step_s", "images_per_s", "tx_bytes_per_step",
            "tx_bytes_per_step_max", "handed_bytes_per_step", "estimated_bytes_per_step",
-           "step_vs_dense", "bytes_vs_dense", "estimate_vs_sent")
+           "idle_bytes_per_s", "step_vs_dense", "bytes_vs_dense", "estimate_vs_sent")
 
 
 def load_records(path: Path) -> List[dict]:
@@ -60,17 +60,22 @@ def _mb(value: Optional[float]) -> str:
     return "" if value is None else f"{value / 1e6:.3f}"
 
 
+def _kb(value: Optional[float]) -> str:
+    return "" if value is None else f"{value / 1e3:.1f}"
+
+
 def markdown_table(rows: List[dict]) -> str:
     lines = ["| link | method | optimizer | setting | median step (s) | images/s "
              "| MB sent per worker per step | estimated MB | handed to Horovod MB "
-             "| step vs dense | bytes vs dense | estimate vs sent |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| idle kB/s | step vs dense | bytes vs dense | estimate vs sent |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['link']} | {r['method']} | {r['optimizer']} | {r['setting']} "
                      f"| {r['median_step_s']:.3f} | {r['images_per_s']:.1f} "
                      f"| {r['tx_bytes_per_step'] / 1e6:.3f} "
                      f"| {_mb(r.get('estimated_bytes_per_step'))} "
-                     f"| {_mb(r.get('handed_bytes_per_step'))} | {_ratio(r['step_vs_dense'])} "
+                     f"| {_mb(r.get('handed_bytes_per_step'))} "
+                     f"| {_kb(r.get('idle_bytes_per_s'))} | {_ratio(r['step_vs_dense'])} "
                      f"| {_ratio(r['bytes_vs_dense'])} | {_ratio(r.get('estimate_vs_sent'))} |")
     return "\n".join(lines)
 

@@ -60,6 +60,7 @@ MOMENTUM = 0.9
 SEED = 0
 RESNET_CLASSES = 1000
 TINY_CLASSES = 10
+IDLE_S = 2.0
 POWERSGD_START_ITER = 2  # PowerSGD's smallest start with error feedback; earlier steps go dense
 TORCH_DIST_TIMEOUT_S = 120
 SPARSE_METHODS = ("dgc", "topk", "gaussiank", "scalecom", "blocksign")
@@ -121,6 +122,7 @@ class Record:
     tx_bytes_per_step_max: float
     handed_bytes_per_step: Optional[float]
     estimated_bytes_per_step: Optional[float]
+    idle_bytes_per_s: float
     step_s: Tuple[float, ...]
 
 
@@ -229,6 +231,16 @@ def estimate(method: str, model: nn.Module, compression: object, timed_steps: in
     return float(handed), network_bytes(ALLREDUCE, handed, hvd.size())
 
 
+def idle_bytes_per_s(iface: str, seconds: float = IDLE_S) -> float:
+    """Bytes per second this host sends while no worker trains: Horovod's background loop
+    negotiating every ``HOROVOD_CYCLE_TIME`` (part of every step's interface bytes, in no
+    library's estimate)."""
+    hvd.barrier()
+    before = tx_bytes(iface)
+    time.sleep(seconds)
+    return (tx_bytes(iface) - before) / seconds
+
+
 def time_steps(step: Step, warmup_steps: int, steps: int, iface: str,
                reset_counters: Callable[[], None]) -> Tuple[List[float], int]:
     """Run the warm-up, then the timed steps: (seconds per step, bytes sent meanwhile);
@@ -263,6 +275,8 @@ def bench_method(method: str, args: argparse.Namespace) -> Record:
     reset = compression.reset_stats if compression is not None else (lambda: None)
     seconds, sent = time_steps(step, warmup, args.steps, args.iface, reset)
     handed, estimated = estimate(method, model, compression, args.steps)
+    idle = statistics.mean(hvd.allgather_object(idle_bytes_per_s(args.iface),
+                                                name=f"cluster_step.idle.{method}"))
     all_seconds = hvd.allgather_object(seconds, name=f"cluster_step.seconds.{method}")
     all_sent = hvd.allgather_object(sent, name=f"cluster_step.sent.{method}")
     slowest = [max(per_rank[i] for per_rank in all_seconds) for i in range(args.steps)]
@@ -275,6 +289,7 @@ def bench_method(method: str, args: argparse.Namespace) -> Record:
                   median_step_s=median_s, images_per_s=hvd.size() * args.batch_size / median_s,
                   tx_bytes_per_step=statistics.mean(per_step), tx_bytes_per_step_max=max(per_step),
                   handed_bytes_per_step=handed, estimated_bytes_per_step=estimated,
+                  idle_bytes_per_s=idle,
                   step_s=tuple(slowest))
 
 
@@ -295,7 +310,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                   f"{record.tx_bytes_per_step / 1e6:9.3f} MB sent per worker per step"
                   + (f" (estimated {record.estimated_bytes_per_step / 1e6:.3f} MB, handed to "
                      f"Horovod {record.handed_bytes_per_step / 1e6:.3f} MB)"
-                     if record.estimated_bytes_per_step is not None else ""),
+                     if record.estimated_bytes_per_step is not None else "")
+                  + f"; idle {record.idle_bytes_per_s / 1e3:.1f} kB/s",
                   flush=True)
             if args.out is not None:
                 with open(args.out, "a") as out:
