@@ -1,5 +1,6 @@
 """Misuse is refused with a clear error on every rank: momentum applied twice (stock path),
-a compressor without named_parameters, and the own path moving SGD's momentum over."""
+a compressor without named_parameters, and the own path moving SGD's momentum over, with a
+weight decay per param group; a second synchronize() before step() sends nothing again."""
 import horovod.torch as hvd
 import torch
 
@@ -48,9 +49,39 @@ def own_path_moves_momentum() -> None:
     one_step(optimizer, net)
 
 
+def weight_decay_per_param_group() -> None:
+    """The usual "no decay on biases": each tensor keeps its group's decay."""
+    net = torch.nn.Linear(64, 64)
+    compression = hdgc.Compression.dgc()
+    sgd = torch.optim.SGD([{"params": [net.weight], "weight_decay": 1e-4},
+                           {"params": [net.bias], "weight_decay": 0.0}], lr=0.1, momentum=0.9)
+    optimizer = hdgc.DistributedOptimizer(sgd, named_parameters=net.named_parameters(), compression=compression)
+    assert compression.engine._weight_decays == {"weight": 1e-4, "bias": 0.0}
+    assert all(g["momentum"] == 0 and g["weight_decay"] == 0 for g in optimizer.param_groups)
+    one_step(optimizer, net)
+
+
+def second_synchronize_sends_nothing() -> None:
+    net = torch.nn.Linear(64, 64)
+    compression = hdgc.Compression.topk(density=0.05)
+    optimizer = hdgc.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                          named_parameters=net.named_parameters(), compression=compression)
+    optimizer.zero_grad()
+    net(torch.randn(4, 64, generator=torch.Generator().manual_seed(hvd.rank()))).sum().backward()
+    optimizer.synchronize()
+    averaged, sent_bytes = [p.grad.clone() for p in net.parameters()], compression.stats().bytes_sent
+    optimizer.synchronize()
+    assert all(torch.equal(p.grad, a) for p, a in zip(net.parameters(), averaged)), "compressed twice"
+    assert compression.stats().bytes_sent == sent_bytes > 0, compression.stats()
+    with optimizer.skip_synchronize():
+        optimizer.step()
+
+
 if __name__ == "__main__":
     hvd.init()
     double_momentum()
     missing_named_parameters()
     own_path_moves_momentum()
+    weight_decay_per_param_group()
+    second_synchronize_sends_nothing()
     print(f"rank {hvd.rank()} misuse ok", flush=True)
