@@ -16,10 +16,11 @@ test: setup
 test-slow: setup
 	$(PYTHON) -m pytest -m slow -q
 
-## A short 2-worker training run with DGC, printing accuracy and the compression ratio.
+## Fashion-MNIST on $(NP) workers: dense, then DGC at density 0.001 (a 1M-parameter CNN, 99.6% of it
+## compressed), one line per epoch, then both accuracies, the bytes per step and the ratios.
 demo: setup
-	TF_CPP_MIN_LOG_LEVEL=3 $(VENV)/bin/horovodrun -np $(NP) -H localhost:$(NP) --gloo \
-		$(PYTHON) examples/pytorch_mnist1d.py --compression dgc --epochs 8
+	$(PYTHON) -m benchmarks.convergence --np $(NP) --epochs 2 --train-images 16000 \
+		--runs dgc-stock --show --no-bounds --out build/demo
 
 ## ResNet-50 on a generated 4-class ImageFolder (tiny images, CPU), 3 epochs of DGC with
 ## checkpoints in build/imagenet-demo/; run it again with EPOCHS=5 to resume from epoch 3.

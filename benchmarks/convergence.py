@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,7 @@ DEFAULT_OUT = Path("results") / "convergence"
 # Points of accuracy a run may lose against its reference (the issue's bounds).
 TOLERANCE = {"blocksign": 1.5}
 DEFAULT_TOLERANCE = 1.0
+RANK0_PREFIX = "[0]<stdout>:"
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,28 @@ def parse_args(argv: Sequence[str] = None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=3600, help="limit for one run, seconds")
     p.add_argument("--reuse", action="store_true",
                    help="keep the runs whose <run>.json is already in --out (after a failure)")
+    p.add_argument("--show", action="store_true",
+                   help="also print rank 0's lines of every run as they come (the demo)")
+    p.add_argument("--no-bounds", action="store_true",
+                   help="do not judge the accuracy bounds (a run too short for them: the demo)")
     return p.parse_args(argv)
+
+
+def run_logged(command: List[str], env: Dict[str, str], log, timeout_s: float, show: bool) -> int:
+    """Run ``command`` with its output in ``log``; with ``show``, rank 0's standard output
+    lines also go to ours without ``horovodrun``'s prefix. Returns the exit status."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                            cwd=ROOT, text=True)
+    watchdog = threading.Timer(timeout_s, proc.kill)
+    watchdog.start()
+    try:
+        for line in proc.stdout:
+            log.write(line)
+            if show and line.startswith(RANK0_PREFIX):
+                print("   " + line[len(RANK0_PREFIX):], end="", flush=True)
+        return proc.wait()
+    finally:
+        watchdog.cancel()
 
 
 def launch(args: argparse.Namespace, run: Run) -> Dict:
@@ -89,19 +112,24 @@ def launch(args: argparse.Namespace, run: Run) -> Dict:
                "--seed", str(args.seed), "--json", str(metrics)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="3")
     started = time.perf_counter()
+    if args.show:
+        print(f"-- {run.name}: {' '.join(flags) or 'defaults'}", flush=True)
     with open(log, "w") as out:
-        proc = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env,
-                              timeout=args.timeout_s, cwd=ROOT)
-    if proc.returncode != 0:
+        returncode = run_logged(command, env, out, args.timeout_s, args.show)
+    if returncode != 0:
         tail = log.read_text()[-3000:]
-        raise SystemExit(f"run {run.name} failed (exit {proc.returncode}); end of {log}:\n{tail}")
+        raise SystemExit(f"run {run.name} failed (exit {returncode}); end of {log}:\n{tail}")
     result = json.loads(metrics.read_text())
     result["launch_wall_s"] = time.perf_counter() - started
     metrics.write_text(json.dumps(result, indent=2))
     return result
 
 
-def checks(runs: List[Run], results: Dict[str, Dict]) -> List[str]:
+def checks(args: argparse.Namespace, runs: List[Run], results: Dict[str, Dict]) -> List[str]:
+    if args.no_bounds:
+        return [f"- accuracy bounds not judged: {args.epochs} epochs on {args.train_images} images "
+                "are too few (DGC warms up through the first); `make bench-convergence` "
+                "judges them"]
     lines = []
     for run in runs:
         if run.reference is None or run.reference not in results:
@@ -175,7 +203,7 @@ def main(args: argparse.Namespace) -> None:
               + (f"{share:.2%} of the parameters in tensors compressed at the full density; "
                  if share is not None else "")
               + f"benchmark wall time {time.perf_counter() - started:.0f} s\n\n"
-              f"{table(runs, results)}\n" + "\n".join(checks(runs, results)) + "\n")
+              f"{table(runs, results)}\n" + "\n".join(checks(args, runs, results)) + "\n")
     (args.out / "convergence.md").write_text(report)
     plot(runs, results, args.out / "convergence.png", args.epochs)
     print(f"\n{report}\nwrote {args.out / 'convergence.md'} and {args.out / 'convergence.png'}")
