@@ -45,3 +45,11 @@ def mpirun(script: str, np: int, args: Sequence[str] = (), timeout_s: float = 30
     cmd = ["mpirun", "--oversubscribe", "-np", str(np), "-x", "PYTHONPATH", "-x",
            "TF_CPP_MIN_LOG_LEVEL", sys.executable, str(WORKERS / script), *args]
     return _run(cmd, timeout_s)
+
+
+def torchrun(script: str, nproc: int, args: Sequence[str] = (), timeout_s: float = 300) -> str:
+    """Run tests/workers/<script> on ``nproc`` local ranks with ``torchrun --standalone`` (a
+    free rendezvous port on this host); return the output."""
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(nproc),
+           str(WORKERS / script), *args]
+    return _run(cmd, timeout_s)

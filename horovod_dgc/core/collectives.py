@@ -2,11 +2,13 @@
 receives (:func:`emulate`, the reference for tests), and how several tensors' messages share
 one collective (:func:`join`, :func:`split`: a bucket of the fused optimizer).
 
-The adapters' collectives modules launch the real ones with Horovod under the same kinds.
+The adapters' collectives modules launch the real ones under the same kinds, each as a
+:class:`Transport` (Horovod's; for PyTorch also ``torch.distributed``'s), so that a family's
+exchange is written once whatever carries it.
 """
 from __future__ import annotations
 
-from typing import Any, List, Sequence
+from typing import Any, List, Protocol, Sequence
 
 from .ops import Tensor, TensorOps
 from .wire import MessageError
@@ -16,6 +18,26 @@ ALLREDUCE = "allreduce"  # everyone receives the average of all messages
 ALLTOALL = "alltoall"    # worker j receives chunk j of every worker's message, in rank order
 ALLGATHER = "allgather"  # everyone receives all messages, concatenated in rank order
 KINDS = (BROADCAST, ALLREDUCE, ALLTOALL, ALLGATHER)
+
+
+class Transport(Protocol):
+    """What a family's exchange needs from a framework's collectives: the world, and the
+    collectives of :data:`KINDS` started without waiting (``launch``) and awaited
+    (``wait``). Launches must happen in the same order on every rank unless the transport
+    matches collectives by ``name`` (Horovod does; ``torch.distributed`` does not)."""
+
+    def size(self) -> int:
+        """Number of workers."""
+
+    def rank(self) -> int:
+        """This worker's place among them, 0-based."""
+
+    def launch(self, kind: str, message: Tensor, name: str, root: int = 0) -> Any:
+        """Start collective ``kind`` on ``message`` (``root``: a broadcast's sender) under
+        ``name``, identical on every rank; returns a handle for :meth:`wait`."""
+
+    def wait(self, handle: Any) -> Tensor:
+        """What the collective delivered to this worker (see :func:`emulate`)."""
 
 
 def network_bytes(kind: str, nbytes: int, world_size: int) -> float:

@@ -27,3 +27,22 @@ def wait(handle: int) -> torch.Tensor:
     """The result of a launched collective (alltoall's received splits dropped)."""
     result = hvd.synchronize(handle)
     return result[0] if isinstance(result, tuple) else result
+
+
+class HorovodTransport:
+    """These collectives as a :class:`~horovod_dgc.core.collectives.Transport`: the one the
+    compressors use unless told otherwise (``MethodCompressor.use_transport``)."""
+
+    @staticmethod
+    def size() -> int:
+        return hvd.size()
+
+    @staticmethod
+    def rank() -> int:
+        return hvd.rank()
+
+    launch = staticmethod(launch)
+    wait = staticmethod(wait)
+
+
+HOROVOD = HorovodTransport()

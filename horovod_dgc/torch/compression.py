@@ -5,6 +5,10 @@ later ``decompress(result, ctx)`` on the caller's thread. A sparse compressor th
 launches its own allgather of the message from ``compress`` (named after the parameter, so
 ranks that reach tensors in different orders still match) and hands Horovod a one-element
 placeholder; ``decompress`` waits for the allgather and rebuilds the averaged gradient.
+
+The family classes (:class:`SparseCompressor`, :class:`TwoStageCompressor`) run their
+collectives through a transport: Horovod's by default, ``torch.distributed``'s when
+:mod:`horovod_dgc.torch.ddp` registers the compressor as a DDP communication hook.
 """
 from __future__ import annotations
 
@@ -12,19 +16,19 @@ import dataclasses
 import gc
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import horovod.torch as hvd
 import torch
 from horovod.torch.compression import Compression as HorovodCompression
 from horovod.torch.compression import Compressor
 
-from ..core.collectives import ALLGATHER, join, split
+from ..core.collectives import ALLGATHER, Transport, join, split
 from ..core.controls import CompressorControls
 from ..core.method import Method
 from ..core.methods import METHODS, MethodSpec, spec_of
 from ..core.twostage import StageHandover
-from .collectives import launch, wait
+from .collectives import HOROVOD
 from .engine import DenseUpdate, Engine, OutgoingMessage
 
 NamedParameters = Iterable[Tuple[str, torch.nn.Parameter]]
@@ -50,6 +54,7 @@ class MethodCompressor(CompressorControls, Compressor):
         self._lock = threading.Lock()
         self._engine: Optional[Engine] = None
         self._optimizer_checked = False
+        self.transport: Transport = HOROVOD
         if named_parameters is not None:
             self.bind(named_parameters)
 
@@ -72,10 +77,18 @@ class MethodCompressor(CompressorControls, Compressor):
         if self._engine is not None:
             self._engine.set_method(self.method)
 
+    def use_transport(self, transport: Transport) -> None:
+        """Run this compressor's collectives through ``transport`` (Horovod's by default;
+        :func:`horovod_dgc.torch.ddp.register` gives it ``torch.distributed``'s)."""
+        self.transport = transport
+        if self._engine is not None:
+            self._engine.join(transport.size(), transport.rank())
+
     @property
     def engine(self) -> Engine:
         if self._engine is None:
-            self._engine = Engine(self.method, world_size=hvd.size(), rank=hvd.rank())
+            self._engine = Engine(self.method, world_size=self.transport.size(),
+                                  rank=self.transport.rank())
         return self._engine
 
     def attach_grad_scaler(self, scaler: "torch.amp.GradScaler") -> None:
@@ -170,7 +183,7 @@ class MethodCompressor(CompressorControls, Compressor):
 class SparseExchange:
     """A sparse exchange in flight: the allgather and the messages it carries."""
 
-    handle: int
+    handle: Any
     outgoing: List[OutgoingMessage]
 
     @property
@@ -184,11 +197,12 @@ class SparseCompressor(MethodCompressor):
 
     def launch(self, label: str, entries: Sequence[Entry]) -> SparseExchange:
         outgoing = [self.engine.compress(name, grad, param) for name, grad, param in entries]
-        message = join(self.engine.ops, ALLGATHER, [o.message for o in outgoing], hvd.size())
-        return SparseExchange(launch(ALLGATHER, message, label), outgoing)
+        transport = self.transport
+        message = join(self.engine.ops, ALLGATHER, [o.message for o in outgoing], transport.size())
+        return SparseExchange(transport.launch(ALLGATHER, message, label), outgoing)
 
     def finish(self, exchange: SparseExchange) -> List[torch.Tensor]:
-        return self.engine.decompress(wait(exchange.handle), exchange.outgoing)
+        return self.engine.decompress(self.transport.wait(exchange.handle), exchange.outgoing)
 
 
 @dataclass
@@ -199,9 +213,9 @@ class TwoStageExchange:
     names: List[str]
     handovers: List[StageHandover]
     shapes: List[torch.Size]
-    first: int
+    first: Any
     sizes: List[int]
-    second: Optional[int] = None
+    second: Optional[Any] = None
     second_sizes: List[int] = field(default_factory=list)
 
     @property
@@ -228,9 +242,9 @@ class TwoStageCompressor(MethodCompressor):
             message, handover = self.engine.first(name, grad, param)
             messages.append(message)
             handovers.append(handover)
-        ops, method = self.engine.ops, self.method
-        handle = launch(method.FIRST, join(ops, method.FIRST, messages, hvd.size()), f"1.{label}",
-                        method.root(handovers[0].call))
+        ops, method, transport = self.engine.ops, self.method, self.transport
+        handle = transport.launch(method.FIRST, join(ops, method.FIRST, messages, transport.size()),
+                                  f"1.{label}", method.root(handovers[0].call))
         exchange = TwoStageExchange(label, [e[0] for e in entries], handovers,
                                     [grad.shape for _, grad, _ in entries], handle,
                                     [m.numel() for m in messages])
@@ -248,23 +262,24 @@ class TwoStageCompressor(MethodCompressor):
         with self._lock:
             waiting = sorted((x for x in self._in_flight.values() if x.second is None),
                              key=lambda x: x.label)
-        ops, method = self.engine.ops, self.method
+        ops, method, transport = self.engine.ops, self.method, self.transport
         for exchange in waiting:
-            received = split(ops, method.FIRST, wait(exchange.first), exchange.sizes, hvd.size(),
-                             exchange.names)
+            received = split(ops, method.FIRST, transport.wait(exchange.first), exchange.sizes,
+                             transport.size(), exchange.names)
             messages = [self.engine.second(name, r, h) for name, r, h
                         in zip(exchange.names, received, exchange.handovers)]
             exchange.second_sizes = [m.numel() for m in messages]
-            exchange.second = launch(method.SECOND, join(ops, method.SECOND, messages, hvd.size()),
-                                     f"2.{exchange.label}", method.root(exchange.handovers[0].call))
+            exchange.second = transport.launch(
+                method.SECOND, join(ops, method.SECOND, messages, transport.size()),
+                f"2.{exchange.label}", method.root(exchange.handovers[0].call))
 
     def finish(self, exchange: TwoStageExchange) -> List[torch.Tensor]:
         if exchange.second is None:
             self.launch_second_stages()
         with self._lock:
             self._in_flight.pop(exchange.label, None)
-        received = split(self.engine.ops, self.method.SECOND, wait(exchange.second),
-                         exchange.second_sizes, hvd.size(), exchange.names)
+        received = split(self.engine.ops, self.method.SECOND, self.transport.wait(exchange.second),
+                         exchange.second_sizes, self.transport.size(), exchange.names)
         return [self.engine.finish(r, h, shape) for r, h, shape
                 in zip(received, exchange.handovers, exchange.shapes)]
 
@@ -287,6 +302,15 @@ def check_optimizer_compatible(optimizer: torch.optim.Optimizer, config, op) -> 
     (momentum, adaptive moments: Adam, AdamW, RMSprop, Adagrad, ...) applies momentum twice."""
     if op != hvd.Average:
         raise ValueError("horovod_dgc compressors average the gradients: use op=hvd.Average")
+    check_plain_optimizer(optimizer, config)
+
+
+def check_plain_optimizer(optimizer: torch.optim.Optimizer, config,
+                          instead: str = "use horovod_dgc.torch.DistributedOptimizer, which moves "
+                                         "SGD's momentum and weight decay into the compressor") -> None:
+    """Raise ValueError if ``optimizer`` would apply momentum or weight decay that a config
+    which :attr:`~horovod_dgc.core.CompressionConfig.needs_plain_optimizer` applies already
+    (the rule of every path: stock, fused, DDP). ``instead``: the way out named last."""
     if not config.needs_plain_optimizer:
         return
     kind = type(optimizer).__name__
@@ -304,8 +328,7 @@ def check_optimizer_compatible(optimizer: torch.optim.Optimizer, config, op) -> 
             raise ValueError(
                 f"the wrapped optimizer has {key}={max(theirs)} but the compressor applies "
                 f"{key}={mine} itself: give the optimizer {key}=0 (the compressor applies it), "
-                f"or use horovod_dgc.torch.DistributedOptimizer, which moves SGD's momentum and "
-                f"weight decay into the compressor")
+                f"or {instead}")
 
 
 COMPRESSORS = {"sparse": SparseCompressor, "two-stage": TwoStageCompressor}

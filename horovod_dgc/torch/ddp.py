@@ -1,0 +1,266 @@
+"""Any horovod_dgc compressor as a PyTorch ``DistributedDataParallel`` communication hook.
+
+::
+
+    import torch.distributed as dist
+    from horovod_dgc.torch import Compression, ddp
+
+    dist.init_process_group("gloo")                      # under torchrun
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    compression = Compression.dgc(density=0.001, warmup_epochs=4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0)  # momentum lives in DGC
+    state = ddp.register(model, compression, optimizer=optimizer)
+    # per epoch: state.set_epoch(epoch); checkpoints: state.state_dict() on every rank
+
+How a bucket travels. DDP hands the hook one flat bucket of gradients at a time, in bucket
+order. The hook splits it into its parameters' gradients (``bucket.gradients()``, views of
+the flat buffer) and names each by its parameter (``ddp_model.module.named_parameters()``):
+every tensor is then selected, scaled and remembered on its own, exactly as on the Horovod
+paths, and the bucket is a transport unit only (its compressed tensors share one collective
+per stage, through the family's ``launch``/``finish``). Memories are keyed by parameter name,
+so they survive DDP rebuilding its buckets after the first iteration.
+
+Each hook launches its bucket's collectives asynchronously (``torch.distributed`` with
+``async_op=True``, :mod:`horovod_dgc.torch.dist_collectives`) and returns a pending
+``torch.futures.Future``; the hook of the last bucket waits for every bucket of the step,
+writes the averaged gradients into the buckets' buffers and completes every future. A step is
+therefore kept or dropped whole, as on the Horovod paths: if any rank's gradient of any
+tensor was not finite, every memory of every rank stays as it was before the step.
+
+No Horovod collective and no ``hvd.init()`` on this path: the collectives are
+``torch.distributed``'s, over DDP's own process group (Gloo on CPU, NCCL for CUDA tensors).
+"""
+# No ``from __future__ import annotations``: DDP checks the hook's annotations as objects.
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from ..core.collectives import ALLREDUCE
+from ..core.methods import METHODS
+from ..core.stats import CompressionStats
+from .compression import MethodCompressor, check_plain_optimizer
+from .dist_collectives import DistTransport, Pending
+from .engine import DenseUpdate, Engine
+
+_FACTORIES = ", ".join(f"Compression.{spec.name}" for spec in METHODS)
+_INSTEAD = ("use an optimizer without it (torch.optim.SGD(momentum=0, weight_decay=0)): with a "
+            "DDP hook the compressor applies them")
+
+
+@dataclass
+class _BucketInFlight:
+    """One DDP bucket between its hook and the end of the step.
+
+    Attributes:
+        index: DDP's bucket index.
+        buffer: the flat bucket (the gradients of ``views`` side by side, in their dtype).
+        views: each parameter's gradient, a view of ``buffer`` (``bucket.gradients()``).
+        names: each parameter's name.
+        future: what the hook returned to DDP; completed with ``buffer`` by :meth:`finish`.
+        exchange: the compressed tensors' exchange (the family's), or None.
+        compressed: positions in ``views`` of the compressed tensors, in ``exchange`` order.
+        dense: (position, launched all-reduce, what the engine sent or None for a tensor
+            that passes through) for every tensor that travels dense.
+    """
+
+    index: int
+    buffer: torch.Tensor
+    views: List[torch.Tensor]
+    names: List[str]
+    future: torch.futures.Future
+    exchange: Any = None
+    compressed: List[int] = field(default_factory=list)
+    dense: List[Tuple[int, Pending, Optional[DenseUpdate]]] = field(default_factory=list)
+
+
+class DDPCompressionState:
+    """The state of the hook :func:`register` installs: the compressor, the parameter names,
+    the buckets of the step in flight; and the user's controls, delegated to the compressor.
+
+    Not picklable (it holds the compressor and its locks): checkpoint it with
+    :meth:`state_dict`.
+    """
+
+    __slots__ = ("compression", "transport", "_names", "_in_flight")
+
+    def __init__(self, compression: MethodCompressor,
+                 named_parameters: Iterable[Tuple[str, torch.nn.Parameter]],
+                 transport: DistTransport):
+        named = list(named_parameters)
+        self.compression = compression
+        self.transport = transport
+        self._names: Dict[int, Tuple[str, torch.nn.Parameter]] = {id(p): (n, p) for n, p in named}
+        self._in_flight: List[_BucketInFlight] = []
+        compression.use_transport(transport)
+        compression.bind(named)
+
+    # -- the user's controls ------------------------------------------------------------------
+    def set_epoch(self, epoch: float) -> None:
+        """Drive the warm-up schedule (epochs; same value on every rank)."""
+        self.compression.set_epoch(epoch)
+
+    def set_step(self, step: int, steps_per_epoch: int) -> None:
+        """Step-based form of :meth:`set_epoch`."""
+        self.compression.set_step(step, steps_per_epoch)
+
+    @property
+    def density(self) -> float:
+        """Fraction of elements sent now (after warm-up)."""
+        return self.compression.density
+
+    def stats(self) -> CompressionStats:
+        """Bytes handed to the collectives and sent on the network (this rank's, per step),
+        dense-equivalent bytes, density, selection time in seconds."""
+        return self.compression.stats()
+
+    def reset_stats(self) -> None:
+        self.compression.reset_stats()
+
+    def state_dict(self) -> dict:
+        """This rank's part (memories, step counters, epoch; tagged with the method, config,
+        world size and rank): save every rank's."""
+        return self.compression.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore this rank's part; ValueError naming what differs for another method,
+        config, world size, rank, tensor set or size."""
+        self.compression.load_state_dict(state)
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse (ValueError) an optimizer that would apply momentum or weight decay the
+        compressor applies already (DGC; blocksign with momentum), by the rule of the Horovod
+        paths: it must be ``torch.optim.SGD`` with ``momentum=0`` (and ``weight_decay=0``
+        when the compressor has one). DDP never sees the optimizer: call this once, or pass
+        ``optimizer=`` to :func:`register`."""
+        check_plain_optimizer(optimizer, self.compression.config, _INSTEAD)
+
+    # -- the hook's work -------------------------------------------------------------------------
+    def _name_of(self, param: torch.Tensor) -> Tuple[str, torch.nn.Parameter]:
+        entry = self._names.get(id(param))
+        if entry is None or entry[1] is not param:
+            raise ValueError(f"rank {self.transport.rank()}: DDP's bucket holds a parameter of "
+                             f"shape {tuple(param.shape)} that is not in ddp_model.module."
+                             f"named_parameters() as it was at register()")
+        return entry
+
+    def exchange(self, bucket: dist.GradBucket) -> "torch.futures.Future[torch.Tensor]":
+        """Launch one bucket's collectives; the last bucket of a step finishes them all."""
+        params, views = bucket.parameters(), bucket.gradients()
+        buffer = bucket.buffer()
+        names = [self._name_of(p)[0] for p in params]
+        flight = _BucketInFlight(bucket.index(), buffer, views, names, torch.futures.Future())
+        try:
+            self._launch(flight, params)
+        except BaseException as error:
+            self._fail(error)
+            flight.future.set_exception(error)
+            raise
+        self._in_flight.append(flight)
+        if bucket.is_last():
+            self.finish()
+        return flight.future
+
+    def _launch(self, flight: _BucketInFlight, params: List[torch.Tensor]) -> None:
+        engine, transport = self.compression.engine, self.transport
+        entries = []
+        for position, (name, param, grad) in enumerate(zip(flight.names, params, flight.views)):
+            if grad.numel() and not _inside(grad, flight.buffer):
+                raise RuntimeError(f"rank {transport.rank()}: DDP's gradient of {name!r} is not a "
+                                   f"view of its bucket's buffer; this hook writes its results there")
+            if Engine.passes_through(grad):
+                handle = transport.launch(ALLREDUCE, grad.reshape(-1), f"dense.{name}")
+                flight.dense.append((position, handle, None))
+            elif not engine.compresses(grad):
+                update = engine.dense(name, grad, param)
+                handle = transport.launch(ALLREDUCE, update.tensor.reshape(-1), f"dense.{name}")
+                flight.dense.append((position, handle, update))
+            else:
+                flight.compressed.append(position)
+                entries.append((name, grad, param))
+        if entries:
+            flight.exchange = self.compression.launch(f"bucket{flight.index}", entries)
+
+    def finish(self) -> None:
+        """Wait for every bucket of the step, write the averaged gradients into the buckets'
+        buffers and complete their futures (in bucket order)."""
+        engine, transport = self.compression.engine, self.transport
+        try:
+            for flight in self._in_flight:
+                if flight.exchange is not None:
+                    results = self.compression.finish(flight.exchange)
+                    for position, averaged in zip(flight.compressed, results):
+                        flight.views[position].copy_(averaged)
+                for position, handle, update in flight.dense:
+                    averaged = transport.wait(handle)
+                    if update is not None:
+                        averaged = engine.dense_received(update, averaged)
+                    flight.views[position].copy_(averaged.reshape(flight.views[position].shape))
+        except BaseException as error:
+            self._fail(error)
+            raise
+        finished, self._in_flight = self._in_flight, []
+        for flight in finished:
+            flight.future.set_result(flight.buffer)
+
+    def _fail(self, error: BaseException) -> None:
+        """A step that will not finish: fail every pending future, drop the step's memories."""
+        for flight in self._in_flight:
+            if not flight.future.done():
+                flight.future.set_exception(error)
+        self._in_flight = []
+        self.compression.abandon_exchanges()
+
+
+def _inside(view: torch.Tensor, buffer: torch.Tensor) -> bool:
+    """Whether ``view``'s first element lies in ``buffer``'s memory."""
+    start = buffer.data_ptr()
+    return start <= view.data_ptr() < start + buffer.numel() * buffer.element_size()
+
+
+def hook(state: DDPCompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The DDP communication hook: ``ddp_model.register_comm_hook(state, hook)``. Its
+    future's value is the bucket's flat buffer holding the averaged gradients."""
+    return state.exchange(bucket)
+
+
+def register(ddp_model: torch.nn.parallel.DistributedDataParallel, compression: MethodCompressor,
+             optimizer: Optional[torch.optim.Optimizer] = None) -> "DDPCompressionState":
+    """Compress ``ddp_model``'s gradient exchange with ``compression``.
+
+    Args:
+        ddp_model: a ``DistributedDataParallel`` model, no communication hook registered yet.
+            Its process group carries the collectives.
+        compression: a compressor of :class:`horovod_dgc.torch.Compression` (``dgc``,
+            ``topk``, ``gaussiank``, ``scalecom``, ``blocksign``), not yet used. Its memories
+            are keyed by the names of ``ddp_model.module.named_parameters()``
+            (``named_parameters=`` given to the factory is replaced by them).
+        optimizer: the optimizer that applies the averaged gradients, checked at once by
+            :meth:`DDPCompressionState.check_optimizer` (recommended with DGC, whose momentum
+            must not be applied twice).
+
+    Returns:
+        The hook's state: ``stats()``, ``set_epoch()``, ``state_dict()``,
+        ``load_state_dict()``, ``check_optimizer()``.
+
+    Raises:
+        TypeError: ``ddp_model`` is not a ``DistributedDataParallel``, or ``compression`` not
+            one of ours (Horovod's ``Compression.none``/``fp16`` included: use DDP's own
+            hooks for those).
+        ValueError: the optimizer would apply momentum twice.
+    """
+    if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(f"register() needs a torch.nn.parallel.DistributedDataParallel model, "
+                        f"got {type(ddp_model).__name__}")
+    if not isinstance(compression, MethodCompressor):
+        raise TypeError(f"compression must be a horovod_dgc compressor ({_FACTORIES} of "
+                        f"horovod_dgc.torch), got {type(compression).__module__}."
+                        f"{type(compression).__qualname__}; for no compression or float16 use "
+                        f"DDP's own hooks (torch.distributed.algorithms.ddp_comm_hooks)")
+    transport = DistTransport(ddp_model.process_group)
+    state = DDPCompressionState(compression, ddp_model.module.named_parameters(), transport)
+    if optimizer is not None:
+        state.check_optimizer(optimizer)
+    ddp_model.register_comm_hook(state, hook)
+    return state

@@ -1,0 +1,269 @@
+"""The DDP communication hook (``horovod_dgc.torch.ddp``) under ``torchrun``, Gloo on CPU.
+
+Modes (first argument, comma-separated):
+
+* ``aggregate``: one step with fixed per-rank gradients; every rank checks that its averaged
+  gradient equals the dense reference built from all ranks' sent values (gradient minus
+  what the memory kept), bit for bit, and that Top-k and DGC sent the exact top-k.
+* ``train --out DIR``: 20 steps of every method of ``--methods`` with fixed per-rank
+  gradients, parameters saved to ``DIR/ddp_rank{r}.pt``. With ``--horovod`` (run under
+  ``horovodrun``) the same steps go through the stock ``hvd.DistributedOptimizer`` instead
+  and are saved to ``DIR/horovod_rank{r}.pt``: the test compares the two.
+* ``checkpoint``: the hook's state saved after 3 steps and loaded into a fresh model and
+  compressor continues exactly as the original; another rank's or method's state is refused.
+* ``misuse``: what ``register`` refuses, and with which error.
+
+The model takes the gradients as its input (``loss = sum(p * g)``), so every step's gradient
+is known exactly; its two layers differ 100x in scale, and DDP's buckets (``bucket_cap_mb``
+small) split them differently before and after DDP rebuilds its buckets.
+"""
+import argparse
+import io
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+import horovod_dgc.torch as hdgc
+from horovod_dgc.core.selection import top_count
+from horovod_dgc.torch import ddp
+
+STEPS = 20
+BUCKET_CAP_MB = 0.07  # a few buckets, some holding two parameters
+LAYER_SCALE = (1.0, 1.0, 0.01, 0.01)
+OPTIONS = {"dgc": dict(density=0.01), "topk": dict(density=0.01), "gaussiank": dict(density=0.01),
+           "scalecom": dict(density=0.01), "blocksign": dict(momentum=0.5)}
+
+
+class Injected(torch.nn.Module):
+    """Two linear layers whose forward takes each parameter's gradient and returns
+    ``sum(p * g)``: backward then gives exactly those gradients."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 50))
+
+    def forward(self, grads: List[torch.Tensor]) -> torch.Tensor:
+        return sum((p * g).sum() for p, g in zip(self.net.parameters(), grads))
+
+
+def gradients(model: torch.nn.Module, rank: int, step: int) -> List[torch.Tensor]:
+    return [torch.randn(p.shape, generator=torch.Generator().manual_seed(10_000 * rank + 100 * step + i))
+            * LAYER_SCALE[i] for i, p in enumerate(model.parameters())]
+
+
+def flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def ddp_model(module: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel:
+    return torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=BUCKET_CAP_MB)
+
+
+def setup(method: str, **overrides):
+    """A fresh model, its DDP wrapper, the hook's state and plain SGD."""
+    module = Injected()
+    model = ddp_model(module)
+    compression = getattr(hdgc.Compression, method)(**{**OPTIONS[method], **overrides})
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = ddp.register(model, compression, optimizer=sgd)
+    return module, model, state, sgd
+
+
+def ddp_steps(model, module, state, sgd, steps) -> None:
+    for step in steps:
+        state.set_epoch(0)
+        sgd.zero_grad()
+        model(gradients(module, dist.get_rank(), step)).backward()
+        sgd.step()
+
+
+# -- aggregate -----------------------------------------------------------------------------
+def sent_values(state: ddp.DDPCompressionState, name: str, grad: torch.Tensor) -> torch.Tensor:
+    """What this rank sent for ``name``: the gradient minus what its memory kept."""
+    memory = state.compression.engine._states[name]
+    kept = memory["velocity"] if "velocity" in memory else memory["residual"]
+    return grad - kept.reshape(grad.shape)
+
+
+def exact_topk_dense(grad: torch.Tensor, k: int) -> torch.Tensor:
+    flat_grad = grad.reshape(-1)
+    order = sorted(range(flat_grad.numel()), key=lambda i: -abs(float(flat_grad[i])))
+    out = torch.zeros_like(flat_grad)
+    out[order[:k]] = flat_grad[order[:k]]
+    return out.reshape(grad.shape)
+
+
+def aggregate(method: str) -> None:
+    rank, size = dist.get_rank(), dist.get_world_size()
+    # float32 values: the sent values are then exactly the selected gradient entries.
+    module, model, state, _ = setup(method, value_dtype="float32")
+    grads = gradients(module, rank, 0)
+    model(grads).backward()
+    config, engine = state.compression.config, state.compression.engine
+    for (name, param), grad in zip(module.named_parameters(), grads):
+        compressed = engine.compresses(grad)
+        mine = sent_values(state, name, grad) if compressed else grad
+        if compressed:
+            k = top_count(config.density_floor(tuple(grad.shape)) or config.density, grad.numel())
+            assert torch.equal(mine, exact_topk_dense(grad, k)), f"{name}: not the exact top-k"
+        everyone: List[torch.Tensor] = [None] * size
+        dist.all_gather_object(everyone, mine)
+        reference = torch.zeros_like(grad)
+        for sent in everyone:
+            reference = reference + sent
+        reference = reference * (1.0 / size)
+        if compressed:
+            assert torch.equal(param.grad, reference), f"rank {rank} {method} {name}: not bit-exact"
+        else:
+            torch.testing.assert_close(param.grad, reference, rtol=1e-6, atol=1e-7)
+    stats = state.stats()
+    assert 0 < stats.bytes_sent < stats.dense_bytes, stats
+    print(f"rank {rank}/{size} {method} ddp aggregate ok", flush=True)
+
+
+# -- train ------------------------------------------------------------------------------------
+def train_ddp(method: str) -> torch.Tensor:
+    module, model, state, sgd = setup(method)
+    ddp_steps(model, module, state, sgd, range(STEPS))
+    return flat(module)
+
+
+def train_horovod(method: str, hvd) -> torch.Tensor:
+    module = Injected()
+    compression = getattr(hdgc.Compression, method)(named_parameters=module.named_parameters(),
+                                                    **OPTIONS[method])
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(module.parameters(), lr=0.1),
+                                         named_parameters=module.named_parameters(),
+                                         compression=compression)
+    for step in range(STEPS):
+        compression.set_epoch(0)
+        optimizer.zero_grad()
+        module(gradients(module, hvd.rank(), step)).backward()
+        optimizer.step()
+    return flat(module)
+
+
+# -- checkpoint -------------------------------------------------------------------------------
+def checkpoint(method: str) -> None:
+    rank = dist.get_rank()
+    module, model, state, sgd = setup(method)
+    ddp_steps(model, module, state, sgd, range(3))
+    buffer = io.BytesIO()
+    torch.save({"model": module.state_dict(), "compression": state.state_dict()}, buffer)
+    ddp_steps(model, module, state, sgd, range(3, 6))
+    original = flat(module)
+
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    module, model, state, sgd = setup(method)
+    module.load_state_dict(saved["model"])
+    state.load_state_dict(saved["compression"])
+    ddp_steps(model, module, state, sgd, range(3, 6))
+    assert torch.equal(flat(module), original), f"rank {rank} {method}: resumed run differs"
+
+    parts: List[dict] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, saved["compression"])
+    other = parts[(rank + 1) % len(parts)]
+    try:
+        state.load_state_dict(other)
+    except ValueError as error:
+        assert f"saved by rank {(rank + 1) % len(parts)}" in str(error), error
+    else:
+        raise AssertionError("another rank's state was loaded")
+    other_method = "topk" if method != "topk" else "dgc"
+    _, _, foreign, _ = setup(other_method)
+    try:
+        foreign.load_state_dict(saved["compression"])
+    except ValueError as error:
+        assert "is from method" in str(error), error
+    else:
+        raise AssertionError(f"a {method} state was loaded into {other_method}")
+    print(f"rank {rank} {method} checkpoint ok", flush=True)
+
+
+# -- misuse -------------------------------------------------------------------------------------
+def expect(error_type, words, call) -> str:
+    try:
+        call()
+    except error_type as error:
+        message = str(error)
+        for word in words:
+            assert word in message, f"{word!r} not in: {message}"
+        return message
+    raise AssertionError(f"{call} was not refused")
+
+
+def misuse() -> None:
+    rank = dist.get_rank()
+    module = Injected()
+
+    def register_with(compression, optimizer=None):
+        return lambda: ddp.register(ddp_model(module), compression, optimizer=optimizer)
+
+    momentum_sgd = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    expect(ValueError, ["momentum=0.9", "compressor applies"],
+           register_with(hdgc.Compression.dgc(), momentum_sgd))
+    expect(ValueError, ["Adam", "momentum"],
+           register_with(hdgc.Compression.dgc(), torch.optim.Adam(module.parameters())))
+    state = ddp.register(ddp_model(module), hdgc.Compression.dgc())
+    expect(ValueError, ["momentum"], lambda: state.check_optimizer(momentum_sgd))
+    state.check_optimizer(torch.optim.SGD(module.parameters(), lr=0.1))
+    # Methods with a plain residual work under any optimizer.
+    ddp.register(ddp_model(module), hdgc.Compression.topk(), optimizer=momentum_sgd)
+    expect(TypeError, ["horovod_dgc compressor", "Compression.dgc", "object"],
+           register_with(object()))
+    expect(TypeError, ["horovod_dgc compressor", "DDP's own hooks"],
+           register_with(hdgc.Compression.fp16))
+    expect(TypeError, ["DistributedDataParallel", "Injected"],
+           lambda: ddp.register(module, hdgc.Compression.topk()))
+    print(f"rank {rank} misuse ok", flush=True)
+
+
+def no_horovod_initialized() -> None:
+    import horovod.torch as hvd
+    assert not hvd.is_initialized(), "the DDP path initialised Horovod"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("modes", help="comma-separated: aggregate, train, checkpoint, misuse")
+    parser.add_argument("--methods", default="topk,dgc")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--horovod", action="store_true",
+                        help="train through the stock hvd.DistributedOptimizer (under horovodrun)")
+    args = parser.parse_args()
+    methods = args.methods.split(",")
+    torch.set_num_threads(1)
+    if args.horovod:
+        import horovod.torch as hvd
+        hvd.init()
+        results: Dict[str, torch.Tensor] = {m: train_horovod(m, hvd) for m in methods}
+        torch.save(results, args.out / f"horovod_rank{hvd.rank()}.pt")
+        print(f"rank {hvd.rank()} horovod trained", flush=True)
+        return
+    dist.init_process_group("gloo")
+    for mode in args.modes.split(","):
+        if mode == "aggregate":
+            for method in methods:
+                aggregate(method)
+        elif mode == "train":
+            results = {m: train_ddp(m) for m in methods}
+            torch.save(results, args.out / f"ddp_rank{dist.get_rank()}.pt")
+            print(f"rank {dist.get_rank()} ddp trained", flush=True)
+        elif mode == "checkpoint":
+            for method in methods:
+                checkpoint(method)
+        elif mode == "misuse":
+            misuse()
+        else:
+            raise SystemExit(f"unknown mode {mode!r}")
+    no_horovod_initialized()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
