@@ -42,8 +42,10 @@ class MethodCompressor(CompressorControls, Compressor):
     Args:
         method: the core method (config included).
         named_parameters: the model's ``named_parameters()``, used to key each tensor's
-            memory by parameter name and to read parameters for weight decay. Pass a fresh
-            ``model.named_parameters()`` (a generator can be consumed only once).
+            memory by parameter name and to read parameters for weight decay. Optional: on
+            the stock path the compressor takes the names ``hvd.DistributedOptimizer`` gave
+            the parameters (yours, or its ``allreduce.noname.<group>.<index>``), the same on
+            every rank. If given, pass a fresh ``model.named_parameters()``.
     """
 
     def __init__(self, method: Method, named_parameters: Optional[NamedParameters] = None):
@@ -107,14 +109,19 @@ class MethodCompressor(CompressorControls, Compressor):
     def load_state_dict(self, state: dict) -> None:
         """Restore this rank's part (same method, config, world size and rank, and tensors
         of the same sizes; ValueError otherwise)."""
-        self.engine.load_state_dict(state, {name: p.numel() for name, p in self._params.items()})
+        self.engine.load_state_dict(state, {name: p.numel() for name, p in self._parameters().items()})
+
+    def _parameters(self) -> Dict[str, torch.nn.Parameter]:
+        """The named parameters; without ``named_parameters=``, those of the one
+        ``hvd.DistributedOptimizer`` this compressor was given to."""
+        with self._lock:
+            if not self._params:
+                self.bind(_names_from_optimizer(self))
+            return self._params
 
     # -- Horovod's interface -----------------------------------------------------------------------
     def _lookup(self, tensor: torch.Tensor) -> Tuple[str, torch.nn.Parameter]:
-        if not self._params:
-            raise ValueError(f"{type(self.method).__name__} keeps a memory per tensor and needs "
-                             f"the parameters: Compression.{spec_of(self.method).name}"
-                             f"(named_parameters=model.named_parameters(), ...)")
+        self._parameters()
         with self._lock:
             entry = self._by_grad.get(id(tensor))
             if entry is None or entry[1].grad is not tensor:
@@ -293,6 +300,22 @@ def _optimizers_holding(compressor: MethodCompressor):
         for owner in owners:
             if isinstance(owner, torch.optim.Optimizer) and getattr(owner, "_compression", None) is compressor:
                 yield owner
+
+
+def _names_from_optimizer(compressor: MethodCompressor) -> List[Tuple[str, torch.nn.Parameter]]:
+    """The (name, parameter) pairs of the one Horovod optimizer holding ``compressor``;
+    ValueError when there is none (compress() called directly) or several."""
+    holders = [o for o in _optimizers_holding(compressor) if hasattr(o, "_parameter_names")]
+    factory = f"Compression.{spec_of(compressor.method).name}"
+    if len(holders) > 1:
+        raise ValueError(f"{len(holders)} optimizers share one {factory} compressor, whose "
+                         f"memories are per parameter: give each optimizer its own compressor")
+    if not holders:
+        raise ValueError(f"{type(compressor.method).__name__} keeps a memory per tensor and finds "
+                         f"the parameters through the hvd.DistributedOptimizer it is given to; "
+                         f"used on its own it needs them: {factory}"
+                         f"(named_parameters=model.named_parameters(), ...)")
+    return sorted((name, p) for p, name in holders[0]._parameter_names.items())
 
 
 def check_optimizer_compatible(optimizer: torch.optim.Optimizer, config, op) -> None:
