@@ -28,6 +28,7 @@ import torch.distributed as dist
 import horovod_dgc.torch as hdgc
 from horovod_dgc.core.selection import top_count
 from horovod_dgc.torch import ddp
+from aggregate_torch import exact_topk_dense, sent_values
 
 STEPS = 20
 BUCKET_CAP_MB = 0.07  # a few buckets, some holding two parameters
@@ -81,21 +82,6 @@ def ddp_steps(model, module, state, sgd, steps) -> None:
 
 
 # -- aggregate -----------------------------------------------------------------------------
-def sent_values(state: ddp.DDPCompressionState, name: str, grad: torch.Tensor) -> torch.Tensor:
-    """What this rank sent for ``name``: the gradient minus what its memory kept."""
-    memory = state.compression.engine._states[name]
-    kept = memory["velocity"] if "velocity" in memory else memory["residual"]
-    return grad - kept.reshape(grad.shape)
-
-
-def exact_topk_dense(grad: torch.Tensor, k: int) -> torch.Tensor:
-    flat_grad = grad.reshape(-1)
-    order = sorted(range(flat_grad.numel()), key=lambda i: -abs(float(flat_grad[i])))
-    out = torch.zeros_like(flat_grad)
-    out[order[:k]] = flat_grad[order[:k]]
-    return out.reshape(grad.shape)
-
-
 def aggregate(method: str) -> None:
     rank, size = dist.get_rank(), dist.get_world_size()
     # float32 values: the sent values are then exactly the selected gradient entries.
@@ -105,7 +91,7 @@ def aggregate(method: str) -> None:
     config, engine = state.compression.config, state.compression.engine
     for (name, param), grad in zip(module.named_parameters(), grads):
         compressed = engine.compresses(grad)
-        mine = sent_values(state, name, grad) if compressed else grad
+        mine = sent_values(state.compression, name, grad) if compressed else grad
         if compressed:
             k = top_count(config.density_floor(tuple(grad.shape)) or config.density, grad.numel())
             assert torch.equal(mine, exact_topk_dense(grad, k)), f"{name}: not the exact top-k"

@@ -12,22 +12,15 @@ import torch
 
 import horovod_dgc.torch as hdgc
 from horovod_dgc.core.methods import METHODS
-
-STEPS = 20
-OPTIONS = {"dgc": dict(density=0.01), "topk": dict(density=0.01), "gaussiank": dict(density=0.01),
-           "scalecom": dict(density=0.01), "blocksign": dict(momentum=0.5)}
-LAYER_SCALE = {"0.weight": 1.0, "0.bias": 1.0, "1.weight": 0.01, "1.bias": 0.01}
+from paths_torch import LAYER_SCALE, OPTIONS, STEPS, gradient
+from paths_torch import net as used_layers
 
 
 def net() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 50),
-                               torch.nn.Linear(100, 50))  # the unused one: 5,000 weights
-
-
-def gradient(rank: int, step: int, name: str, shape) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(10_000 * rank + 100 * step + len(name))
-    return torch.randn(shape, generator=gen) * LAYER_SCALE[name]
+    """paths_torch's two layers, and a third that no loss uses (5,000 weights: compressed)."""
+    model = used_layers()
+    model.append(torch.nn.Linear(100, 50))
+    return model
 
 
 def train(method: str, names_to_compressor: bool, names_to_optimizer: bool) -> Tuple[torch.Tensor, int]:
