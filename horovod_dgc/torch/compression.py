@@ -109,23 +109,23 @@ class MethodCompressor(CompressorControls, Compressor):
     def load_state_dict(self, state: dict) -> None:
         """Restore this rank's part (same method, config, world size and rank, and tensors
         of the same sizes; ValueError otherwise)."""
-        self.engine.load_state_dict(state, {name: p.numel() for name, p in self._parameters().items()})
+        with self._lock:
+            numels = {name: p.numel() for name, p in self._parameters().items()}
+        self.engine.load_state_dict(state, numels)
 
     def _parameters(self) -> Dict[str, torch.nn.Parameter]:
         """The named parameters; without ``named_parameters=``, those of the one
-        ``hvd.DistributedOptimizer`` this compressor was given to."""
-        with self._lock:
-            if not self._params:
-                self.bind(_names_from_optimizer(self))
-            return self._params
+        ``hvd.DistributedOptimizer`` this compressor was given to. Caller holds the lock."""
+        if not self._params:
+            self.bind(_names_from_optimizer(self))
+        return self._params
 
     # -- Horovod's interface -----------------------------------------------------------------------
     def _lookup(self, tensor: torch.Tensor) -> Tuple[str, torch.nn.Parameter]:
-        self._parameters()
         with self._lock:
             entry = self._by_grad.get(id(tensor))
             if entry is None or entry[1].grad is not tensor:
-                self._by_grad = {id(p.grad): (n, p) for n, p in self._params.items()
+                self._by_grad = {id(p.grad): (n, p) for n, p in self._parameters().items()
                                  if p.grad is not None}
                 entry = self._by_grad.get(id(tensor))
         if entry is None:
