@@ -8,6 +8,9 @@ One float32 gradient of ResNet-50's size (``torch.randn``, fixed seed) is timed 
   ``DGCConfig()``'s defaults and a sampling offset that changes every repetition), Gaussian-k;
 * full compress steps through the core (memory update, selection, message encoding), each
   from a zeroed memory, so that every method selects from the same gradient as above.
+* message coding: DGC's encoding of its positions and values, and every sparse method's
+  decoding of 4 ranks' messages, written over a float32 gradient's memory (what the adapters
+  do) and into a new tensor (what a 16-bit gradient needs).
 
 Each row reports the median and minimum over the timed rounds (a round runs every row once),
 its cost in read passes and its speed-up over ``torch.topk``. Then DGC's selection is checked
@@ -179,7 +182,14 @@ def coding_cases(ops: TorchOps, x: torch.Tensor, density: float, k: int) -> List
             result = method.compress(ops, method.init_state(ops, x, True, DECODE_WORLD), x, call)
             messages.append(result.message)
         gathered, layouts = torch.cat(messages), [result.layout]
+        # The adapters write a float32 average over the consumed gradient; a 16-bit one
+        # needs a new float32 tensor for the sums.
+        gradient = x.clone()
         cases.append(Case("message coding", f"{spec.name} decode {DECODE_WORLD} messages",
+                          lambda rep, m=method, g=gathered, l=layouts, o=gradient: m.decompress(
+                              ops, g, l, DECODE_WORLD, 0, ["float32"], [o])))
+        cases.append(Case("message coding", f"{spec.name} decode {DECODE_WORLD} messages "
+                          "into a new tensor",
                           lambda rep, m=method, g=gathered, l=layouts: m.decompress(
                               ops, g, l, DECODE_WORLD, 0, ["float32"])))
     return cases

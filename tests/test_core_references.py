@@ -94,6 +94,44 @@ def test_the_averaged_update_is_the_mean_of_every_ranks_top_k():
     assert averaged[0].tolist() == pytest.approx(expected, abs=1e-6)
 
 
+def test_the_average_written_over_a_consumed_gradient_is_the_mean_of_every_ranks_top_k():
+    """decompress(outs=) reuses a buffer whose contents are stale: they must not leak into
+    the average (a buffer not zeroed first would add them)."""
+    world, n, density = 3, 2000, 0.01
+    method = TopK(TopKConfig(density=density, value_dtype="float32"))
+    grads = [torch.randn(n, generator=torch.Generator().manual_seed(40 + r)) for r in range(world)]
+    messages = []
+    for r, grad in enumerate(grads):
+        result = method.compress(ops, method.init_state(ops, grad, True, world), grad,
+                                 call(rank=r, world=world, density=density))
+        messages.append(result.message)
+    stale = torch.full((n,), 7.0)
+    averaged, _ = method.decompress(ops, torch.cat(messages), [result.layout], world, 0,
+                                    ["float32"], [stale])
+    expected = [0.0] * n
+    for grad in grads:
+        values = grad.tolist()
+        for i in naive_topk(values, top_count(density, n)):
+            expected[i] += values[i] / world
+    assert averaged[0].data_ptr() == stale.data_ptr()
+    assert averaged[0].tolist() == pytest.approx(expected, abs=1e-6)
+
+
+def test_the_engine_writes_the_average_over_a_float32_gradient_only_when_no_memory_holds_it():
+    engine = Engine(TopK(TopKConfig(density=0.05, value_dtype="float32")), world_size=1, rank=0)
+    grad = torch.randn(50, 40, generator=torch.Generator().manual_seed(3))
+    kept = grad.clone()
+    message = engine.compress("w", grad, None)
+    averaged = engine.decompress(message.message, [message])[0]
+    assert averaged.data_ptr() == grad.data_ptr()
+    residual = engine.state_dict()["states"]["w"]["residual"]
+    # What was sent plus what stays in the memory is the gradient (nothing lost to the overwrite).
+    torch.testing.assert_close(averaged.reshape(-1) + residual, kept.reshape(-1), rtol=0, atol=1e-6)
+    half = grad.half()
+    message = engine.compress("w", half, None)
+    assert engine.decompress(message.message, [message])[0].data_ptr() != half.data_ptr()
+
+
 def test_a_value_beyond_float16_is_clamped_on_the_wire_and_the_excess_stays_in_the_memory():
     method = TopK(TopKConfig(density=0.01, value_dtype="float16"))
     grad = torch.zeros(1000)

@@ -127,7 +127,7 @@ def test_engines_agree_in_tf_function_through_warm_up(name):
         torch_engine.epoch = t // 3
         tf_engine.set_epoch(t // 3)
         grad = rs.standard_normal(shape).astype(np.float32)
-        outcome = torch_engine.compress("w", torch.from_numpy(grad), None)
+        outcome = torch_engine.compress("w", torch.from_numpy(grad.copy()), None)  # consumed
         expected = torch_engine.decompress(outcome.message, [outcome])[0].numpy()
         np.testing.assert_array_equal(expected, tf_step(tf.constant(grad)).numpy(), err_msg=f"step {t}")
         for key, value in torch_engine._states["w"].items():

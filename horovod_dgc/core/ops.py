@@ -44,6 +44,10 @@ class TensorOps(ABC):
         """A new tensor of ``n`` zeros on the device of ``like``."""
 
     @abstractmethod
+    def zeroed(self, x: Tensor) -> Tensor:
+        """Zeros shaped like ``x``, written over ``x`` where the framework allows."""
+
+    @abstractmethod
     def constant(self, values: Sequence[Any], dtype: str, like: Tensor) -> Tensor:
         """A small 1-D tensor of ``values`` (Python ints or 0-d integer tensors) on the
         device of ``like``."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, List, Sequence, Tuple
+from typing import Any, ClassVar, List, Optional, Sequence, Tuple
 
 from . import wire
 from .config import SparseConfig
@@ -98,23 +98,31 @@ class SparseMethod(Method):
         return self.memory.dense(ops, state, *self.prepare(ops, grad, call))
 
     def decompress(self, ops: TensorOps, gathered: Tensor, layouts: Sequence[wire.MessageLayout],
-                   world_size: int, step: Any, out_dtypes: Sequence[str]) -> Tuple[List[Tensor], Scalar]:
+                   world_size: int, step: Any, out_dtypes: Sequence[str],
+                   outs: Optional[Sequence[Optional[Tensor]]] = None) -> Tuple[List[Tensor], Scalar]:
         """Average the messages of all ranks. ``gathered`` is the allgather of each rank's
         messages for ``layouts``, concatenated in that order. Returns one flat dense tensor
-        per layout, ``(sum over ranks r = 0..N-1 of scatter_add) * (1 / N)`` (NaN for a tensor
-        some rank flagged as not finite), and whether no rank flagged any."""
+        per layout, ``sum over ranks r = 0..N-1 of scatter_add(indices_r, values_r / N)``
+        (NaN for a tensor some rank flagged as not finite), and whether no rank flagged any.
+
+        ``outs``: per layout, a flat tensor of its size in the state dtype whose contents are
+        no longer needed (the gradient the message was built from), or None. Where the
+        framework allows, the average is written over it: a fresh full-size tensor costs
+        more than the whole decode (its first touch faults every page in)."""
         expected = [(layout, rank) for rank in range(world_size) for layout in layouts]
         received = wire.receive(ops, gathered, expected, step)
-        sums = [ops.zeros(layout.numel, state_dtype(dtype), like=gathered)
-                for layout, dtype in zip(layouts, out_dtypes)]
+        outs = list(outs) if outs is not None else [None] * len(layouts)
+        sums = [ops.zeros(layout.numel, state_dtype(dtype), like=gathered) if out is None
+                else ops.zeroed(out) for layout, dtype, out in zip(layouts, out_dtypes, outs)]
         decoded = [layouts[i % len(layouts)].decode(ops, parts, ops.gather(received.counts, i),
                                                     ops.dtype(sums[i % len(layouts)]))
                    for i, parts in enumerate(received.parts)]
         positions = wire.checked_positions(ops, [(p, ok) for p, _, ok in decoded], expected, step)
         for i, (where, (_, values, _)) in enumerate(zip(positions, decoded)):
             t = i % len(layouts)
-            sums[t] = ops.scatter_add(sums[t], where, values)
-        averaged = [ops.cast(ops.scale(s, 1.0 / world_size), dtype) for s, dtype in zip(sums, out_dtypes)]
+            # Scaled before the sum: N sparse products instead of a pass over the dense sum.
+            sums[t] = ops.scatter_add(sums[t], where, ops.scale(ops.copy(values), 1.0 / world_size))
+        averaged = [ops.cast(s, dtype) for s, dtype in zip(sums, out_dtypes)]
         names = [layout.name for layout in layouts]
         finite = received_finite(ops, self.config.nonfinite, received.flags, names, step)
 

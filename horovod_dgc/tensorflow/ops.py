@@ -149,6 +149,9 @@ class TFOps(TensorOps):
     def zeros(self, n: int, dtype: str, like: tf.Tensor) -> tf.Tensor:
         return tf.zeros([n], DTYPES[dtype])
 
+    def zeroed(self, x: tf.Tensor) -> tf.Tensor:
+        return tf.zeros_like(x)
+
     def constant(self, values: Sequence[Any], dtype: str, like: tf.Tensor) -> tf.Tensor:
         target = DTYPES[dtype]
         if all(isinstance(v, int) for v in values):

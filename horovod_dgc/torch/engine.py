@@ -27,6 +27,7 @@ import torch
 from ..core.collectives import ALLGATHER, ALLREDUCE, network_bytes
 from ..core.method import CompressCall, Method
 from ..core.nonfinite import NonFiniteGradientError
+from ..core.sparse import Compressed
 from ..core.state import check_loadable, state_frame
 from ..core.stats import CompressionStats, StatsRecorder
 from ..core.twostage import StageHandover
@@ -46,6 +47,8 @@ class OutgoingMessage:
     shape: torch.Size
     dtype: torch.dtype
     loss_scale: float = 1.0
+    # The flat gradient the message was built from, when the average may be written over it.
+    destination: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -190,7 +193,8 @@ class Engine:
         self._record(step, ALLGATHER, result.layout.nbytes, grad,
                      elements_sent=int(result.count), elements_compressed=grad.numel(),
                      selection_time_s=elapsed)
-        return OutgoingMessage(name, result.message, result.layout, step, grad.shape, grad.dtype, scale)
+        return OutgoingMessage(name, result.message, result.layout, step, grad.shape, grad.dtype,
+                               scale, flat if _consumed(flat, result) else None)
 
     def dense(self, name: str, grad: torch.Tensor, param: Optional[torch.Tensor]) -> DenseUpdate:
         """What to all-reduce for a tensor that does not compress (a new tensor, float32 for
@@ -282,7 +286,8 @@ class Engine:
         names = [o.name for o in outgoing]
         try:
             flats, finite = self.method.decompress(self.ops, gathered, layouts, self.world_size,
-                                                   steps.pop(), dtypes)
+                                                   steps.pop(), dtypes,
+                                                   [o.destination for o in outgoing])
         except NonFiniteGradientError:
             self._conclude(names, False)
             raise
@@ -323,6 +328,16 @@ class Engine:
         with self._lock:
             self.world_size, self.rank = world_size, rank
 
+
+
+def _consumed(flat: torch.Tensor, result: Compressed) -> bool:
+    """Whether the average may be written over the gradient ``flat`` once its message is
+    built: float32 (the dtype of the sums) and held by neither the message nor a memory."""
+    if flat.dtype != torch.float32:
+        return False
+    storage = flat.untyped_storage().data_ptr()
+    held = (result.message, *result.state.values())
+    return all(t.untyped_storage().data_ptr() != storage for t in held)
 
 
 def _rescaled(update: torch.Tensor, loss_scale: float) -> torch.Tensor:

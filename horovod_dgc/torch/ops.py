@@ -41,6 +41,9 @@ class TorchOps(TensorOps):
     def zeros(self, n: int, dtype: str, like: torch.Tensor) -> torch.Tensor:
         return torch.zeros(n, dtype=DTYPES[dtype], device=like.device)
 
+    def zeroed(self, x: torch.Tensor) -> torch.Tensor:
+        return x.zero_()
+
     def constant(self, values: Sequence[Any], dtype: str, like: torch.Tensor) -> torch.Tensor:
         return torch.tensor([int(v) for v in values], dtype=DTYPES[dtype], device=like.device)
 
