@@ -1,7 +1,9 @@
 """Data-parallel training of a 1.03M-parameter CNN on Fashion-MNIST with Horovod and a
 horovod_dgc compressor: the one-argument change ``compression=`` on the stock
-``hvd.DistributedOptimizer`` (``--path stock``), or horovod_dgc's fused optimizer
-(``--path fused``); float32, bfloat16 autocast, or float16 autocast with a GradScaler.
+``hvd.DistributedOptimizer`` (``--path stock``), horovod_dgc's fused optimizer
+(``--path fused``), or a ``DistributedDataParallel`` model with horovod_dgc's communication
+hook (``--path ddp``: Horovod only launches the processes and reports); float32, bfloat16
+autocast, or float16 autocast with a GradScaler (stock and fused paths).
 
     horovodrun -np 2 -H localhost:2 --gloo .venv/bin/python examples/pytorch_fashion_mnist.py \\
         --compression dgc --epochs 3
@@ -23,6 +25,7 @@ from typing import List, Optional
 
 import horovod.torch as hvd
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -32,6 +35,7 @@ from _flags import (BASELINES, METHODS, MOMENTUM_IN_COMPRESSOR, SPARSE_METHODS, 
                     given)
 from horovod_dgc.core.wire import VALUE_FORMATS  # noqa: E402
 import horovod_dgc.torch as hdgc  # noqa: E402
+from horovod_dgc.torch import ddp  # noqa: E402
 from horovod_dgc.core import CompressionConfig  # noqa: E402
 
 
@@ -39,9 +43,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--compression", choices=METHODS, default="dgc")
-    p.add_argument("--path", choices=("stock", "fused"), default="stock",
+    p.add_argument("--path", choices=("stock", "fused", "ddp"), default="stock",
                    help="stock: hvd.DistributedOptimizer(compression=...); fused: "
-                   "horovod_dgc.torch.DistributedOptimizer (compressing methods only)")
+                   "horovod_dgc.torch.DistributedOptimizer; ddp: DistributedDataParallel with "
+                   "horovod_dgc.torch.ddp's hook (fused and ddp: compressing methods only)")
+    p.add_argument("--ddp-port", type=int, default=29531,
+                   help="--path ddp: TCP port of torch.distributed's rendezvous on localhost")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32",
                    help="bf16 and fp16: torch.amp autocast; fp16 with a GradScaler in "
                    "Horovod's recipe")
@@ -65,8 +72,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="write the metrics here (rank 0)")
     args = p.parse_args(argv)
-    if args.path == "fused" and args.compression in BASELINES:
-        p.error("--path fused needs a compressing method")
+    if args.path != "stock" and args.compression in BASELINES:
+        p.error(f"--path {args.path} needs a compressing method")
+    if args.path == "ddp" and args.precision == "fp16":
+        p.error("--path ddp: this example has no GradScaler recipe for a DDP hook")
     return args
 
 
@@ -93,7 +102,7 @@ def make_compression(args: argparse.Namespace, model: nn.Module):
     if args.compression in SPARSE_METHODS:
         options.update(density=args.density, warmup_epochs=args.warmup_epochs,
                        **given(args, "value_dtype"))
-    if args.compression in MOMENTUM_IN_COMPRESSOR and args.path == "stock" and args.optimizer == "sgd":
+    if args.compression in MOMENTUM_IN_COMPRESSOR and args.path != "fused" and args.optimizer == "sgd":
         options["momentum"] = args.momentum
     return getattr(hdgc.Compression, args.compression)(named_parameters=model.named_parameters(),
                                                        **options)
@@ -103,8 +112,10 @@ def make_optimizer(args: argparse.Namespace, model: nn.Module, compression):
     if args.optimizer == "adam":
         base = torch.optim.Adam(model.parameters(), lr=args.lr)
     else:
-        inside = args.compression in MOMENTUM_IN_COMPRESSOR and args.path == "stock"
+        inside = args.compression in MOMENTUM_IN_COMPRESSOR and args.path != "fused"
         base = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.0 if inside else args.momentum)
+    if args.path == "ddp":
+        return base
     wrap = hvd.DistributedOptimizer if args.path == "stock" else hdgc.DistributedOptimizer
     return wrap(base, named_parameters=model.named_parameters(), compression=compression)
 
@@ -134,6 +145,12 @@ def main(args: argparse.Namespace) -> None:
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     compression = make_compression(args, model)
     optimizer = make_optimizer(args, model, compression)
+    forward = model
+    if args.path == "ddp":
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.ddp_port}",
+                                rank=hvd.rank(), world_size=hvd.size())
+        forward = torch.nn.parallel.DistributedDataParallel(model)
+        ddp.register(forward, compression, optimizer=optimizer)
     scaler = torch.amp.GradScaler("cpu") if args.precision == "fp16" else None
     if scaler is not None and hasattr(compression, "attach_grad_scaler"):
         compression.attach_grad_scaler(scaler)
@@ -160,7 +177,7 @@ def main(args: argparse.Namespace) -> None:
             batch = order[step * args.batch_size:(step + 1) * args.batch_size]
             optimizer.zero_grad()
             with autocast(args):
-                loss = F.cross_entropy(model(shard.images[batch]).float(), shard.labels[batch])
+                loss = F.cross_entropy(forward(shard.images[batch]).float(), shard.labels[batch])
             if scaler is None:
                 loss.backward()
                 optimizer.step()
@@ -183,7 +200,8 @@ def main(args: argparse.Namespace) -> None:
                                 ratio=stats.ratio if stats else 1.0,
                                 handed_ratio=stats.handed_ratio if stats else 1.0,
                                 wall_s=time.perf_counter() - started))
-            traffic = (f", {stats.bytes_sent_per_step / 1e3:.1f} kB/step to Horovod "
+            carrier = "torch.distributed" if args.path == "ddp" else "Horovod"
+            traffic = (f", {stats.bytes_sent_per_step / 1e3:.1f} kB/step to {carrier} "
                        f"({stats.handed_ratio:.0f}x fewer than dense; on the network "
                        f"{stats.ratio:.0f}x)" if stats else "")
             print(f"epoch {epoch + 1}/{args.epochs}: loss {mean_loss:.4f}, test accuracy {acc:.4f}, "
@@ -195,6 +213,8 @@ def main(args: argparse.Namespace) -> None:
             args.json.write_text(json.dumps(dict(vars(args), json=str(args.json), workers=hvd.size(),
                                                  compressed_share=compressed_share, accuracy=history[-1]["accuracy"], wall_s=wall,
                                                  history=history), indent=2))
+    if args.path == "ddp":
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

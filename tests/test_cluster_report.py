@@ -44,8 +44,8 @@ def test_no_records_is_an_error(tmp_path):
 
 
 @pytest.mark.parametrize("dgc_100_s, dgc_1g_s, dgc_bytes, estimate_error, expected", [
-    (4.0, 2.5, 0.49e6, 0.14, [True] * 7),
-    (5.0, 2.7, 0.51e6, 0.16, [False] * 7),
+    (4.0, 2.5, 0.49e6, 0.14, [True] * 8),
+    (5.0, 2.7, 0.51e6, 0.16, [False] * 8),
 ])
 def test_claims_hold_or_fail_at_their_thresholds(tmp_path, dgc_100_s, dgc_1g_s, dgc_bytes,
                                                  estimate_error, expected):
@@ -55,6 +55,7 @@ def test_claims_hold_or_fail_at_their_thresholds(tmp_path, dgc_100_s, dgc_1g_s, 
     write_records(tmp_path / "r.jsonl", [
         unshaped("dense", 150e6, estimate_error), unshaped("dgc", dgc_bytes, -estimate_error),
         unshaped("scalecom", 2e6, estimate_error), unshaped("blocksign", 5e6, -estimate_error),
+        unshaped("dgc-ddp", dgc_bytes, estimate_error),
         record("1gbit", "dgc", dgc_1g_s, dgc_bytes), record("100mbit", "dense", 13.0, 152e6),
         record("100mbit", "dgc", dgc_100_s, dgc_bytes)])
     assert [c.passed for c in claims(load_records(tmp_path / "r.jsonl"))] == expected
@@ -63,7 +64,7 @@ def test_claims_hold_or_fail_at_their_thresholds(tmp_path, dgc_100_s, dgc_1g_s, 
 def test_claims_without_their_links_are_not_measured(tmp_path):
     write_records(tmp_path / "r.jsonl", [record("unshaped", "dense", 2.0, 150e6)])
     found = claims(load_records(tmp_path / "r.jsonl"))
-    assert [c.passed for c in found] == [None] * 7
+    assert [c.passed for c in found] == [None] * 8
     assert found[0].line().startswith("- n/a: ")
 
 

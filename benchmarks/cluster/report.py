@@ -17,7 +17,7 @@ REFERENCE_LINK = "unshaped"
 REFERENCE_METHOD = "dense"
 MIN_DGC_REDUCTION = 300.0  # bytes on the interfaces, dense over dgc, 4 workers, ResNet-50
 ESTIMATE_TOLERANCE = 0.15  # |estimate / interface bytes - 1| allowed
-ESTIMATED_METHODS = ("dense", "dgc", "scalecom", "blocksign")
+ESTIMATED_METHODS = ("dense", "dgc", "scalecom", "blocksign", "dgc-ddp")
 COLUMNS = ("link", "method", "optimizer", "setting", "workers", "model", "params", "batch_size",
            "image_size", "warmup_steps", "steps", "median_step_s", "images_per_s", "tx_bytes_per_step",
            "tx_bytes_per_step_max", "handed_bytes_per_step", "estimated_bytes_per_step",
@@ -66,7 +66,7 @@ def _kb(value: Optional[float]) -> str:
 
 def markdown_table(rows: List[dict]) -> str:
     lines = ["| link | method | optimizer | setting | median step (s) | images/s "
-             "| MB sent per worker per step | estimated MB | handed to Horovod MB "
+             "| MB sent per worker per step | estimated MB | handed to the collectives MB "
              "| idle kB/s | step vs dense | bytes vs dense | estimate vs sent |",
              "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:

@@ -16,15 +16,18 @@ ResNet-50's 25,557,032 parameters) for ``--warmup-steps`` untimed steps, then
 * ``dense``, ``fp16``: the stock ``hvd.DistributedOptimizer`` with Horovod's own compression;
 * ``dgc``, ``topk``, ``gaussiank``, ``scalecom``, ``blocksign``: ``horovod_dgc.torch``'s own
   ``DistributedOptimizer`` (fused buckets) with each method's default settings;
+* ``dgc-ddp``: dgc as a PyTorch DDP communication hook (``horovod_dgc.torch.ddp``, DDP's
+  default buckets) over Gloo, on a process group set up beside Horovod;
 * ``powersgd``: the outside reference, PyTorch DDP over Gloo with the PowerSGD communication
-  hook (``--powersgd-rank``, one gradient bucket), on a process group set up beside Horovod.
+  hook (``--powersgd-rank``, one gradient bucket), on the same process group.
 
 Per method, rank 0 prints and (``--out``) appends one JSON line: the median over the timed
 steps of the slowest worker's step time, images/s of the whole cluster, and the bytes each
 worker sent per step, read from its interface's ``tx_bytes`` counter (the interface Gloo
 uses, ``HOROVOD_GLOO_IFACE``) before and after the timed steps, next to what the library
-says it should be: the bytes handed to Horovod and the bytes sent on the network by the
-collectives used, per worker per step (``stats()`` for our methods; for Horovod's own the
+says it should be: the bytes handed to the collectives (Horovod's, or torch.distributed's for
+``dgc-ddp``) and the bytes they send on the network, per worker per step (``stats()`` for
+our methods; for Horovod's own the
 ring all-reduce of the float32 or float16 gradient, ``collectives.network_bytes``; none for
 PowerSGD).
 """
@@ -50,6 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import horovod_dgc.torch as hdgc
+from horovod_dgc.torch import ddp as dgc_ddp
 from horovod_dgc.core.collectives import ALLREDUCE, network_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -64,7 +68,7 @@ IDLE_S = 2.0
 POWERSGD_START_ITER = 2  # PowerSGD's smallest start with error feedback; earlier steps go dense
 TORCH_DIST_TIMEOUT_S = 120
 SPARSE_METHODS = ("dgc", "topk", "gaussiank", "scalecom", "blocksign")
-METHODS = ("dense", "fp16", *SPARSE_METHODS, "powersgd")
+METHODS = ("dense", "fp16", *SPARSE_METHODS, "dgc-ddp", "powersgd")
 
 Step = Callable[[], None]
 
@@ -206,6 +210,13 @@ def build_method(method: str, model: nn.Module, args: argparse.Namespace
     from torch.nn.parallel import DistributedDataParallel
 
     init_torch_distributed(args.iface)
+    if method == "dgc-ddp":
+        compression = hdgc.Compression.dgc(momentum=MOMENTUM)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.0)  # momentum in dgc
+        ddp = DistributedDataParallel(model, init_sync=False)
+        dgc_ddp.register(ddp, compression, optimizer=optimizer)
+        return (ddp, optimizer, "torch DDP (Gloo) + horovod_dgc hook",
+                f"density {compression.config.density:g}", compression)
     # One bucket: PowerSGD issues each bucket's later collectives from completion callbacks, so
     # with several buckets Gloo ranks can issue them in different orders (a collective mismatch).
     gradient_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2 ** 20
@@ -308,7 +319,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             print(f"{record.link:>10} {method:>10}: {record.median_step_s:8.3f} s/step, "
                   f"{record.images_per_s:8.1f} images/s, "
                   f"{record.tx_bytes_per_step / 1e6:9.3f} MB sent per worker per step"
-                  + (f" (estimated {record.estimated_bytes_per_step / 1e6:.3f} MB, handed to "
+                  + (f" (estimated {record.estimated_bytes_per_step / 1e6:.3f} MB, handed to the "
                      f"Horovod {record.handed_bytes_per_step / 1e6:.3f} MB)"
                      if record.estimated_bytes_per_step is not None else "")
                   + f"; idle {record.idle_bytes_per_s / 1e3:.1f} kB/s",
