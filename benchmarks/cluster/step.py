@@ -320,7 +320,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                   f"{record.images_per_s:8.1f} images/s, "
                   f"{record.tx_bytes_per_step / 1e6:9.3f} MB sent per worker per step"
                   + (f" (estimated {record.estimated_bytes_per_step / 1e6:.3f} MB, handed to the "
-                     f"Horovod {record.handed_bytes_per_step / 1e6:.3f} MB)"
+                     f"collectives {record.handed_bytes_per_step / 1e6:.3f} MB)"
                      if record.estimated_bytes_per_step is not None else "")
                   + f"; idle {record.idle_bytes_per_s / 1e3:.1f} kB/s",
                   flush=True)
