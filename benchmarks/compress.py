@@ -120,12 +120,14 @@ class CompressStep:
 
     Carrying the memory over would feed the same gradient again and again: the residual
     becomes a multiple of it with its top entries cut out, a distribution real training
-    never sees (Gaussian-k then sends a small fraction of k).
+    never sees (Gaussian-k then sends a small fraction of k). The memories the step replaced
+    are its storage for the next one (``CompressCall.spare``), as in the adapters' engines.
     """
 
     def __init__(self, ops: TorchOps, method: Method, grad: torch.Tensor, density: float):
         self.ops, self.method, self.grad, self.density = ops, method, grad, density
         self.state = method.init_state(ops, grad, compressed=True, world_size=1)
+        self.spare = None
 
     def reset(self) -> None:
         for tensor in self.state.values():
@@ -133,13 +135,14 @@ class CompressStep:
 
     def __call__(self, rep: int) -> Any:
         call = CompressCall(name="resnet50.flat_grad", rank=0, world_size=1, step=rep,
-                            density=self.density)
+                            density=self.density, spare=self.spare)
         if self.method.family == "two-stage":
-            message, self.state, _ = self.method.first(self.ops, self.state, self.grad, call)
-            return message
-        compressed = self.method.compress(self.ops, self.state, self.grad, call)
-        self.state = compressed.state
-        return compressed
+            message, state, _ = self.method.first(self.ops, self.state, self.grad, call)
+        else:
+            compressed = self.method.compress(self.ops, self.state, self.grad, call)
+            message, state = compressed, compressed.state
+        self.spare, self.state = self.state, state
+        return message
 
 
 def reference_cases(x: torch.Tensor) -> List[Case]:

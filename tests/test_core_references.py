@@ -173,3 +173,31 @@ def test_memories_hold_unscaled_gradients_whatever_the_loss_scale(name):
         torch.testing.assert_close(outputs[1], outputs[0] * 1024.0, rtol=1e-6, atol=0)
     for key, value in plain.state_dict()["states"]["w"].items():
         torch.testing.assert_close(scaled.state_dict()["states"]["w"][key], value, rtol=1e-6, atol=1e-7)
+
+
+def test_memories_written_into_the_storage_of_older_ones_equal_new_ones_through_a_dropped_step():
+    """The engine hands each compress the memories two steps old as storage (spare). Rank 0's
+    memories must equal those of the functional core step after step, through a step dropped
+    because rank 1's gradient held a NaN (rank 0's was finite and already accumulated), and the
+    storage must really be reused."""
+    method = DGC(DGCConfig(density=0.01, value_dtype="float32"))
+    engines = [Engine(method, world_size=2, rank=r) for r in range(2)]
+    grads = [[torch.randn(64, 64, generator=torch.Generator().manual_seed(60 + 10 * r + t))
+              for t in range(6)] for r in range(2)]
+    grads[1][3][1, 7] = float("nan")
+    state, storages = method.init_state(ops, grads[0][0].reshape(-1), True, 2), []
+    for t in range(6):
+        result = method.compress(ops, {k: v.clone() for k, v in state.items()},
+                                 grads[0][t].clone().reshape(-1),
+                                 call(rank=0, world=2, step=t, density=0.01))
+        if t != 3:
+            state = result.state
+        messages = [engine.compress("w", grads[r][t].clone(), None) for r, engine in enumerate(engines)]
+        gathered = torch.cat([m.message for m in messages])
+        for engine, message in zip(engines, messages):
+            engine.decompress(gathered, [message])
+        kept = engines[0].state_dict()["states"]["w"]
+        for key in ("momentum", "velocity"):
+            assert torch.equal(kept[key], state[key]), (t, key)
+        storages.append(engines[0]._states["w"]["velocity"].untyped_storage().data_ptr())
+    assert len(set(storages)) < len(storages)

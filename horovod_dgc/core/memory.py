@@ -13,13 +13,18 @@ agree to drop (a non-finite gradient on some rank) leaves the memories exactly a
 
 ``grad_scale`` multiplies the gradient before it enters the memory: DGC's clipping factor,
 and the inverse of a mixed-precision loss scale, so that memories hold unscaled gradients.
+``spare`` (``CompressCall.spare``) offers storage for the new state, by name.
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 from .method import State
 from .ops import Scalar, Tensor, TensorOps
+
+
+def _reuse(spare: Optional[State], name: str) -> Optional[Tensor]:
+    return None if spare is None else spare.get(name)
 
 
 class ResidualMemory:
@@ -28,16 +33,16 @@ class ResidualMemory:
     state_names: Tuple[str, ...] = ("residual",)
     dense_state_names: Tuple[str, ...] = ()
 
-    def accumulate(self, ops: TensorOps, state: State, grad: Tensor,
-                   grad_scale: Scalar = 1.0) -> Tuple[Tensor, State]:
-        residual = ops.add(state["residual"], grad, 1.0, grad_scale)
+    def accumulate(self, ops: TensorOps, state: State, grad: Tensor, grad_scale: Scalar = 1.0,
+                   spare: Optional[State] = None) -> Tuple[Tensor, State]:
+        residual = ops.add(state["residual"], grad, 1.0, grad_scale, out=_reuse(spare, "residual"))
         return residual, {"residual": residual}
 
     def update(self, ops: TensorOps, state: State, indices: Tensor, sent: Tensor) -> State:
         return {"residual": ops.scatter_sub(state["residual"], indices, sent)}
 
-    def dense(self, ops: TensorOps, state: State, grad: Tensor,
-              grad_scale: Scalar = 1.0) -> Tuple[Tensor, State]:
+    def dense(self, ops: TensorOps, state: State, grad: Tensor, grad_scale: Scalar = 1.0,
+              spare: Optional[State] = None) -> Tuple[Tensor, State]:
         if isinstance(grad_scale, (int, float)) and grad_scale == 1.0:
             return ops.copy(grad), state
         return ops.scale(ops.copy(grad), grad_scale), state
@@ -58,16 +63,17 @@ class MomentumCorrectionMemory:
         self.nesterov = nesterov
 
     def _step_momentum(self, ops: TensorOps, momentum: Tensor, grad: Tensor,
-                       grad_scale: Scalar) -> Tensor:
+                       grad_scale: Scalar, out: Optional[Tensor] = None) -> Tensor:
         m = self.momentum
         if self.nesterov:
-            return ops.add(momentum, grad, m, grad_scale * m)
-        return ops.add(momentum, grad, m, grad_scale)
+            return ops.add(momentum, grad, m, grad_scale * m, out=out)
+        return ops.add(momentum, grad, m, grad_scale, out=out)
 
-    def accumulate(self, ops: TensorOps, state: State, grad: Tensor,
-                   grad_scale: Scalar = 1.0) -> Tuple[Tensor, State]:
-        momentum = self._step_momentum(ops, state["momentum"], grad, grad_scale)
-        velocity = ops.add(state["velocity"], momentum)
+    def accumulate(self, ops: TensorOps, state: State, grad: Tensor, grad_scale: Scalar = 1.0,
+                   spare: Optional[State] = None) -> Tuple[Tensor, State]:
+        momentum = self._step_momentum(ops, state["momentum"], grad, grad_scale,
+                                       _reuse(spare, "momentum"))
+        velocity = ops.add(state["velocity"], momentum, out=_reuse(spare, "velocity"))
         if self.nesterov:
             velocity = ops.scale_add(velocity, 1.0, grad, grad_scale)
         return velocity, {"momentum": momentum, "velocity": velocity}
@@ -76,10 +82,11 @@ class MomentumCorrectionMemory:
         return {"momentum": ops.scatter_zero(state["momentum"], indices),
                 "velocity": ops.scatter_sub(state["velocity"], indices, sent)}
 
-    def dense(self, ops: TensorOps, state: State, grad: Tensor,
-              grad_scale: Scalar = 1.0) -> Tuple[Tensor, State]:
+    def dense(self, ops: TensorOps, state: State, grad: Tensor, grad_scale: Scalar = 1.0,
+              spare: Optional[State] = None) -> Tuple[Tensor, State]:
         """Momentum for a tensor that is not compressed: send ``u`` (Nesterov: ``u + g``)."""
-        momentum = self._step_momentum(ops, state["momentum"], grad, grad_scale)
+        momentum = self._step_momentum(ops, state["momentum"], grad, grad_scale,
+                                       _reuse(spare, "momentum"))
         if self.nesterov:
             update = ops.add(momentum, grad, 1.0, grad_scale)
         else:
@@ -98,12 +105,14 @@ class LowPassMemory:
     def __init__(self, beta: float):
         self.beta = beta
 
-    def accumulate(self, ops: TensorOps, state: State, grad: Tensor,
-                   grad_scale: Scalar = 1.0) -> Tuple[Tensor, State]:
-        p = ops.add(state["memory"], grad, 1.0, grad_scale)
+    def accumulate(self, ops: TensorOps, state: State, grad: Tensor, grad_scale: Scalar = 1.0,
+                   spare: Optional[State] = None) -> Tuple[Tensor, State]:
         if self.beta == 1.0:
+            p = ops.add(state["memory"], grad, 1.0, grad_scale, out=_reuse(spare, "memory"))
             return p, {"memory": p}
-        return p, {"memory": ops.add(state["memory"], grad, 1.0, grad_scale * self.beta)}
+        p = ops.add(state["memory"], grad, 1.0, grad_scale)
+        return p, {"memory": ops.add(state["memory"], grad, 1.0, grad_scale * self.beta,
+                                     out=_reuse(spare, "memory"))}
 
     def update(self, ops: TensorOps, state: State, indices: Tensor, sent: Tensor) -> State:
         if self.beta != 1.0:

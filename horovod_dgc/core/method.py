@@ -33,6 +33,9 @@ class CompressCall:
             averaged update comes back in those unscaled units.
         weight_decay: this tensor's weight decay, when it differs from the config's (the
             fused optimizer's parameter groups); None: the config's.
+        spare: memories of this tensor that nothing needs any more (those two steps old),
+            whose storage the new memories may take, by name; None: new tensors. A fresh
+            gradient-size tensor costs several read passes in page faults on its first touch.
     """
 
     name: str
@@ -43,6 +46,7 @@ class CompressCall:
     param: Optional[Tensor] = None
     loss_scale: Any = 1.0
     weight_decay: Optional[float] = None
+    spare: Optional[State] = None
 
     @property
     def unscale(self) -> Any:

@@ -17,7 +17,7 @@ Conventions:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 Tensor = Any
 Scalar = Any  # a 0-d tensor or a Python number
@@ -79,9 +79,12 @@ class TensorOps(ABC):
         """``out * alpha`` (may overwrite ``out``)."""
 
     @abstractmethod
-    def add(self, x: Tensor, y: Tensor, alpha: Scalar = 1.0, beta: Scalar = 1.0) -> Tensor:
+    def add(self, x: Tensor, y: Tensor, alpha: Scalar = 1.0, beta: Scalar = 1.0,
+            out: Optional[Tensor] = None) -> Tensor:
         """``x * alpha + y * beta`` as a new tensor (no argument is overwritten), in the wider
-        of the two dtypes; rounded as :meth:`scale_add` rounds it."""
+        of the two dtypes; rounded as :meth:`scale_add` rounds it. ``out``: a tensor shaped
+        and typed like ``x``, overlapping neither input, whose storage may hold the result
+        (a framework without in-place writes ignores it)."""
 
     @abstractmethod
     def multiply(self, x: Tensor, y: Tensor) -> Tensor:

@@ -102,7 +102,7 @@ class ScaleCom(TwoStageMethod):
               call: CompressCall) -> Tuple[Tensor, State, StageHandover]:
         n = ops.numel(grad)
         finite = is_finite(ops, grad)
-        p, state = self.memory.accumulate(ops, state, grad, call.unscale)
+        p, state = self.memory.accumulate(ops, state, grad, call.unscale, spare=call.spare)
         layout = self.index_layout(call.name, n, call.density)
 
         def leader_message() -> Tensor:

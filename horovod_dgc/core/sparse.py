@@ -78,7 +78,8 @@ class SparseMethod(Method):
         k = top_count(call.density, numel)
 
         def send():
-            x, new_state = self.memory.accumulate(ops, state, *self.prepare(ops, grad, call))
+            x, new_state = self.memory.accumulate(ops, state, *self.prepare(ops, grad, call),
+                                                  spare=call.spare)
             positions, _ = ops.sort(self.select(ops, x, k, call))
             count = ops.size(positions)
             header = layout.header(call.rank, call.step, count, 0)
@@ -95,7 +96,7 @@ class SparseMethod(Method):
 
     def dense(self, ops: TensorOps, state: State, grad: Tensor, call: CompressCall) -> Tuple[Tensor, State]:
         """What to all-reduce for a tensor that is not compressed, and the new state."""
-        return self.memory.dense(ops, state, *self.prepare(ops, grad, call))
+        return self.memory.dense(ops, state, *self.prepare(ops, grad, call), spare=call.spare)
 
     def decompress(self, ops: TensorOps, gathered: Tensor, layouts: Sequence[wire.MessageLayout],
                    world_size: int, step: Any, out_dtypes: Sequence[str],

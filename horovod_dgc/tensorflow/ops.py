@@ -203,7 +203,8 @@ class TFOps(TensorOps):
     def scale(self, out: tf.Tensor, alpha: Scalar) -> tf.Tensor:
         return out * _tensor(alpha, out.dtype)
 
-    def add(self, x: tf.Tensor, y: tf.Tensor, alpha: Scalar = 1.0, beta: Scalar = 1.0) -> tf.Tensor:
+    def add(self, x: tf.Tensor, y: tf.Tensor, alpha: Scalar = 1.0, beta: Scalar = 1.0,
+            out: Optional[tf.Tensor] = None) -> tf.Tensor:
         x, y = _promoted(x, y)
         return self.scale_add(x, alpha, y, beta)
 

@@ -75,6 +75,9 @@ class Engine:
         self.epoch = 0.0
         self._states: Dict[str, dict] = {}
         self._staged: Dict[str, dict] = {}
+        # Memories replaced at the last conclusion: storage for the next step's (see
+        # CompressCall.spare). One more copy of the memories between steps, no page faults.
+        self._spares: Dict[str, dict] = {}
         self._open: Set[str] = set()
         self._step_finite = True
         self._steps: Dict[str, int] = {}
@@ -146,9 +149,11 @@ class Engine:
               loss_scale: float) -> CompressCall:
         flat_param = None if param is None else param.detach().reshape(-1)
         density = self.config.density_for(step, self.epoch, self.config.is_small(tuple(grad.shape)))
+        with self._lock:
+            spare = self._spares.pop(name, None)
         return CompressCall(name=name, rank=self.rank, world_size=self.world_size, step=step,
                             density=density, param=flat_param, loss_scale=loss_scale,
-                            weight_decay=self._weight_decays.get(name))
+                            weight_decay=self._weight_decays.get(name), spare=spare)
 
     # -- keeping or dropping a step's memories --------------------------------------------------
     def _stage(self, name: str, state: dict) -> None:
@@ -168,6 +173,10 @@ class Engine:
             self._open.difference_update(names)
             if self._open:
                 return
+            for name, staged in self._staged.items():
+                kept = self._states.get(name)
+                if kept is not None and _disjoint(kept, staged):
+                    self._spares[name] = kept if self._step_finite else staged
             if self._step_finite:
                 self._states.update(self._staged)
             self._staged.clear()
@@ -177,6 +186,7 @@ class Engine:
         """Drop the memories of a step that will not finish (an elastic reset)."""
         with self._lock:
             self._staged.clear()
+            self._spares.clear()
             self._open.clear()
             self._step_finite = True
 
@@ -321,6 +331,7 @@ class Engine:
             self._steps = dict(state["steps"])
             self._states = {n: {k: v.clone() for k, v in s.items()} for n, s in state["states"].items()}
             self._staged.clear()
+            self._spares.clear()
             self._open.clear()
 
     def join(self, world_size: int, rank: int) -> None:
@@ -328,6 +339,12 @@ class Engine:
         with self._lock:
             self.world_size, self.rank = world_size, rank
 
+
+
+def _disjoint(a: dict, b: dict) -> bool:
+    """Whether no tensor of state ``a`` shares storage with a tensor of state ``b``."""
+    held = {t.untyped_storage().data_ptr() for t in b.values()}
+    return all(t.untyped_storage().data_ptr() not in held for t in a.values())
 
 
 def _consumed(flat: torch.Tensor, result: Compressed) -> bool:

@@ -5,7 +5,7 @@ reads the condition on the host: one synchronisation per loop test, none per ele
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -71,15 +71,19 @@ class TorchOps(TensorOps):
         return out.mul_(alpha)
 
     def add(self, x: torch.Tensor, y: torch.Tensor, alpha: Scalar = 1.0,
-            beta: Scalar = 1.0) -> torch.Tensor:
+            beta: Scalar = 1.0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         numbers = isinstance(alpha, (int, float)) and isinstance(beta, (int, float))
         if numbers and not x.is_floating_point():
             alpha, beta = int(alpha), int(beta)
+        if out is not None and (out.shape != x.shape or out.dtype != torch.result_type(x, y)):
+            out = None
         if numbers and alpha == 1.0:
-            return torch.add(x, y, alpha=beta)
+            return torch.add(x, y, alpha=beta, out=out)
         if numbers:
-            return torch.mul(x, alpha).add_(y, alpha=beta)
-        return x * alpha + y * beta
+            return torch.mul(x, alpha, out=out).add_(y, alpha=beta)
+        if out is None:
+            return x * alpha + y * beta
+        return torch.mul(x, alpha, out=out).add_(y * beta)
 
     def multiply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return x * y
