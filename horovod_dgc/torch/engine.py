@@ -350,11 +350,8 @@ def _disjoint(a: dict, b: dict) -> bool:
 def _consumed(flat: torch.Tensor, result: Compressed) -> bool:
     """Whether the average may be written over the gradient ``flat`` once its message is
     built: float32 (the dtype of the sums) and held by neither the message nor a memory."""
-    if flat.dtype != torch.float32:
-        return False
-    storage = flat.untyped_storage().data_ptr()
-    held = (result.message, *result.state.values())
-    return all(t.untyped_storage().data_ptr() != storage for t in held)
+    return flat.dtype == torch.float32 and _disjoint(
+        {"gradient": flat}, {"message": result.message, **result.state})
 
 
 def _rescaled(update: torch.Tensor, loss_scale: float) -> torch.Tensor:
