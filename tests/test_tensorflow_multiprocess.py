@@ -39,6 +39,13 @@ def test_scalecom_and_blocksign_match_the_n_worker_simulation():
             assert out.count(f"{kind} {mode} twostage ok") == 2, out
 
 
+def test_keras_optimizer_compressors_need_no_variables():
+    out = horovodrun("keras_optimizer_tensorflow.py", 2, timeout_s=600)
+    for method in ("dgc", "topk", "gaussiank", "scalecom", "blocksign"):
+        assert out.count(f"{method} keras unnamed ok") == 2, out
+    assert out.count("double momentum refused") == 2, out
+
+
 def test_own_tape_takes_keras_3_variables_and_matches_the_stock_tape():
     out = horovodrun("keras3_tape_tensorflow.py", 2, timeout_s=600)
     for mode in MODES:

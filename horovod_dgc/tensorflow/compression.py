@@ -11,22 +11,29 @@ blocksign) runs its whole exchange in ``compress`` and hands the result to ``dec
 
 **Which variable a gradient belongs to.** ``compress`` gets only the gradient, and inside a
 trace a gradient tensor carries nothing that names its variable (eagerly executed tapes hand
-Horovod's function the gradients as anonymous arguments). What is reliable is the order:
-within one trace, Horovod compresses the gradients in the order of ``sources``. So the
-compressor keeps, per trace (the outermost ``tf.function`` graph being built), a cursor into
-``variables`` and gives each gradient the next variable, at or after the cursor, of the same
-shape and dtype. This is exact whatever the order when shapes are unique, and exact for
-repeated shapes when ``variables`` lists the reduced variables in the order of ``sources``;
-a variable whose gradient is ``None`` (or an ``IndexedSlices``, which Horovod gathers
-itself) is skipped correctly unless the next gradient has its shape. A second pass over the
-variables within one trace (a second ``tape.gradient``) starts again from the first one.
-Horovod's ``groups=`` given as lists of variables reorders the gradients: not supported.
+Horovod's function the gradients as anonymous arguments). Horovod's tape and its Keras
+optimizers all hand the gradients to one function, ``allreduce_grads(grads, vars)`` (made by
+``_make_allreduce_grads_fn``), with the variables they belong to; ``compress`` is called
+beneath it with an element of ``grads`` itself. The compressor reads both lists from that
+call's frame and pairs the tensor with its variable by identity: exact whatever the order,
+the repeated shapes or the ``None`` gradients, on every rank alike. Without ``variables=``
+it binds itself to the ``vars`` of its first call (names made unique in that order, so the
+same on every rank: Keras 3's inner ``tf.Variable``s are all called ``kernel`` or ``bias``).
+
+Called some other way (``hvd.allreduce(grad, compression=...)`` directly, no such frame),
+it needs ``variables=`` and falls back on the order: within one trace the gradients come in
+the order of ``variables``, so it gives each the next variable, at or after a cursor, of the
+same shape and dtype (exact when shapes are unique or the order is kept).
+
+Within one trace, the ``k``-th compression of a variable's gradient (a second
+``tape.gradient``) gets its own collective names (``occurrence`` ``k``).
 """
 from __future__ import annotations
 
 import re
+import sys
 import weakref
-from typing import Any, Callable, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
@@ -59,13 +66,70 @@ def collective_name(name: str, occurrence: int = 0) -> str:
     return f"{base}.{occurrence}" if occurrence else base
 
 
-class _Cursor:
-    """Where one trace stands in the variables list, and how many passes it began."""
+def as_tf_variable(source: Any) -> Any:
+    """The ``tf.Variable`` behind a Keras 3 variable; anything else as it is."""
+    if isinstance(source, (tf.Variable, tf.Tensor)) or not hasattr(source, "value"):
+        return source
+    value = source.value
+    return value if isinstance(value, tf.Variable) else source
 
-    __slots__ = ("position", "passes")
+
+def _identity(variable: Any) -> Any:
+    """A hashable identity shared by a Keras 3 variable and the ``tf.Variable`` inside it."""
+    return as_tf_variable(variable).ref()
+
+
+def _unique_names(variables: Sequence[Any]) -> List[str]:
+    """Each variable's name, with ``.1``, ``.2``, ... added to the later ones of a repeated name."""
+    names, seen = [], {}
+    for variable in variables:
+        name = variable_name(variable)
+        count = seen.get(name, 0)
+        seen[name] = count + 1
+        names.append(f"{name}.{count}" if count else name)
+    return names
+
+
+# Horovod's ``_make_allreduce_grads_fn`` returns ``allreduce_grads(grads, vars, ...)``; AutoGraph
+# converts it into ``tf__allreduce_grads`` when a ``tf.function`` traces it.
+_REDUCER = "allreduce_grads"
+
+
+def _horovod_reduction(tensor: tf.Tensor) -> Optional[Tuple[Sequence[Any], Sequence[Any]]]:
+    """The (gradients, variables) lists of the Horovod ``allreduce_grads`` call that is
+    compressing ``tensor`` (found among the callers' frames), or None when ``compress`` was
+    called some other way."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name.endswith(_REDUCER):
+            grads, variables = frame.f_locals.get("grads"), frame.f_locals.get("vars")
+            if variables is not None and any(g is tensor for g in grads):
+                return grads, variables
+        frame = frame.f_back
+    return None
+
+
+def _horovod_keras_optimizer() -> Optional[Any]:
+    """The Horovod Keras ``DistributedOptimizer`` whose gradients are being compressed (the
+    ``self`` of a caller holding Horovod's ``_allreduce_grads``), or None (a tape)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if hasattr(owner, "_allreduce_grads") and hasattr(owner, "get_config"):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+class _Trace:
+    """One trace's walk over the variables: the cursor of the order fallback, and how often
+    each tensor was compressed so far."""
+
+    __slots__ = ("position", "uses")
 
     def __init__(self) -> None:
-        self.position, self.passes = 0, 0
+        self.position = 0
+        self.uses: Dict[str, int] = {}
 
 
 def _outermost_graph(tensor: tf.Tensor) -> Optional[tf.Graph]:
@@ -92,9 +156,12 @@ class MethodCompressor(CompressorControls, Compressor):
 
     Args:
         method: the core method (config included).
-        variables: the model's variables whose gradients Horovod reduces, in the order of the
-            tape's ``sources`` (``model.trainable_variables``). They name each tensor's
-            memory and collectives, and give DGC the parameters for weight decay.
+        variables: optional: the model's variables whose gradients Horovod reduces
+            (``model.trainable_variables``). They name each tensor's memory and collectives,
+            and give DGC the parameters for weight decay. Without them the compressor takes
+            the variables Horovod's tape or Keras optimizer reduces on its first step; give
+            them to restore a checkpoint before that step, or to call ``hvd.allreduce(...,
+            compression=)`` directly (then in the order the gradients are compressed).
     """
 
     engine_class = Engine
@@ -103,9 +170,12 @@ class MethodCompressor(CompressorControls, Compressor):
         self.method = method
         self.config = method.config
         self._variables: List[Tuple[str, Any]] = []
-        self._cursors: "weakref.WeakKeyDictionary[tf.Graph, _Cursor]" = weakref.WeakKeyDictionary()
-        self._eager_cursor = _Cursor()
+        self._names: Dict[Any, str] = {}
+        self._traces: "weakref.WeakKeyDictionary[tf.Graph, _Trace]" = weakref.WeakKeyDictionary()
+        self._eager_trace = _Trace()
         self._engine: Optional[Engine] = None
+        self._loss_scale: Optional[Callable[[], Any]] = None
+        self._optimizer_checked = False
         if variables is not None:
             self.bind(variables)
 
@@ -120,7 +190,11 @@ class MethodCompressor(CompressorControls, Compressor):
         if duplicates:
             raise ValueError(f"variables holds duplicate names: {duplicates} (name your "
                              f"tf.Variables, or pass Keras variables)")
+        self._adopt(variables, names)
+
+    def _adopt(self, variables: List[Any], names: List[str]) -> None:
         self._variables = list(zip(names, variables))
+        self._names = {_identity(v): name for name, v in self._variables}
 
     @property
     def bound(self) -> bool:
@@ -132,12 +206,18 @@ class MethodCompressor(CompressorControls, Compressor):
         """Built at first use (``hvd.init()`` must have run), variables included."""
         if self._engine is None:
             if not self._variables:
-                raise ValueError(f"{type(self.method).__name__} keeps a memory per tensor and needs "
-                                 f"the variables: Compression.{spec_of(self.method).name}"
-                                 f"(variables=model.trainable_variables, ...)")
+                raise ValueError(f"{type(self.method).__name__} keeps a memory per variable and "
+                                 f"learns the variables on its first step through "
+                                 f"hvd.DistributedGradientTape or a Horovod Keras optimizer; "
+                                 f"before that (restoring a checkpoint), or with hvd.allreduce "
+                                 f"called directly, give them: Compression."
+                                 f"{spec_of(self.method).name}(variables=model.trainable_variables"
+                                 f", ...)")
             specs = [tf.TensorSpec(v.shape, v.dtype, name) for name, v in self._variables]
             self._engine = self.engine_class(self.method, specs, world_size=hvd.size(),
                                              rank=hvd.rank())
+            if self._loss_scale is not None:
+                self._engine.use_loss_scale(self._loss_scale)
         return self._engine
 
     def attach_loss_scale(self, scale: Any) -> None:
@@ -145,7 +225,9 @@ class MethodCompressor(CompressorControls, Compressor):
         function returning the current scale: a Keras ``LossScaleOptimizer``'s
         ``dynamic_scale``); memories keep them unscaled and the averaged gradients go back
         scaled, as the loss scale optimizer expects."""
-        self.engine.use_loss_scale(scale if callable(scale) else lambda: scale)
+        self._loss_scale = scale if callable(scale) else lambda: scale
+        if self._engine is not None:
+            self._engine.use_loss_scale(self._loss_scale)
 
     def state_dict(self) -> dict:
         """This rank's memories, step counters and epoch, for checkpoints (call it eagerly)."""
@@ -160,12 +242,14 @@ class MethodCompressor(CompressorControls, Compressor):
         momentum the compressor already applies (with a config that
         :attr:`~horovod_dgc.core.CompressionConfig.needs_plain_optimizer`: DGC's, blocksign's
         with momentum): any optimizer but SGD (Adam, RMSprop, ... keep moments of their own),
-        or SGD with momentum, or weight decay on both sides. The Keras callback
-        :class:`~horovod_dgc.tensorflow.callbacks.CompressionWarmup` calls it at the start of
-        ``fit``; call it yourself in a custom loop."""
+        or SGD with momentum, or weight decay on both sides. Called on the first step through
+        a Horovod Keras ``DistributedOptimizer`` (and by the callback
+        :class:`~horovod_dgc.tensorflow.callbacks.CompressionWarmup`); with a tape, call it
+        yourself."""
         if not self.config.needs_plain_optimizer:
             return
-        settings = optimizer.get_config()
+        with tf.init_scope():  # get_config reads variables: eagerly, also while tracing
+            settings = optimizer.get_config()
         label = settings.get("name", type(optimizer).__name__)
         if not any(base.__name__ == "SGD" for base in type(optimizer).__mro__):
             raise ValueError(
@@ -184,28 +268,60 @@ class MethodCompressor(CompressorControls, Compressor):
 
     # -- Horovod's interface -----------------------------------------------------------------------
     def _lookup(self, tensor: tf.Tensor) -> Tuple[str, Any, int]:
-        """(name, variable, pass within this trace) of the variable ``tensor`` is the gradient of."""
+        """(name, variable, earlier compressions of it in this trace) of the variable whose
+        gradient ``tensor`` is."""
         graph = _outermost_graph(tensor)
-        cursor = self._eager_cursor if graph is None else self._cursors.setdefault(graph, _Cursor())
+        trace = self._eager_trace if graph is None else self._traces.setdefault(graph, _Trace())
+        reduction = _horovod_reduction(tensor)
+        if reduction is None:
+            name, variable = self._next_by_shape(tensor, trace)
+        else:
+            name, variable = self._paired(tensor, *reduction)
+        occurrence = trace.uses.get(name, 0)
+        trace.uses[name] = occurrence + 1
+        return name, variable, 0 if graph is None else occurrence
+
+    def _paired(self, tensor: tf.Tensor, grads: Sequence[Any],
+                variables: Sequence[Any]) -> Tuple[str, Any]:
+        """The variable Horovod's ``allreduce_grads`` pairs with ``tensor``; binds the
+        compressor to that call's variables if it has none yet."""
+        variable = variables[next(i for i, g in enumerate(grads) if g is tensor)]
+        if not self._variables:
+            self._adopt(list(variables), _unique_names(variables))
+        if not self._optimizer_checked:
+            self._optimizer_checked = True
+            optimizer = _horovod_keras_optimizer()
+            if optimizer is not None:
+                self.check_optimizer(optimizer)
+        name = self._names.get(_identity(variable))
+        if name is None:
+            known = ", ".join(n for n, _ in self._variables[:3])
+            raise ValueError(
+                f"compress() got the gradient of {variable_name(variable)!r}, which is not among "
+                f"this compressor's {len(self._variables)} variables ({known}, ...): a compressor "
+                f"keeps memories for one model's variables; give each tape or optimizer its own")
+        return name, variable
+
+    def _next_by_shape(self, tensor: tf.Tensor, trace: _Trace) -> Tuple[str, Any]:
+        """Without Horovod's pairing: the next variable of ``tensor``'s shape and dtype at or
+        after the trace's cursor (wrapping around to the first for a second pass)."""
+        if not self._variables:
+            self.engine  # raises, saying the variables are needed
         matches = [i for i, (_, v) in enumerate(self._variables)
                    if tuple(v.shape) == tuple(tensor.shape) and tf.as_dtype(v.dtype) == tensor.dtype]
         if not matches:
             raise ValueError(f"compress() got a {tensor.dtype.name} tensor of shape "
                              f"{tuple(tensor.shape)} that matches no variable in variables=")
-        ahead = [i for i in matches if i >= cursor.position]
-        if not ahead:
-            cursor.passes += 1
-        index = ahead[0] if ahead else matches[0]
-        cursor.position = index + 1
-        name, variable = self._variables[index]
-        return name, variable, 0 if graph is None else cursor.passes
+        index = next((i for i in matches if i >= trace.position), matches[0])
+        trace.position = index + 1
+        return self._variables[index]
 
     @tf.autograph.experimental.do_not_convert
     def compress(self, tensor: tf.Tensor):
         if Engine.passes_through(tensor):
             return tensor, None
-        engine = self.engine
         name, variable, occurrence = self._lookup(tensor)
+        engine = self.engine
         if not engine.compresses(tensor):
             update = engine.dense(name, tensor, variable)
             return update.tensor, update
@@ -265,9 +381,21 @@ class TwoStageCompressor(MethodCompressor):
 COMPRESSORS = {"sparse": SparseCompressor, "two-stage": TwoStageCompressor}
 
 
+# Compressors built while a tf.function traces, by (function, method, options): see _factory.
+_TRACED: Dict[Tuple[str, str, str], MethodCompressor] = {}
+
+
 def _factory(spec: MethodSpec) -> Callable[..., MethodCompressor]:
     def factory(variables: Optional[Iterable[Any]] = None, **options) -> MethodCompressor:
-        return COMPRESSORS[spec.family](spec.build(**options), variables)
+        if variables is not None or tf.executing_eagerly():
+            return COMPRESSORS[spec.family](spec.build(**options), variables)
+        # Built inside a tf.function (Horovod's TensorFlow 2 example does): each trace of the
+        # function would build new memories, which tf.function refuses after its first trace.
+        # The traces of one function share one compressor instead.
+        key = (tf.compat.v1.get_default_graph().name, spec.name, repr(sorted(options.items())))
+        if key not in _TRACED:
+            _TRACED[key] = COMPRESSORS[spec.family](spec.build(**options))
+        return _TRACED[key]
 
     factory.__name__ = spec.name
     factory.__doc__ = (f"{spec.summary[0].upper()}{spec.summary[1:]}; options: "
@@ -279,9 +407,8 @@ class Compression:
     """Horovod's ``Compression`` namespace plus every method of the table
     (:mod:`horovod_dgc.core.methods`): ``Compression.dgc(...)``, ``Compression.topk(...)``, ...
 
-    ``none`` and ``fp16`` are Horovod's own. The factories take ``variables=`` (the model's
-    ``trainable_variables``, in the order given to ``tape.gradient``) and the method's options
-    by name; every default lives in the method's config class
+    ``none`` and ``fp16`` are Horovod's own. The factories take the method's options by name
+    and, optionally, ``variables=`` (see :class:`MethodCompressor`); every default lives in the method's config class
     (:class:`~horovod_dgc.core.DGCConfig` and friends). With DGC the momentum and weight decay
     live in the compressor: apply the result with plain SGD (no momentum, no weight decay).
     """

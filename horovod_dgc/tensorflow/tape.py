@@ -12,15 +12,7 @@ from typing import Any, Optional
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-from .compression import MethodCompressor
-
-
-def as_tf_variable(source: Any) -> Any:
-    """The ``tf.Variable`` behind a Keras 3 variable; anything else as it is."""
-    if isinstance(source, (tf.Variable, tf.Tensor)) or not hasattr(source, "value"):
-        return source
-    value = source.value
-    return value if isinstance(value, tf.Variable) else source
+from .compression import MethodCompressor, as_tf_variable
 
 
 class DistributedGradientTape:
@@ -28,7 +20,8 @@ class DistributedGradientTape:
     as ``sources`` (and as local sources).
 
     A horovod_dgc compressor built without ``variables=`` is bound to the sources of the
-    first ``gradient`` call (they are in the order Horovod compresses them). Every other
+    first ``gradient`` call: its memories are named by the Keras paths
+    (``"sequential/dense/kernel"``), not by the inner variables' repeated names. Every other
     attribute is the Horovod tape's.
     """
 

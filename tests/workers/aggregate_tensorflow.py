@@ -2,9 +2,11 @@
 ``hvd.DistributedGradientTape``, eagerly and inside ``tf.function``; every rank checks that
 its aggregated gradient equals the dense reference built from all ranks' sent values.
 
-The Keras 3 model has a layer that gets no gradient (Horovod skips it, the compressor must
-too), two kernels and three biases of one shape (told apart by their order), and tensors that
-go dense. Then misuse: a rank with another density, and op=hvd.Sum, fail with errors that
+Each method runs with a compressor given ``variables=`` and with one given nothing (it takes
+the variables from Horovod's call). The Keras 3 model has a layer that gets no gradient
+(Horovod skips it, the compressor must too) placed just before a layer of its shapes (pairing
+by order and shape would hand that layer's gradients the unused layer's memories), kernels
+and biases of one shape, and tensors that go dense. Then misuse: a rank with another density, and op=hvd.Sum, fail with errors that
 name the rank and the tensor, or the op.
 """
 import keras
@@ -22,13 +24,13 @@ MOMENTUM = 0.9
 def build_model():
     """(used layers, all variables in tape order: an unused layer sits among them)."""
     keras.utils.set_random_seed(0)
-    used = [keras.layers.Dense(300, name="first"), keras.layers.Dense(50, name="second"),
-            keras.layers.Dense(50, name="third"), keras.layers.Dense(50, name="fourth")]
-    model = keras.Sequential([keras.Input((64,)), *used], name="net")
-    unused = keras.layers.Dense(40, name="unused")
-    unused.build((None, 10))
-    variables = [*used[0].trainable_variables, *unused.trainable_variables,
-                 *[v for layer in used[1:] for v in layer.trainable_variables]]
+    first, second, third, fourth = [keras.layers.Dense(n, name=name) for n, name in
+                                    ((300, "first"), (50, "second"), (50, "third"), (50, "fourth"))]
+    model = keras.Sequential([keras.Input((64,)), first, second, third, fourth], name="net")
+    unused = keras.layers.Dense(50, name="unused")
+    unused.build((None, 50))
+    variables = [v for layer in (first, unused, third, second, fourth)
+                 for v in layer.trainable_variables]
     return model, variables
 
 
@@ -50,8 +52,11 @@ def make_step(compression, variables, mode: str, op=hvd.Average):
     return tf.function(step) if mode == "function" else step
 
 
-def accumulated(method: str, state_before: dict, grad: np.ndarray) -> np.ndarray:
-    """What the memory accumulates this step (float32 numpy rounds like TensorFlow)."""
+def accumulated(method: str, state_before, grad: np.ndarray) -> np.ndarray:
+    """What the memory accumulates this step (float32 numpy rounds like TensorFlow); no
+    state before the first step of a compressor that learns its variables then."""
+    if state_before is None:
+        return grad
     if method == "dgc":
         momentum = np.float32(MOMENTUM) * state_before["momentum"] + grad
         return state_before["velocity"] + momentum
@@ -62,6 +67,11 @@ def snapshot(compression, name: str, shape) -> dict:
     return {k: v.numpy().reshape(shape) for k, v in compression.engine._states[name].items()}
 
 
+def memory_names(compression, variables) -> dict:
+    """Keras path -> the name the compressor keeps the variable's memory under."""
+    return {v.path: compression._names[v.value.ref()] for v in variables}
+
+
 def exact_topk_dense(x: np.ndarray, k: int) -> np.ndarray:
     flat = x.reshape(-1)
     order = sorted(range(flat.size), key=lambda i: -abs(float(flat[i])))[:k]
@@ -70,31 +80,36 @@ def exact_topk_dense(x: np.ndarray, k: int) -> np.ndarray:
     return out.reshape(x.shape)
 
 
-def run(method: str, mode: str) -> None:
+def run(method: str, mode: str, named: bool) -> dict:
+    """Two steps; checks each rank's result against the dense reference; returns them."""
     rank, size = hvd.rank(), hvd.size()
     _, variables = build_model()
     # float32 values: the sent values are then exactly the selected entries.
-    compression = getattr(hdgc.Compression, method)(variables=variables, density=DENSITY,
-                                                    value_dtype="float32")
+    compression = getattr(hdgc.Compression, method)(variables=variables if named else None,
+                                                    density=DENSITY, value_dtype="float32")
     step_fn = make_step(compression, variables, mode)
     shapes = {v.path: tuple(v.shape) for v in variables}
+    results = []
     for step in range(2):
         grads = gradients(rank, step, variables)
-        before = {name: snapshot(compression, name, shapes[name]) for name in grads}
+        before = ({path: snapshot(compression, name, shapes[path]) for path, name
+                   in memory_names(compression, variables).items() if path in grads}
+                  if compression.bound else {})
         got = dict(zip([v.path for v in variables], step_fn(grads)))
+        names = memory_names(compression, variables)
         for name, grad in grads.items():
             compressed = compression.engine.compresses(tf.TensorSpec(shapes[name], tf.float32))
             if compressed:
-                x = accumulated(method, before[name], grad)
-                kept = snapshot(compression, name, shapes[name])
+                x = accumulated(method, before.get(name), grad)
+                kept = snapshot(compression, names[name], shapes[name])
                 mine = x - (kept["velocity"] if method == "dgc" else kept["residual"])
                 if method in ("topk", "dgc"):
                     k = top_count(compression.config.density_floor(shapes[name]) or DENSITY,
                                   grad.size)
                     assert np.array_equal(mine, exact_topk_dense(x, k)), f"{name}: not the exact top-k"
             else:
-                mine = grad if method != "dgc" else snapshot(compression, name, shapes[name])["momentum"]
-            everyone = hvd.allgather_object(mine, name=f"check.{method}.{mode}.{step}.{name}")
+                mine = grad if method != "dgc" else snapshot(compression, names[name], shapes[name])["momentum"]
+            everyone = hvd.allgather_object(mine, name=f"check.{method}.{mode}.{named}.{step}.{name}")
             reference = np.zeros_like(grad)
             for sent in everyone:
                 reference = reference + sent
@@ -105,8 +120,22 @@ def run(method: str, mode: str) -> None:
             else:
                 np.testing.assert_allclose(result, reference, rtol=1e-6, atol=1e-7)
         assert got["unused/kernel"] is None and got["unused/bias"] is None
+        results.append({k: v.numpy() for k, v in got.items() if v is not None})
     assert compression.stats().steps == 2, compression.stats()
-    print(f"rank {rank}/{size} {method} {mode} aggregate ok", flush=True)
+    return {"results": results, "names": names}
+
+
+def run_named_and_unnamed(method: str, mode: str) -> None:
+    """Both compressors pass the reference check, agree bit for bit and name the memories
+    alike (Keras 3's inner variables carry their Keras paths)."""
+    named, unnamed = run(method, mode, named=True), run(method, mode, named=False)
+    for mine, theirs in zip(named["results"], unnamed["results"]):
+        assert mine.keys() == theirs.keys()
+        for key in mine:
+            assert np.array_equal(mine[key], theirs[key]), f"{method}/{mode} {key}: unnamed differs"
+    assert all(path == name for path, name in unnamed["names"].items()), unnamed["names"]
+    assert unnamed["names"] == named["names"], unnamed["names"]
+    print(f"rank {hvd.rank()}/{hvd.size()} {method} {mode} aggregate ok", flush=True)
 
 
 def expect_failure(fn, *needles: str) -> None:
@@ -142,5 +171,5 @@ if __name__ == "__main__":
     tf.config.threading.set_intra_op_parallelism_threads(1)
     for mode in ("eager", "function"):
         for method in ("topk", "dgc", "gaussiank"):
-            run(method, mode)
+            run_named_and_unnamed(method, mode)
     misuse()

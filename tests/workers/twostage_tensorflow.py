@@ -4,7 +4,8 @@ aggregated gradient against the core's in-process simulation of all the workers,
 its memories equal the simulated worker's.
 
 The variables include a small tensor (a bias: dense for blocksign, its own density for
-ScaleCom) and two kernels of one shape.
+ScaleCom) and two kernels of one shape. Eagerly the compressor is given ``variables=``;
+inside ``tf.function`` it is given nothing and takes them from Horovod's call.
 """
 import numpy as np
 import tensorflow as tf
@@ -34,7 +35,8 @@ def run(kind: str, mode: str) -> None:
     model_vars = variables()
     names = {v.name.rsplit(":", 1)[0]: tuple(v.shape) for v in model_vars}
     method_name = "blocksign" if kind.startswith("blocksign") else kind
-    compression = getattr(hdgc.Compression, method_name)(variables=model_vars, **OPTIONS[kind])
+    given = model_vars if mode == "eager" else None
+    compression = getattr(hdgc.Compression, method_name)(variables=given, **OPTIONS[kind])
 
     def step_fn(grads):
         with tf.GradientTape() as tape:
