@@ -3,7 +3,7 @@ VENV   := .venv
 PYTHON := $(VENV)/bin/python
 NP     ?= 2
 
-.PHONY: setup test test-slow demo imagenet-demo bench-compress bench-convergence cluster-bench clean-venv
+.PHONY: setup test test-slow demo imagenet-demo bench-compress bench-convergence cluster-bench horovod-examples clean-venv
 
 setup:
 	@bash scripts/setup_env.sh
@@ -46,6 +46,12 @@ bench-convergence: setup
 ## 100 Mbit/s, dense and dgc, a few steps (under 5 minutes).
 cluster-bench: setup
 	$(PYTHON) -m benchmarks.cluster.run --check $(if $(QUICK),--quick)
+
+## Horovod's own example scripts with only their compression line changed, 2 workers, dgc and
+## blocksign (HOROVOD_EXAMPLES: the examples/ folder of a checkout of github.com/horovod/horovod).
+horovod-examples: setup
+	@test -n "$(HOROVOD_EXAMPLES)" || { echo "set HOROVOD_EXAMPLES=/path/to/horovod/examples"; exit 2; }
+	$(PYTHON) -m benchmarks.horovod_examples --horovod-examples $(HOROVOD_EXAMPLES)
 
 clean-venv:
 	rm -rf $(VENV)
