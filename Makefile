@@ -19,7 +19,7 @@ test-slow: setup
 ## Fashion-MNIST on $(NP) workers: dense, then DGC at density 0.001 (a 1M-parameter CNN, 99.6% of it
 ## compressed), one line per epoch, then both accuracies, the bytes per step and the ratios.
 demo: setup
-	$(PYTHON) -m benchmarks.convergence --np $(NP) --epochs 2 --train-images 16000 \
+	$(PYTHON) -m benchmarks.convergence --np $(NP) --epochs 2 --train-images 12000 \
 		--runs dgc-stock --show --no-bounds --out build/demo
 
 ## ResNet-50 on a generated 4-class ImageFolder (tiny images, CPU), 3 epochs of DGC with
