@@ -2,13 +2,12 @@
 
 Takes a checkout of Horovod's repository (its ``examples/`` folder; nothing of it is kept in
 this project), copies each script below to ``--work`` (with its output, ``<script>.log``),
-replaces the line that builds
-Horovod's compression by an import of horovod_dgc and ``compression =
-Compression.<method>(...)`` (the same indentation, nothing else touched), runs it under
-``horovodrun -np 2 --gloo`` with small arguments for a CPU, and prints the line of its
-output that shows it trained (images per second, loss or accuracy). Every script runs as a
-fixed 2-worker job, the elastic one included (its ``hvd.elastic.run`` loop and state). The ImageNet scripts
-train on a small generated ImageFolder; a method that keeps momentum itself (DGC) runs them
+replaces the line that builds Horovod's compression by an import of horovod_dgc and
+``compression = Compression.<method>(...)`` (the same indentation, nothing else touched),
+runs it under ``horovodrun -np 2 --gloo`` with small arguments for a CPU, and prints the line
+of its output that shows it trained (images per second, loss or accuracy). Every script runs
+as a fixed 2-worker job, the elastic one included (its ``hvd.elastic.run`` loop and state).
+The ImageNet scripts train on a small generated ImageFolder; a method that keeps momentum itself (DGC) runs them
 with ``--momentum 0``, their SGD's momentum flag (the compressor refuses to apply it twice).
 
 Keras' ``keras/keras_imagenet_resnet50.py`` is not run: it imports ``keras`` itself, which

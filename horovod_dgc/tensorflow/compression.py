@@ -17,8 +17,9 @@ optimizers all hand the gradients to one function, ``allreduce_grads(grads, vars
 beneath it with an element of ``grads`` itself. The compressor reads both lists from that
 call's frame and pairs the tensor with its variable by identity: exact whatever the order,
 the repeated shapes or the ``None`` gradients, on every rank alike. Without ``variables=``
-it binds itself to the ``vars`` of its first call (names made unique in that order, so the
-same on every rank: Keras 3's inner ``tf.Variable``s are all called ``kernel`` or ``bias``).
+it binds itself to the ``vars`` of its first call, named as they are (Keras 3's inner
+``tf.Variable``s carry their Keras paths); a name that repeats (unnamed ``tf.Variable``s)
+gets ``.1``, ``.2``, ... in the order of ``vars``, the same on every rank.
 
 Called some other way (``hvd.allreduce(grad, compression=...)`` directly, no such frame),
 it needs ``variables=`` and falls back on the order: within one trace the gradients come in
@@ -33,7 +34,7 @@ from __future__ import annotations
 import re
 import sys
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
@@ -95,29 +96,34 @@ def _unique_names(variables: Sequence[Any]) -> List[str]:
 _REDUCER = "allreduce_grads"
 
 
-def _horovod_reduction(tensor: tf.Tensor) -> Optional[Tuple[Sequence[Any], Sequence[Any]]]:
-    """The (gradients, variables) lists of the Horovod ``allreduce_grads`` call that is
-    compressing ``tensor`` (found among the callers' frames), or None when ``compress`` was
-    called some other way."""
-    frame = sys._getframe(1)
+def _caller_frames() -> Iterator[Any]:
+    """The frames of the callers of the function calling this one, innermost first."""
+    frame = sys._getframe(2)
     while frame is not None:
+        yield frame
+        frame = frame.f_back
+
+
+def _horovod_reduction(tensor: tf.Tensor) -> Optional[Tuple[Any, Sequence[Any]]]:
+    """(the variable paired with ``tensor``, all the variables) in the Horovod
+    ``allreduce_grads`` call that is compressing ``tensor`` (found among the callers'
+    frames), or None when ``compress`` was called some other way."""
+    for frame in _caller_frames():
         if frame.f_code.co_name.endswith(_REDUCER):
             grads, variables = frame.f_locals.get("grads"), frame.f_locals.get("vars")
-            if variables is not None and any(g is tensor for g in grads):
-                return grads, variables
-        frame = frame.f_back
+            index = next((i for i, g in enumerate(grads or ()) if g is tensor), None)
+            if variables is not None and index is not None:
+                return variables[index], variables
     return None
 
 
 def _horovod_keras_optimizer() -> Optional[Any]:
     """The Horovod Keras ``DistributedOptimizer`` whose gradients are being compressed (the
     ``self`` of a caller holding Horovod's ``_allreduce_grads``), or None (a tape)."""
-    frame = sys._getframe(1)
-    while frame is not None:
+    for frame in _caller_frames():
         owner = frame.f_locals.get("self")
         if hasattr(owner, "_allreduce_grads") and hasattr(owner, "get_config"):
             return owner
-        frame = frame.f_back
     return None
 
 
@@ -206,19 +212,20 @@ class MethodCompressor(CompressorControls, Compressor):
         """Built at first use (``hvd.init()`` must have run), variables included."""
         if self._engine is None:
             if not self._variables:
-                raise ValueError(f"{type(self.method).__name__} keeps a memory per variable and "
-                                 f"learns the variables on its first step through "
-                                 f"hvd.DistributedGradientTape or a Horovod Keras optimizer; "
-                                 f"before that (restoring a checkpoint), or with hvd.allreduce "
-                                 f"called directly, give them: Compression."
-                                 f"{spec_of(self.method).name}(variables=model.trainable_variables"
-                                 f", ...)")
+                raise self._variables_needed()
             specs = [tf.TensorSpec(v.shape, v.dtype, name) for name, v in self._variables]
             self._engine = self.engine_class(self.method, specs, world_size=hvd.size(),
                                              rank=hvd.rank())
             if self._loss_scale is not None:
                 self._engine.use_loss_scale(self._loss_scale)
         return self._engine
+
+    def _variables_needed(self) -> ValueError:
+        return ValueError(f"{type(self.method).__name__} keeps a memory per variable and learns "
+                          f"the variables on its first step through hvd.DistributedGradientTape "
+                          f"or a Horovod Keras optimizer; before that (restoring a checkpoint), "
+                          f"or with hvd.allreduce called directly, give them: Compression."
+                          f"{spec_of(self.method).name}(variables=model.trainable_variables, ...)")
 
     def attach_loss_scale(self, scale: Any) -> None:
         """Mixed precision: gradients arrive multiplied by ``scale`` (a ``tf.Variable``, or a
@@ -276,16 +283,14 @@ class MethodCompressor(CompressorControls, Compressor):
         if reduction is None:
             name, variable = self._next_by_shape(tensor, trace)
         else:
-            name, variable = self._paired(tensor, *reduction)
+            name, variable = self._paired(*reduction)
         occurrence = trace.uses.get(name, 0)
         trace.uses[name] = occurrence + 1
         return name, variable, 0 if graph is None else occurrence
 
-    def _paired(self, tensor: tf.Tensor, grads: Sequence[Any],
-                variables: Sequence[Any]) -> Tuple[str, Any]:
-        """The variable Horovod's ``allreduce_grads`` pairs with ``tensor``; binds the
-        compressor to that call's variables if it has none yet."""
-        variable = variables[next(i for i, g in enumerate(grads) if g is tensor)]
+    def _paired(self, variable: Any, variables: Sequence[Any]) -> Tuple[str, Any]:
+        """(name, variable) of the variable Horovod's ``allreduce_grads`` paired with the
+        tensor; binds the compressor to that call's ``variables`` if it has none yet."""
         if not self._variables:
             self._adopt(list(variables), _unique_names(variables))
         if not self._optimizer_checked:
@@ -306,7 +311,7 @@ class MethodCompressor(CompressorControls, Compressor):
         """Without Horovod's pairing: the next variable of ``tensor``'s shape and dtype at or
         after the trace's cursor (wrapping around to the first for a second pass)."""
         if not self._variables:
-            self.engine  # raises, saying the variables are needed
+            raise self._variables_needed()
         matches = [i for i, (_, v) in enumerate(self._variables)
                    if tuple(v.shape) == tuple(tensor.shape) and tf.as_dtype(v.dtype) == tensor.dtype]
         if not matches:
@@ -408,7 +413,8 @@ class Compression:
     (:mod:`horovod_dgc.core.methods`): ``Compression.dgc(...)``, ``Compression.topk(...)``, ...
 
     ``none`` and ``fp16`` are Horovod's own. The factories take the method's options by name
-    and, optionally, ``variables=`` (see :class:`MethodCompressor`); every default lives in the method's config class
+    and, optionally, ``variables=`` (see :class:`MethodCompressor`); every default lives in
+    the method's config class
     (:class:`~horovod_dgc.core.DGCConfig` and friends). With DGC the momentum and weight decay
     live in the compressor: apply the result with plain SGD (no momentum, no weight decay).
     """

@@ -20,9 +20,8 @@ class DistributedGradientTape:
     as ``sources`` (and as local sources).
 
     A horovod_dgc compressor built without ``variables=`` is bound to the sources of the
-    first ``gradient`` call: its memories are named by the Keras paths
-    (``"sequential/dense/kernel"``), not by the inner variables' repeated names. Every other
-    attribute is the Horovod tape's.
+    first ``gradient`` call, named by their Keras paths (``"sequential/dense/kernel"``). Every
+    other attribute is the Horovod tape's.
     """
 
     def __init__(self, tape: tf.GradientTape, **options: Any):
