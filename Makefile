@@ -3,7 +3,7 @@ VENV   := .venv
 PYTHON := $(VENV)/bin/python
 NP     ?= 2
 
-.PHONY: setup test test-slow demo imagenet-demo bench-compress bench-convergence cluster-bench horovod-examples clean-venv
+.PHONY: setup test test-slow demo imagenet-demo bench-compress bench-convergence cluster-bench compose-test horovod-examples clean-venv
 
 setup:
 	@bash scripts/setup_env.sh
@@ -46,6 +46,15 @@ bench-convergence: setup
 ## 100 Mbit/s, dense and dgc, a few steps (under 5 minutes).
 cluster-bench: setup
 	$(PYTHON) -m benchmarks.cluster.run --check $(if $(QUICK),--quick)
+
+## The Docker Compose cluster, run for real (needs root; minutes; not part of make test): installs
+## Debian's docker.io and docker-compose when missing, starts dockerd when none runs, builds the
+## image (a debootstrap base when no base image can be pulled), trains dense and dgc on a
+## rendezvous + 4 worker containers, unshaped and at 100 Mbit/s, checks and removes everything.
+## COMPOSE=v1|v2 picks the compose command; KILL_WORKER=R kills worker R mid-run (must fail).
+compose-test: setup
+	$(PYTHON) benchmarks/docker/compose_test.py $(if $(COMPOSE),--compose $(COMPOSE)) \
+		$(if $(KILL_WORKER),--kill-worker $(KILL_WORKER))
 
 ## Horovod's own example scripts with only their compression line changed, 2 workers, dgc and
 ## blocksign (HOROVOD_EXAMPLES: the examples/ folder of a checkout of github.com/horovod/horovod).
