@@ -30,12 +30,15 @@ RUNNING = {"Name": "/hdgc12985_worker1_1",
                                  "com.docker.compose.service": "worker1"}}}
 
 
-def container(service: str, status: str = "running", exit_code: int = 0, oom: bool = False) -> dict:
+def container(service: str, status: str = "running", exit_code: int = 0, oom: bool = False,
+              finished: str = "2026-11-25T05:25:16.4Z") -> dict:
     item = copy.deepcopy(RUNNING)
     item["Name"] = f"/hdgc1_{service}_1"
     item["Config"]["Labels"]["com.docker.compose.service"] = service
     item["State"].update(Status=status, Running=status == "running", ExitCode=exit_code,
                          OOMKilled=oom)
+    if status != "running":
+        item["State"]["FinishedAt"] = finished
     return item
 
 
@@ -64,6 +67,23 @@ def test_a_killed_worker_ends_the_run_with_its_name_while_the_others_still_run()
     with pytest.raises(ComposeTestError, match=r"worker container hdgc12985_worker2_1 \(service "
                                                r"worker2\) was killed \(SIGKILL, exit 137\)"):
         ct.judge(states(container("rendezvous"), RUNNING, KILLED), workers=4)
+
+
+def test_the_first_worker_to_end_is_named_not_the_first_by_name():
+    # worker3 was killed; worker0 crashed 0.3 s later when its peer went away.
+    killed = container("worker3", "exited", 137, finished="2026-11-25T05:25:16.412555563Z")
+    crashed = container("worker0", "exited", 139, finished="2026-11-25T05:25:16.7Z")
+    with pytest.raises(ComposeTestError, match=r"^worker container hdgc1_worker3_1 .*SIGKILL.*"
+                                               r"also hdgc1_worker0_1 \(was killed \(SIGSEGV"):
+        ct.judge(states(crashed, killed), 4)
+
+
+def test_docker_times_read_to_the_nanosecond():
+    assert ct.epoch_seconds("1970-01-01T00:00:01.5Z") == 1.5
+    assert ct.epoch_seconds("2026-11-25T05:25:16.41255Z") < ct.epoch_seconds("2026-11-25T05:25:16.4126Z")
+    assert ct.epoch_seconds("0001-01-01T00:00:00Z") == 0.0
+    assert states(RUNNING)[0].finished_s == 0.0
+    assert states(KILLED)[0].finished_s == pytest.approx(1795584316.412555563, abs=1e-6)
 
 
 def test_the_run_goes_on_until_every_worker_exited_zero():

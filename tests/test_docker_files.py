@@ -56,6 +56,8 @@ def test_dockerfile_takes_its_base_as_an_argument_with_a_public_default():
     first_from = next(line for line in text.splitlines() if line.startswith("FROM "))
     assert first_from.split()[1] == "${BASE_IMAGE}"
     assert text.index("ARG BASE_IMAGE=") < text.index(first_from)
+    # compose_test.py prunes the untagged images of its earlier builds by this label.
+    assert f"LABEL {compose_test.IMAGE_LABEL}" in text
 
 
 def test_the_installer_and_the_entrypoint_are_valid_shell():

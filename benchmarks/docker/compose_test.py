@@ -38,6 +38,7 @@ included.
 from __future__ import annotations
 
 import argparse
+import datetime
 import hashlib
 import json
 import os
@@ -61,6 +62,7 @@ COMPOSE_FILE = HERE / "docker-compose.yml"
 WHEELS = HERE / "wheels"
 WORK = ROOT / "build" / "compose-test"
 IMAGE = "horovod_dgc:cpu"
+IMAGE_LABEL = "org.horovod_dgc.image=cluster"  # the Dockerfile's LABEL
 DOCKER = "/usr/bin/docker"  # Debian's client: see the module's docstring
 PACKAGES = ("docker.io", "docker-compose")
 POLICY_RC_D = Path("/usr/sbin/policy-rc.d")
@@ -432,6 +434,8 @@ def build_image(base: str, log: Path) -> None:
     run([DOCKER, "build", "--network=host", "--progress=plain", "-f", str(DOCKERFILE),
          "--build-arg", f"BASE_IMAGE={base}", "--build-arg", "WHEELS_ONLY=1", "-t", IMAGE, str(ROOT)],
         env=dict(os.environ, DOCKER_BUILDKIT="1"), log=log)
+    # The image this build replaced, now untagged (the build cache keeps its layers).
+    run([DOCKER, "image", "prune", "-f", "--filter", f"label={IMAGE_LABEL}"], log=log)
     say(f"image built in {time.monotonic() - started:.0f} s")
 
 
@@ -475,6 +479,7 @@ class ContainerState:
     status: str          # created, running, exited, dead, ...
     exit_code: int
     oom_killed: bool
+    finished_s: float    # seconds since the epoch when it ended; 0.0 while it runs
 
     @classmethod
     def from_inspect(cls, item: Mapping) -> "ContainerState":
@@ -482,11 +487,23 @@ class ContainerState:
         return cls(name=item["Name"].lstrip("/"),
                    service=labels.get("com.docker.compose.service", "?"),
                    status=state["Status"], exit_code=int(state.get("ExitCode", 0)),
-                   oom_killed=bool(state.get("OOMKilled")))
+                   oom_killed=bool(state.get("OOMKilled")),
+                   finished_s=epoch_seconds(state.get("FinishedAt", "")))
 
     @property
     def ended(self) -> bool:
         return self.status in ("exited", "dead")
+
+
+def epoch_seconds(timestamp: str) -> float:
+    """Seconds since the epoch of Docker's RFC 3339 UTC time with up to nanoseconds
+    (``2026-11-25T05:25:16.412555563Z``); 0.0 for its zero time or anything else."""
+    match = re.fullmatch(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d+))?Z", timestamp)
+    if not match or timestamp.startswith("0001-"):
+        return 0.0
+    whole = datetime.datetime.strptime(match.group(1), "%Y-%m-%dT%H:%M:%S")
+    fraction = float("0." + match.group(2)) if match.group(2) else 0.0
+    return whole.replace(tzinfo=datetime.timezone.utc).timestamp() + fraction
 
 
 def describe_exit(state: ContainerState) -> str:
@@ -503,10 +520,12 @@ def describe_exit(state: ContainerState) -> str:
 
 def judge(states: Sequence[ContainerState], workers: int) -> Optional[str]:
     """None while the run goes on; ``"finished"`` when all ``workers`` worker containers
-    exited 0; raises ComposeTestError naming the first worker that ended otherwise, or the
-    rendezvous server when it ended before the workers did."""
+    exited 0; raises ComposeTestError naming the first worker that ended otherwise (the
+    others may crash when it goes), or the rendezvous server when it ended before the
+    workers did."""
     worker_states = [s for s in states if s.service.startswith("worker")]
-    failed = [s for s in worker_states if s.ended and s.exit_code != 0]
+    failed = sorted((s for s in worker_states if s.ended and s.exit_code != 0),
+                    key=lambda s: (s.finished_s, s.service))
     if failed:
         first = failed[0]
         others = ", ".join(f"{s.name} ({describe_exit(s)})" for s in failed[1:])
