@@ -10,9 +10,11 @@ setup(
     packages=find_packages(include=["horovod_dgc", "horovod_dgc.*"]),
     python_requires=">=3.9",
     # Plain C against Python's headers only: built with the package, no torch at build time.
-    ext_modules=[Extension("horovod_dgc.torch.kernels._selection",
-                           ["horovod_dgc/torch/kernels/selection.c"],
-                           extra_compile_args=["-O3"])],
+    # -ffp-contract=off: every product is rounded where the torch composition rounds it.
+    ext_modules=[Extension(f"horovod_dgc.torch.kernels._{name}",
+                           [f"horovod_dgc/torch/kernels/{name}.c"],
+                           extra_compile_args=["-O3", "-ffp-contract=off"])
+                 for name in ("selection", "streaming", "bits")],
     install_requires=[],
     extras_require={
         # Horovod itself is compiled against the framework: see scripts/setup_env.sh.

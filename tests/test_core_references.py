@@ -7,10 +7,12 @@ import statistics
 import pytest
 import torch
 
-from horovod_dgc.core import (BlockSign, BlockSignConfig, CompressCall, DGC, DGCConfig, ScaleCom,
+from horovod_dgc.core import (CompressCall, DGC, DGCConfig, ScaleCom,
                               ScaleComConfig, TopK, TopKConfig)
 from horovod_dgc.core.collectives import emulate
 from horovod_dgc.core.selection import gaussian_threshold, top_count
+from horovod_dgc.core.blocksign import block_scales
+from horovod_dgc.core.ops import TensorOps
 from horovod_dgc.torch.engine import Engine
 from horovod_dgc.torch.ops import TorchOps
 
@@ -36,11 +38,17 @@ def test_gaussian_threshold_is_mean_plus_std_times_the_normal_quantile(density):
     assert got == pytest.approx(expected, rel=1e-4)
 
 
-def test_blocksign_sends_the_l1_mean_of_each_block_times_its_signs_and_zero_counts_as_plus():
+@pytest.mark.parametrize("sign_compress", [TorchOps.sign_compress, TensorOps.sign_compress],
+                         ids=["kernel", "composition"])
+def test_blocksign_sends_the_l1_mean_of_each_block_times_its_signs_and_zero_counts_as_plus(sign_compress):
     x = torch.tensor([1.0, -2.0, 0.0, 4.0, -1.0, 0.0, 0.0, 3.0, 5.0, -5.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
     block, valid = 4, 10  # the last block holds 2 valid entries, then padding
-    _, scales, decoded = BlockSign(BlockSignConfig(block_size=block)).scaled_signs(ops, x, block, valid)
+    scales = block_scales(ops, ops.block_abs_sum(x[:valid], block), block, valid, 16)
+    packed, residual = sign_compress(ops, x[:valid].clone(), scales, block, 16)
+    decoded = x[:valid] - residual
     values = x.tolist()
+    bits = [(byte >> j) & 1 for byte in packed.tolist() for j in range(8)]
+    assert bits == [int(v >= 0) for v in values]  # padding counts as +
     for b in range(0, 16, block):
         entries = [values[i] for i in range(b, min(b + block, valid))]
         scale = sum(abs(v) for v in entries) / len(entries) if entries else 0.0

@@ -67,3 +67,182 @@ def test_collect_matches_the_core_composition(numel, block, threshold):
 def test_collect_refuses_a_block_outside_the_tensor():
     with pytest.raises(IndexError, match="block 2 of a tensor of 2 blocks"):
         kernels.collect_at_least(torch.randn(100), torch.tensor([0, 2]), 64, 0.5)
+
+
+# -- one-pass memory updates and sign coding (streaming.c) against the core's compositions -------
+OPS = TorchOps()
+GRAD_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _gradient(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * 3
+    return g.to(dtype)
+
+
+def _memory(numel: int, seed: int) -> torch.Tensor:
+    return torch.randn(numel, generator=torch.Generator().manual_seed(seed + 100))
+
+
+@pytest.mark.parametrize("dtype", GRAD_DTYPES)
+@pytest.mark.parametrize("numel,block", [(1000, 64), (1024, 64), (37, 8), (5, 1024), (4099, 1)])
+@pytest.mark.parametrize("stat", [None, "max", "sum"])
+def test_error_feedback_equals_the_composition(dtype, numel, block, stat):
+    grad, memory = _gradient(numel, dtype, numel), _memory(numel, numel)
+    memory[5 % numel] = float("nan")  # a NaN memory makes its block maximum NaN, as amax does
+    expected = TensorOps.accumulate(OPS, memory, grad, 0.37, None, block, stat)
+    got = kernels.error_feedback(grad, 0.37, memory, None, block, stat)
+    assert torch.equal(got[0].nan_to_num(), expected[0].nan_to_num())
+    assert got[0].isnan().equal(expected[0].isnan())
+    if stat is None:
+        assert got[1] is None
+    else:
+        # Sums run in float64 in another order; rounded to float32 they agree.
+        assert got[1].to(torch.float32).nan_to_num().equal(expected[1].nan_to_num())
+        assert got[1].isnan().equal(expected[1].isnan())
+    assert got[2] is True and bool(expected[2])
+
+
+@pytest.mark.parametrize("dtype", GRAD_DTYPES)
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("m", [0.9, 1.0, 0.0])
+def test_momentum_correction_equals_the_composition(dtype, nesterov, m):
+    numel, block = 3001, 64
+    grad = _gradient(numel, dtype, 7)
+    momentum, velocity = _memory(numel, 1), _memory(numel, 2)
+    expected = TensorOps.momentum_accumulate(OPS, momentum, velocity, grad, m, 0.5, nesterov,
+                                             (None, None), block)
+    got = kernels.momentum_correction(grad, 0.5, momentum, velocity, m, nesterov, block=block)
+    for a, b in zip(got[:3], expected[:3]):
+        assert torch.equal(a, b)
+    assert got[3] is True
+
+
+@pytest.mark.parametrize("dtype", GRAD_DTYPES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_gradient_entry_is_reported(dtype, bad):
+    grad = _gradient(5000, dtype, 3)
+    grad[4321] = bad
+    assert kernels.error_feedback(grad, 1.0, _memory(5000, 3))[2] is False
+    assert kernels.momentum_correction(grad, 1.0, _memory(5000, 3), _memory(5000, 4), 0.9, False)[3] is False
+    assert kernels.error_feedback(grad[:4321], 1.0, _memory(4321, 3))[2] is True
+
+
+def test_float16_gradients_convert_exactly_for_every_bit_pattern():
+    every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    got = kernels.error_feedback(every, 1.0, torch.zeros(1 << 16))[0]
+    expected = every.float() + 0.0
+    assert torch.equal(got.nan_to_num(), expected.nan_to_num())
+    assert got.isnan().equal(expected.isnan())
+
+
+@pytest.mark.parametrize("stat,block", [("max", 64), ("sum", 64), ("sum", 3_000_001), (None, 0)])
+def test_thread_ranges_cover_every_entry_and_block(stat, block):
+    numel = kernels.PARALLEL_MIN_NUMEL * 3 + 100
+    grad, memory = _gradient(numel, torch.float32, 5), _memory(numel, 5)
+    expected = TensorOps.accumulate(OPS, memory, grad, 1.0, None, block, stat)
+    threads = torch.get_num_threads()
+    try:
+        for width in (1, 2, 3):
+            torch.set_num_threads(width)
+            got = kernels.error_feedback(grad, 1.0, memory, None, block, stat)
+            assert torch.equal(got[0], expected[0]), width
+            if stat is not None:
+                assert torch.equal(got[1].to(torch.float32), expected[1]), width
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("numel,block,length", [(16, 4, 16), (10, 4, 16), (1001, 1001, 1008),
+                                                (5000, 64, 5120), (3 * kernels.PARALLEL_MIN_NUMEL + 3, 1000, 3 * kernels.PARALLEL_MIN_NUMEL + 8)])
+def test_sign_pack_equals_the_composition(numel, block, length):
+    x = _memory(numel, numel)
+    x[::7] = 0.0
+    x[3] = float("nan")
+    scales = torch.rand(-(-length // block), generator=torch.Generator().manual_seed(1))
+    packed, residual = kernels.sign_pack(x.clone(), scales, block, length)
+    expected_packed, expected_residual = TensorOps.sign_compress(OPS, x.clone(), scales, block, length)
+    assert torch.equal(packed, expected_packed)
+    assert torch.equal(residual.nan_to_num(), expected_residual.nan_to_num())
+
+
+@pytest.mark.parametrize("n,block", [(16, 4), (13, 4), (1001, 1001), (5000, 64),
+                                     (3 * kernels.PARALLEL_MIN_NUMEL + 3, 1000)])
+@pytest.mark.parametrize("add", [False, True])
+def test_sign_decode_equals_the_composition(n, block, add):
+    packed = torch.randint(0, 256, (-(-n // 8),), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    scales = torch.rand(-(-n // block), generator=torch.Generator().manual_seed(2))
+    base = _memory(n, 9) if add else None
+    expected = TensorOps.sign_decode(OPS, packed, scales, block, n, "float32",
+                                     None if base is None else base.clone())
+    got = kernels.sign_decode(packed, scales, block, n, None if base is None else base.clone())
+    assert torch.equal(got, expected)
+
+
+def test_streaming_kernels_refuse_what_they_cannot_take():
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16 gradient"):
+        kernels.error_feedback(torch.randn(8, dtype=torch.float64), 1.0, torch.zeros(8))
+    with pytest.raises(TypeError, match="one length"):
+        kernels.error_feedback(torch.randn(8), 1.0, torch.zeros(9))
+    with pytest.raises(TypeError, match="multiple of 8"):
+        kernels.sign_pack(torch.randn(10), torch.ones(1), 10, 12)
+    with pytest.raises(TypeError, match="at most 16 entries"):
+        kernels.sign_decode(torch.zeros(2, dtype=torch.uint8), torch.ones(1), 8, 17)
+
+
+def test_torch_ops_use_the_composition_for_a_tensor_scale_and_float64():
+    grad, memory = torch.randn(100), torch.randn(100)
+    scale = torch.tensor(0.5)
+    total, _, finite = OPS.accumulate(memory, grad, scale)
+    assert torch.equal(total, memory + grad * scale) and bool(finite)
+    total, _, _ = OPS.accumulate(memory.double(), grad.double(), 0.5)
+    assert total.dtype == torch.float64
+
+
+# -- bit fields of received messages (bits.c) --------------------------------------------------
+def _bytes(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("n_bytes,n_bits", [(0, 0), (1, 5), (10, 80), (10, 77), (10000, 79_999)])
+def test_set_bit_positions_equal_the_composition(n_bytes, n_bits):
+    packed = _bytes(n_bytes, n_bits)
+    expected = [i for i in range(n_bits) if (int(packed[i // 8]) >> (i % 8)) & 1]
+    assert kernels.set_bit_positions(packed, n_bits).tolist() == expected
+    assert torch.equal(OPS.set_bit_positions(packed, n_bits), TensorOps.set_bit_positions(OPS, packed, n_bits))
+
+
+@pytest.mark.parametrize("width", [1, 7, 9, 12, 17, 33, 63])
+def test_unpack_fields_reads_back_what_bits_of_packed(width):
+    count = 1001
+    values = torch.randint(0, 2 ** min(width, 62), (count,), generator=torch.Generator().manual_seed(width))
+    bits = OPS.bits_of(values, width)
+    packed = OPS.pack_bits(OPS.pad(bits, -(-bits.numel() // 8) * 8))
+    assert torch.equal(kernels.unpack_fields(packed, width, count), values)
+    assert torch.equal(TensorOps.unpack_fields(OPS, packed, width, count), values)
+
+
+def test_bit_kernels_refuse_reading_past_the_bytes():
+    with pytest.raises(TypeError, match="at least 17 bits"):
+        kernels.set_bit_positions(torch.zeros(2, dtype=torch.uint8), 17)
+    with pytest.raises(TypeError, match="at least 30 bits"):
+        kernels.unpack_fields(torch.zeros(3, dtype=torch.uint8), 10, 3)
+
+
+# -- decoding sparse messages into a gradient-sized output (streaming.c) --------------------------
+def test_scatter_add_sums_repeated_indices_in_order_like_index_add():
+    out = _memory(1000, 1)
+    index = torch.randint(0, 1000, (5000,), generator=torch.Generator().manual_seed(2))
+    values = _memory(5000, 3)
+    expected = out.clone().index_add_(0, index, values)
+    assert torch.equal(kernels.scatter_add(out.clone(), index, values), expected)
+
+
+def test_scatter_add_refuses_an_index_outside_the_output():
+    with pytest.raises(IndexError, match="index 10 at 1 is outside a tensor of 10"):
+        kernels.scatter_add(torch.zeros(10), torch.tensor([3, 10]), torch.ones(2))
+
+
+@pytest.mark.parametrize("numel", [0, 13, 3 * kernels.PARALLEL_MIN_NUMEL + 5])
+def test_zero_clears_every_entry(numel):
+    out = _memory(numel, 4) + 1.0
+    assert torch.equal(kernels.zero(out), torch.zeros(numel))

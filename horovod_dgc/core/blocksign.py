@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 from . import wire
 from .collectives import ALLGATHER, ALLTOALL
 from .config import CompressionConfig
 from .method import CompressCall, State, StateLayout, state_dtype
-from .nonfinite import flag, is_finite, nan_like, none_flagged, received_finite
+from .memory import reuse
+from .nonfinite import flag, nan_like, none_flagged, received_finite
 from .ops import Scalar, Tensor, TensorOps
 from .twostage import StageHandover, TwoStageMethod
 from .validation import require_momentum, require_positive_int
@@ -56,10 +57,11 @@ def shard_length(numel: int, world_size: int, block_size: Optional[int]) -> int:
     return max(1, math.ceil(numel / world_size / unit)) * unit
 
 
-def block_scales(ops: TensorOps, x: Tensor, block: int, valid: int) -> Tensor:
-    """``||x_b||_1 / d_b`` per block of ``x``, where d_b counts the block's entries below
-    ``valid`` (entries past it are zero padding)."""
-    sums = ops.block_abs_sum(x, block)
+def block_scales(ops: TensorOps, sums: Tensor, block: int, valid: int, length: int) -> Tensor:
+    """``||x_b||_1 / d_b`` per block of ``x`` zero-padded to ``length`` entries, from the
+    block sums ``sums`` of its first ``valid`` entries; d_b counts the block's entries below
+    ``valid``."""
+    sums = ops.pad(sums, -(-length // block))
     full, rest = valid // block, valid % block
     parts = [ops.scale(ops.slice(sums, 0, full), 1.0 / block)]
     if rest:
@@ -121,25 +123,17 @@ class BlockSign(TwoStageMethod):
             update = ops.scale(update, factor)
         return update, state
 
-    def scaled_signs(self, ops: TensorOps, x: Tensor, block: int, valid: int) -> Tuple[Tensor, Tensor, Tensor]:
-        """(packed signs, block scales, decoded C(x)) of ``x`` (length a multiple of 8)."""
-        packed = ops.pack_signs(x)
-        scales = block_scales(ops, x, block, valid)
-        decoded = ops.multiply(ops.unpack_signs(packed, ops.dtype(x)),
-                               ops.repeat_blocks(scales, block, ops.numel(x)))
-        return packed, scales, decoded
-
     def first(self, ops: TensorOps, state: State, grad: Tensor,
               call: CompressCall) -> Tuple[Tensor, State, StageHandover]:
         n, world = ops.numel(grad), call.world_size
-        finite = is_finite(ops, grad)
         direction, factor, state = self._momentum_step(ops, state, grad, call.unscale)
-        p = ops.add(state["residual"], direction, 1.0, factor)
-        shard = self.shard_length(n, world)
-        padded = ops.pad(p, world * shard)
         block = self._worker_block(n)
-        packed, scales, decoded = self.scaled_signs(ops, padded, block, n)
-        residual = ops.scale_add(p, 1.0, ops.slice(decoded, 0, n), -1.0)
+        # p = e + direction, with its block sums, in one pass; C(p) and e = p - C(p) in another.
+        p, sums, finite = ops.accumulate(state["residual"], direction, factor,
+                                         reuse(call.spare, "residual"), block, "sum")
+        shard = self.shard_length(n, world)
+        scales = block_scales(ops, sums, block, n, world * shard)
+        packed, residual = ops.sign_compress(p, scales, block, world * shard)
         layout = self.layout(call.name, n, world)
         per_shard = layout.parts[1][1]
         messages = []
@@ -152,40 +146,46 @@ class BlockSign(TwoStageMethod):
         handover = StageHandover(call, n, ops.dtype(grad), {"layout": layout, "shard": shard})
         return ops.concat(messages), {**state, "residual": residual}, handover
 
-    def _shards(self, ops: TensorOps, received: Tensor,
-                handover: StageHandover) -> Tuple[List[Tensor], Tensor]:
-        """Each sender's decoded shard from a received concatenation (headers checked), and
-        each sender's flags word."""
+    def _receive(self, ops: TensorOps, received: Tensor, handover: StageHandover) -> wire.Received:
+        """Each sender's shard (packed signs, scales) and flags word from a received
+        concatenation, headers checked."""
         layout, call = handover.data["layout"], handover.call
-        received = wire.receive(ops, received, [(layout, r) for r in range(call.world_size)],
-                                call.step, call.rank)
-        dtype, shard = state_dtype(handover.dtype), layout.capacity
-        shards = [ops.multiply(ops.unpack_signs(packed, dtype),
-                               ops.repeat_blocks(scales, shard // ops.numel(scales), shard))
-                  for packed, scales in received.parts]
-        return shards, received.flags
+        return wire.receive(ops, received, [(layout, r) for r in range(call.world_size)],
+                            call.step, call.rank)
+
+    def _decode(self, ops: TensorOps, packed: Tensor, scales: Tensor, n: int, dtype: str,
+                add_to: Optional[Tensor] = None) -> Tensor:
+        """The first ``n`` entries of a received shard's C(x) (added to ``add_to``)."""
+        shard = ops.numel(packed) * 8
+        return ops.sign_decode(packed, scales, shard // ops.numel(scales), n, dtype, add_to)
 
     def second(self, ops: TensorOps, state: State, received: Tensor,
                handover: StageHandover) -> Tuple[Tensor, State]:
         """The server's work on this rank's shard; a sender's non-finite flag is passed on
         (with ``nonfinite="raise"`` every server raises, naming the sender)."""
         call, layout, shard = handover.call, handover.data["layout"], handover.data["shard"]
-        shards, flags = self._shards(ops, received, handover)
-        finite = received_finite(ops, self.config.nonfinite, flags, [call.name], call.step)
-        total = shards[0]
-        for decoded in shards[1:]:
-            total = ops.scale_add(total, 1.0, decoded)
+        received = self._receive(ops, received, handover)
+        finite = received_finite(ops, self.config.nonfinite, received.flags, [call.name], call.step)
+        dtype, total = state_dtype(handover.dtype), None
+        for packed, scales in received.parts:
+            total = self._decode(ops, packed, scales, shard, dtype, add_to=total)
         valid = self._valid(handover.numel, shard, call.rank)
         averaged = ops.scale_add(ops.scale(total, 1.0 / call.world_size), 1.0, state["server"])
-        averaged = ops.pad(ops.slice(averaged, 0, valid), shard)
-        packed, scales, decoded = self.scaled_signs(ops, averaged, self._server_block(shard), valid)
-        server = ops.pad(ops.slice(ops.scale_add(averaged, 1.0, decoded, -1.0), 0, valid), shard)
+        averaged = ops.slice(averaged, 0, valid)
+        block = self._server_block(shard)
+        scales = block_scales(ops, ops.block_abs_sum(averaged, block), block, valid, shard)
+        packed, server = ops.sign_compress(averaged, scales, block, shard)
+        server = ops.pad(server, shard)
         header = layout.header(call.rank, call.step, valid, flag(ops, finite))
         return wire.encode_parts(ops, layout, header, [packed, scales]), {**state, "server": server}
 
     def finish(self, ops: TensorOps, received: Tensor, handover: StageHandover) -> Tuple[Tensor, Scalar]:
-        shards, flags = self._shards(ops, received, handover)
-        finite = none_flagged(ops, flags)
-        update = ops.cast(ops.slice(ops.concat(shards), 0, handover.numel), handover.dtype)
+        received = self._receive(ops, received, handover)
+        finite = none_flagged(ops, received.flags)
+        shard, dtype = handover.data["shard"], state_dtype(handover.dtype)
+        valid = [self._valid(handover.numel, shard, j) for j in range(handover.call.world_size)]
+        update = ops.cast(ops.concat([self._decode(ops, packed, scales, count, dtype)
+                                      for (packed, scales), count in zip(received.parts, valid) if count]),
+                          handover.dtype)
         return ops.cond(finite, lambda: update,
                         lambda: nan_like(ops, handover.numel, handover.dtype, update)), finite

@@ -123,11 +123,11 @@ class EliasFano(IndexCoding):
 
     def decode(self, ops: TensorOps, parts: Sequence[Tensor], count: Scalar) -> Tuple[Tensor, Scalar]:
         l = self.low_bits
-        set_bits = ops.nonzero(ops.slice(ops.unpack_bits(parts[1]), 0, self.upper_bits))
+        set_bits = ops.set_bit_positions(parts[1], self.upper_bits)
         consistent = ops.equal(ops.size(set_bits), count)
         slots = ops.arange(self.capacity, like=set_bits)
         high = ops.add(ops.fit(set_bits, self.capacity), slots, 1, -1)
-        low = ops.from_bits(ops.slice(ops.unpack_bits(parts[0]), 0, self.capacity * l), l)
+        low = ops.unpack_fields(parts[0], l, self.capacity)
         positions = ops.add(high, low, 2 ** l, 1) if l else high
         positions = ops.where(ops.greater_equal(slots, count), 0, positions)
         return positions, ops.where(consistent, self._in_range(ops, positions), False)
@@ -148,7 +148,7 @@ class Bitmap(IndexCoding):
         return [ops.pack_bits(ops.greater_equal(bits, 1))]
 
     def decode(self, ops: TensorOps, parts: Sequence[Tensor], count: Scalar) -> Tuple[Tensor, Scalar]:
-        set_bits = ops.nonzero(ops.slice(ops.unpack_bits(parts[0]), 0, self.numel))
+        set_bits = ops.set_bit_positions(parts[0], self.numel)
         return ops.fit(set_bits, self.capacity), ops.equal(ops.size(set_bits), count)
 
 

@@ -66,6 +66,7 @@ _OFFSET_MULTIPLIER = 2654435761
 
 class DGC(SparseMethod):
     method_id = 2
+    filters_blocks = True
     config: DGCConfig
 
     def __init__(self, config: DGCConfig = DGCConfig()):
@@ -90,7 +91,9 @@ class DGC(SparseMethod):
         norm = ops.sqrt(ops.dot(grad, grad)) * factor
         return grad, ops.minimum(bound / ops.maximum(norm, 1e-30), 1.0) * factor
 
-    def select(self, ops: TensorOps, x: Tensor, k: int, call: CompressCall) -> Tensor:
+    def select(self, ops: TensorOps, x: Tensor, k: int, call: CompressCall,
+               block_max: Optional[Tensor]) -> Tensor:
         cfg = self.config
         offset = (call.step * _OFFSET_MULTIPLIER + tensor_id(call.name)) % 2 ** 31
-        return select_sampled(ops, x, k, cfg.sample_ratio, offset, cfg.max_retries, cfg.retry_factor)
+        return select_sampled(ops, x, k, cfg.sample_ratio, offset, cfg.max_retries, cfg.retry_factor,
+                              block_max)

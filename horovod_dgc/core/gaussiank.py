@@ -6,6 +6,7 @@ Error feedback as Top-k, but the threshold comes from the mean and standard devi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from .config import SparseConfig
 from .memory import ResidualMemory
@@ -25,6 +26,7 @@ class GaussianKConfig(SparseConfig):
 
 class GaussianK(SparseMethod):
     method_id = 3
+    filters_blocks = True
 
     def __init__(self, config: GaussianKConfig = GaussianKConfig()):
         super().__init__(config)
@@ -35,5 +37,6 @@ class GaussianK(SparseMethod):
     def capacity(self, k: int, numel: int) -> int:
         return gaussian_capacity(k, numel)
 
-    def select(self, ops: TensorOps, x: Tensor, k: int, call: CompressCall) -> Tensor:
-        return select_gaussian(ops, x, k)
+    def select(self, ops: TensorOps, x: Tensor, k: int, call: CompressCall,
+               block_max: Optional[Tensor]) -> Tensor:
+        return select_gaussian(ops, x, k, block_max)

@@ -13,18 +13,43 @@ agree to drop (a non-finite gradient on some rank) leaves the memories exactly a
 
 ``grad_scale`` multiplies the gradient before it enters the memory: DGC's clipping factor,
 and the inverse of a mixed-precision loss scale, so that memories hold unscaled gradients.
-``spare`` (``CompressCall.spare``) offers storage for the new state, by name.
+``spare`` (``CompressCall.spare``) offers storage for the new state, by name. ``block``: the
+selection's block length, whose per-block maxima the accumulation computes in the same pass
+(0: none).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from .method import State
 from .ops import Scalar, Tensor, TensorOps
 
 
-def _reuse(spare: Optional[State], name: str) -> Optional[Tensor]:
+def reuse(spare: Optional[State], name: str) -> Optional[Tensor]:
+    """The spare storage for memory ``name``, if any."""
     return None if spare is None else spare.get(name)
+
+
+@dataclass(frozen=True)
+class Accumulated:
+    """A memory's accumulation of one gradient.
+
+    Attributes:
+        x: what the selection picks from.
+        state: the memories after the step, new tensors (kept only if every rank was finite).
+        finite: whether the gradient was finite.
+        block_max: max ``|x|`` per block of the requested length (None when none was asked).
+    """
+
+    x: Tensor
+    state: State
+    finite: Scalar
+    block_max: Optional[Tensor]
+
+
+def _max(block: int) -> Optional[str]:
+    return "max" if block else None
 
 
 class ResidualMemory:
@@ -34,9 +59,10 @@ class ResidualMemory:
     dense_state_names: Tuple[str, ...] = ()
 
     def accumulate(self, ops: TensorOps, state: State, grad: Tensor, grad_scale: Scalar = 1.0,
-                   spare: Optional[State] = None) -> Tuple[Tensor, State]:
-        residual = ops.add(state["residual"], grad, 1.0, grad_scale, out=_reuse(spare, "residual"))
-        return residual, {"residual": residual}
+                   spare: Optional[State] = None, block: int = 0) -> Accumulated:
+        residual, maxima, finite = ops.accumulate(state["residual"], grad, grad_scale,
+                                                  reuse(spare, "residual"), block, _max(block))
+        return Accumulated(residual, {"residual": residual}, finite, maxima)
 
     def update(self, ops: TensorOps, state: State, indices: Tensor, sent: Tensor) -> State:
         return {"residual": ops.scatter_sub(state["residual"], indices, sent)}
@@ -62,21 +88,13 @@ class MomentumCorrectionMemory:
         self.momentum = momentum
         self.nesterov = nesterov
 
-    def _step_momentum(self, ops: TensorOps, momentum: Tensor, grad: Tensor,
-                       grad_scale: Scalar, out: Optional[Tensor] = None) -> Tensor:
-        m = self.momentum
-        if self.nesterov:
-            return ops.add(momentum, grad, m, grad_scale * m, out=out)
-        return ops.add(momentum, grad, m, grad_scale, out=out)
-
     def accumulate(self, ops: TensorOps, state: State, grad: Tensor, grad_scale: Scalar = 1.0,
-                   spare: Optional[State] = None) -> Tuple[Tensor, State]:
-        momentum = self._step_momentum(ops, state["momentum"], grad, grad_scale,
-                                       _reuse(spare, "momentum"))
-        velocity = ops.add(state["velocity"], momentum, out=_reuse(spare, "velocity"))
-        if self.nesterov:
-            velocity = ops.scale_add(velocity, 1.0, grad, grad_scale)
-        return velocity, {"momentum": momentum, "velocity": velocity}
+                   spare: Optional[State] = None, block: int = 0) -> Accumulated:
+        outs = (reuse(spare, "momentum"), reuse(spare, "velocity"))
+        momentum, velocity, maxima, finite = ops.momentum_accumulate(
+            state["momentum"], state["velocity"], grad, self.momentum, grad_scale, self.nesterov,
+            outs, block)
+        return Accumulated(velocity, {"momentum": momentum, "velocity": velocity}, finite, maxima)
 
     def update(self, ops: TensorOps, state: State, indices: Tensor, sent: Tensor) -> State:
         return {"momentum": ops.scatter_zero(state["momentum"], indices),
@@ -85,8 +103,8 @@ class MomentumCorrectionMemory:
     def dense(self, ops: TensorOps, state: State, grad: Tensor, grad_scale: Scalar = 1.0,
               spare: Optional[State] = None) -> Tuple[Tensor, State]:
         """Momentum for a tensor that is not compressed: send ``u`` (Nesterov: ``u + g``)."""
-        momentum = self._step_momentum(ops, state["momentum"], grad, grad_scale,
-                                       _reuse(spare, "momentum"))
+        momentum = ops.momentum_step(state["momentum"], grad, self.momentum, grad_scale,
+                                     self.nesterov, out=reuse(spare, "momentum"))
         if self.nesterov:
             update = ops.add(momentum, grad, 1.0, grad_scale)
         else:
@@ -106,13 +124,14 @@ class LowPassMemory:
         self.beta = beta
 
     def accumulate(self, ops: TensorOps, state: State, grad: Tensor, grad_scale: Scalar = 1.0,
-                   spare: Optional[State] = None) -> Tuple[Tensor, State]:
-        if self.beta == 1.0:
-            p = ops.add(state["memory"], grad, 1.0, grad_scale, out=_reuse(spare, "memory"))
-            return p, {"memory": p}
-        p = ops.add(state["memory"], grad, 1.0, grad_scale)
-        return p, {"memory": ops.add(state["memory"], grad, 1.0, grad_scale * self.beta,
-                                     out=_reuse(spare, "memory"))}
+                   spare: Optional[State] = None, block: int = 0) -> Accumulated:
+        plain = self.beta == 1.0
+        p, maxima, finite = ops.accumulate(state["memory"], grad, grad_scale,
+                                           reuse(spare, "memory") if plain else None, block, _max(block))
+        if plain:
+            return Accumulated(p, {"memory": p}, finite, maxima)
+        memory = ops.add(state["memory"], grad, 1.0, grad_scale * self.beta, out=reuse(spare, "memory"))
+        return Accumulated(p, {"memory": memory}, finite, maxima)
 
     def update(self, ops: TensorOps, state: State, indices: Tensor, sent: Tensor) -> State:
         if self.beta != 1.0:

@@ -14,12 +14,6 @@ class NonFiniteGradientError(FloatingPointError):
     """A gradient held NaN or Inf on some rank; every memory was left as it was."""
 
 
-def is_finite(ops: TensorOps, grad: Tensor) -> Scalar:
-    """Whether every element of ``grad`` is finite: its float32 sum is (a NaN or Inf makes it
-    NaN or Inf; finite gradients do not reach float32's range)."""
-    return ops.is_finite(ops.sum(grad))
-
-
 def settle(ops: TensorOps, policy: str, finite: Scalar, inputs: Sequence[Any],
            culprit: Callable[..., str], step: Any) -> Scalar:
     """``finite``, after raising :class:`NonFiniteGradientError` (``policy == "raise"``)

@@ -170,6 +170,68 @@ class TensorOps(ABC):
         positions = self.gather(blocks, keep // block) * block + keep % block
         return positions, self.gather(magnitudes, keep)
 
+    # -- passes over a whole gradient -------------------------------------------------------
+    # Each is a composition of the primitives: the reference, which an adapter may replace with
+    # a kernel that reads its inputs once (horovod_dgc/torch/kernels/streaming.c).
+    def all_finite(self, x: Tensor) -> Scalar:
+        """Whether every element of ``x`` is finite: its float32 sum is (a NaN or Inf makes it
+        NaN or Inf; finite gradients do not reach float32's range)."""
+        return self.is_finite(self.sum(x))
+
+    def block_stat(self, x: Tensor, block: int, stat: Optional[str]) -> Optional[Tensor]:
+        """:meth:`block_abs_max` (``stat="max"``) or :meth:`block_abs_sum` (``"sum"``) of
+        ``x`` over blocks of ``block`` elements; None for ``stat=None``."""
+        if stat is None:
+            return None
+        return self.block_abs_max(x, block) if stat == "max" else self.block_abs_sum(x, block)
+
+    def accumulate(self, memory: Tensor, grad: Tensor, grad_scale: Scalar = 1.0,
+                   out: Optional[Tensor] = None, block: int = 0,
+                   stat: Optional[str] = None) -> Tuple[Tensor, Optional[Tensor], Scalar]:
+        """Error feedback's ``memory + grad * grad_scale`` (as :meth:`add`, ``out`` included),
+        its :meth:`block_stat`, and whether ``grad`` is finite."""
+        total = self.add(memory, grad, 1.0, grad_scale, out=out)
+        return total, self.block_stat(total, block, stat), self.all_finite(grad)
+
+    def momentum_step(self, momentum: Tensor, grad: Tensor, m: float, grad_scale: Scalar,
+                      nesterov: bool, out: Optional[Tensor] = None) -> Tensor:
+        """``u' = m * u + grad_scale * g`` (Nesterov: ``m * (u + grad_scale * g)``), as
+        :meth:`add`."""
+        beta = grad_scale * m if nesterov else grad_scale
+        return self.add(momentum, grad, m, beta, out=out)
+
+    def momentum_accumulate(self, momentum: Tensor, velocity: Tensor, grad: Tensor, m: float,
+                            grad_scale: Scalar, nesterov: bool,
+                            outs: Tuple[Optional[Tensor], Optional[Tensor]] = (None, None),
+                            block: int = 0) -> Tuple[Tensor, Tensor, Optional[Tensor], Scalar]:
+        """DGC's momentum correction: ``u' =`` :meth:`momentum_step`, ``v' = v + u'``
+        (Nesterov: ``v + u' + grad_scale * g``); returns ``u'``, ``v'`` (``outs``: storage for
+        them, as :meth:`add`'s ``out``), :meth:`block_abs_max` of ``v'`` over blocks of
+        ``block`` (None for 0) and whether ``grad`` is finite."""
+        u = self.momentum_step(momentum, grad, m, grad_scale, nesterov, out=outs[0])
+        v = self.add(velocity, u, out=outs[1])
+        if nesterov:
+            v = self.scale_add(v, 1.0, grad, grad_scale)
+        return u, v, self.block_stat(v, block, "max" if block else None), self.all_finite(grad)
+
+    def sign_compress(self, x: Tensor, scales: Tensor, block: int, length: int) -> Tuple[Tensor, Tensor]:
+        """Blocksign's compression of ``x`` zero-padded to ``length`` entries (a multiple of
+        8): the packed signs (:meth:`pack_signs`) and the residual ``x - C(x)`` over ``x``'s
+        entries, ``C(x)_i = scales[i // block] * sign(x_i)``, ``sign(0) = +1``. May overwrite
+        ``x``."""
+        n = self.numel(x)
+        packed = self.pack_signs(self.pad(x, length))
+        decoded = self.sign_decode(packed, scales, block, n, self.dtype(x))
+        return packed, self.scale_add(x, 1.0, decoded, -1.0)
+
+    def sign_decode(self, packed: Tensor, scales: Tensor, block: int, n: int, dtype: str,
+                    add_to: Optional[Tensor] = None) -> Tensor:
+        """``scales[i // block] * (+1 where bit i of packed is set, else -1)`` for ``i < n``,
+        in ``dtype``; added to ``add_to`` when given (which may be overwritten)."""
+        signs = self.slice(self.unpack_signs(packed, dtype), 0, n)
+        decoded = self.multiply(signs, self.repeat_blocks(scales, block, n))
+        return decoded if add_to is None else self.scale_add(add_to, 1.0, decoded)
+
     @abstractmethod
     def nonzero(self, mask: Tensor) -> Tensor:
         """Positions (int64) where the boolean ``mask`` is true, ascending."""
@@ -227,6 +289,16 @@ class TensorOps(ABC):
     @abstractmethod
     def unpack_bits(self, packed: Tensor) -> Tensor:
         """The booleans :meth:`pack_bits` packed (8 per byte)."""
+
+    def set_bit_positions(self, packed: Tensor, n_bits: int) -> Tensor:
+        """Positions (int64, ascending) of the set bits among the first ``n_bits`` that
+        :meth:`pack_bits` packed. A composition; an adapter may read the bytes once instead."""
+        return self.nonzero(self.slice(self.unpack_bits(packed), 0, n_bits))
+
+    def unpack_fields(self, packed: Tensor, width: int, count: int) -> Tensor:
+        """The ``count`` non-negative ``width``-bit integers that :meth:`pack_bits` of
+        :meth:`bits_of` packed, as int64. A composition, as :meth:`set_bit_positions`."""
+        return self.from_bits(self.slice(self.unpack_bits(packed), 0, count * width), width)
 
     @abstractmethod
     def bits_of(self, values: Tensor, width: int) -> Tensor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 from . import wire
 from .codecs import value_coding
@@ -19,10 +19,10 @@ from .collectives import ALLREDUCE, BROADCAST
 from .config import SparseConfig
 from .memory import LowPassMemory
 from .method import CompressCall, State, StateLayout, state_dtype
-from .nonfinite import flag, is_finite, nan_like, settle
+from .nonfinite import flag, nan_like, settle
 from .ops import Scalar, Tensor, TensorOps
-from .selection import (MAX_RETRIES, RETRY_FACTOR, SAMPLE_RATIO, select_exact, select_sampled,
-                        top_count)
+from .selection import (MAX_RETRIES, RETRY_FACTOR, SAMPLE_RATIO, filter_block, select_exact,
+                        select_sampled, top_count)
 from .twostage import StageHandover, TwoStageMethod
 from .validation import require_choice, require_fraction, require_positive_int
 
@@ -83,10 +83,17 @@ class ScaleCom(TwoStageMethod):
         return wire.MessageLayout(name=name, method_id=self.method_id, numel=numel,
                                   capacity=top_count(density, numel), value_format=None)
 
-    def leader_indices(self, ops: TensorOps, p: Tensor, k: int, call: CompressCall) -> Tensor:
-        """The leader's choice: exact top-k, or the top of each chunk."""
+    def leader_block(self, k: int, numel: int) -> int:
+        """Block length whose maxima the leader's selection filters by (0: none)."""
+        return filter_block(k, numel) if self.config.leader_selection == "exact" else 0
+
+    def leader_indices(self, ops: TensorOps, p: Tensor, k: int, call: CompressCall,
+                       block_max: Optional[Tensor] = None) -> Tensor:
+        """The leader's choice: exact top-k (``block_max``: max ``|p|`` per block of
+        :meth:`leader_block` entries, if known), or the top of each chunk."""
         if self.config.leader_selection == "exact":
-            return select_sampled(ops, p, k, SAMPLE_RATIO, call.step, MAX_RETRIES, RETRY_FACTOR)
+            return select_sampled(ops, p, k, SAMPLE_RATIO, call.step, MAX_RETRIES, RETRY_FACTOR,
+                                  block_max)
         n = ops.numel(p)
         chunks = min(self.config.chunks, k)
         # Near-equal slices that are never empty (ceil-sized slices can run out before the last).
@@ -101,13 +108,17 @@ class ScaleCom(TwoStageMethod):
     def first(self, ops: TensorOps, state: State, grad: Tensor,
               call: CompressCall) -> Tuple[Tensor, State, StageHandover]:
         n = ops.numel(grad)
-        finite = is_finite(ops, grad)
-        p, state = self.memory.accumulate(ops, state, grad, call.unscale, spare=call.spare)
         layout = self.index_layout(call.name, n, call.density)
+        # Every rank computes the block maxima: the leader is known only at run time in a graph,
+        # and they cost no pass of their own.
+        accumulated = self.memory.accumulate(ops, state, grad, call.unscale, spare=call.spare,
+                                             block=self.leader_block(layout.capacity, n))
+        p, state, finite = accumulated.x, accumulated.state, accumulated.finite
 
         def leader_message() -> Tensor:
             def chosen() -> Tensor:
-                positions, _ = ops.sort(self.leader_indices(ops, p, layout.capacity, call))
+                positions, _ = ops.sort(self.leader_indices(ops, p, layout.capacity, call,
+                                                            accumulated.block_max))
                 header = layout.header(call.rank, call.step, layout.capacity, 0)
                 return layout.encode(ops, header, positions, layout.capacity)[0]
 

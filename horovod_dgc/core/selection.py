@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from statistics import NormalDist
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 from .ops import Scalar, Tensor, TensorOps
 
@@ -45,17 +45,24 @@ def block_size(density: float) -> int:
     return min(MAX_BLOCK, max(MIN_BLOCK, size))
 
 
+def filter_block(k: int, numel: int) -> int:
+    """Block length of the sampled and Gaussian selections of k entries out of ``numel``:
+    the length whose per-block maxima a memory's accumulation may hand them."""
+    return block_size(k / numel)
+
+
 def select_exact(ops: TensorOps, x: Tensor, k: int) -> Tensor:
     """The k entries of largest magnitude, by a full exact top-k."""
     return ops.topk_abs(x, k)
 
 
 class _BlockFilter:
-    """Entries of ``x`` with ``|x| >= threshold``, found through per-block maxima."""
+    """Entries of ``x`` with ``|x| >= threshold``, found through per-block maxima (computed
+    here unless given: ``ops.block_abs_max(x, block)``)."""
 
-    def __init__(self, ops: TensorOps, x: Tensor, block: int):
+    def __init__(self, ops: TensorOps, x: Tensor, block: int, block_max: Optional[Tensor] = None):
         self.ops, self.x, self.block = ops, x, block
-        self.block_max = ops.block_abs_max(x, block)
+        self.block_max = ops.block_abs_max(x, block) if block_max is None else block_max
         self._last: Tuple[Any, Tuple[Tensor, Tensor]] = (None, (None, None))
 
     def at(self, threshold: Scalar) -> Tuple[Tensor, Tensor]:
@@ -104,9 +111,10 @@ def sampled_threshold(ops: TensorOps, x: Tensor, k: int, sample_ratio: float,
 
 
 def select_sampled(ops: TensorOps, x: Tensor, k: int, sample_ratio: float, offset: int,
-                   max_retries: int, retry_factor: float) -> Tensor:
+                   max_retries: int, retry_factor: float, block_max: Optional[Tensor] = None) -> Tensor:
     """DGC's selection: sampled threshold, lowered by ``retry_factor`` up to ``max_retries``
     times until at least k entries reach it, then exact top-k among those candidates.
+    ``block_max``: max ``|x|`` per block of :func:`filter_block` entries, if already known.
 
     Exactly k positions come back, and they are the true top-k: if the retries still find
     fewer than k, a guaranteed lower bound of the k-th largest entry becomes the threshold.
@@ -114,8 +122,8 @@ def select_sampled(ops: TensorOps, x: Tensor, k: int, sample_ratio: float, offse
     n = ops.numel(x)
     if k >= n:
         return ops.topk_abs(x, n)
-    block = block_size(k / n)
-    candidates = _BlockFilter(ops, x, block)
+    block = filter_block(k, n)
+    candidates = _BlockFilter(ops, x, block, block_max)
     threshold = sampled_threshold(ops, x, k, sample_ratio, offset, block)
 
     def lower(t: Scalar, _count: Scalar) -> Tuple[Scalar, Scalar]:
@@ -148,19 +156,19 @@ def gaussian_capacity(k: int, numel: int) -> int:
     return min(numel, math.ceil(GAUSSIAN_HIGH * k))
 
 
-def select_gaussian(ops: TensorOps, x: Tensor, k: int) -> Tensor:
+def select_gaussian(ops: TensorOps, x: Tensor, k: int, block_max: Optional[Tensor] = None) -> Tensor:
     """Gaussian-k: threshold from mean and standard deviation, adjusted at most three times
     (x0.5 below 2k/3 entries, x1.5 above 4k/3); at most ``gaussian_capacity`` positions come
     back (the largest ones if more reach the final threshold).
 
     Unlike the paper, adjustments that end below 2k/3 entries (they can overshoot: 1, 800,
     60, then 0 entries) fall back to the lowest threshold tried, so that a step never sends
-    far fewer entries than an adjustment found."""
+    far fewer entries than an adjustment found. ``block_max``: as for :func:`select_sampled`."""
     n = ops.numel(x)
     capacity = gaussian_capacity(k, n)
     if capacity >= n:
         return ops.topk_abs(x, n)
-    candidates = _BlockFilter(ops, x, block_size(k / n))
+    candidates = _BlockFilter(ops, x, filter_block(k, n), block_max)
     low, high = GAUSSIAN_LOW * k, GAUSSIAN_HIGH * k
 
     def adjust(t: Scalar, count: Scalar, lowest: Scalar) -> Tuple[Scalar, Scalar, Scalar]:

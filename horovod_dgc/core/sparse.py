@@ -17,9 +17,9 @@ from typing import Any, ClassVar, List, Optional, Sequence, Tuple
 from . import wire
 from .config import SparseConfig
 from .method import CompressCall, Method, State, StateLayout, state_dtype
-from .nonfinite import is_finite, nan_like, none_flagged, received_finite
+from .nonfinite import nan_like, none_flagged, received_finite
 from .ops import Scalar, Tensor, TensorOps
-from .selection import top_count
+from .selection import filter_block, top_count
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,9 @@ class SparseMethod(Method):
     """A sparse compression method; subclasses give the memory, selector and wire id."""
 
     family: ClassVar[str] = "sparse"
+    # Whether select() filters candidates by block maxima (filter_block), which the memory's
+    # accumulation then computes in the same pass.
+    filters_blocks: ClassVar[bool] = False
     config: SparseConfig
 
     def __init__(self, config: SparseConfig):
@@ -48,8 +51,10 @@ class SparseMethod(Method):
         """The error-feedback memory (an object of :mod:`.memory`)."""
 
     @abstractmethod
-    def select(self, ops: TensorOps, x: Tensor, k: int, call: CompressCall) -> Tensor:
-        """Positions (int64) of the entries of ``x`` to send."""
+    def select(self, ops: TensorOps, x: Tensor, k: int, call: CompressCall,
+               block_max: Optional[Tensor]) -> Tensor:
+        """Positions (int64) of the entries of ``x`` to send; ``block_max``: max ``|x|`` per
+        block of ``filter_block(k, numel)`` entries for a method that ``filters_blocks``."""
 
     def capacity(self, k: int, numel: int) -> int:
         """Slots in the message for a target of k entries."""
@@ -77,21 +82,25 @@ class SparseMethod(Method):
         layout = self.layout(call.name, numel, ops.dtype(grad), call.density)
         k = top_count(call.density, numel)
 
+        block = filter_block(k, numel) if self.filters_blocks else 0
+        # The memories are new tensors: a step that is not finite simply drops them.
+        accumulated = self.memory.accumulate(ops, state, *self.prepare(ops, grad, call),
+                                             spare=call.spare, block=block)
+
         def send():
-            x, new_state = self.memory.accumulate(ops, state, *self.prepare(ops, grad, call),
-                                                  spare=call.spare)
-            positions, _ = ops.sort(self.select(ops, x, k, call))
+            x = accumulated.x
+            positions, _ = ops.sort(self.select(ops, x, k, call, accumulated.block_max))
             count = ops.size(positions)
             header = layout.header(call.rank, call.step, count, 0)
             message, decoded = layout.encode(ops, header, positions, count, ops.gather(x, positions))
             sent = ops.cast(ops.slice(decoded, 0, count), ops.dtype(x))
-            return self.memory.update(ops, new_state, positions, sent), message, count
+            return self.memory.update(ops, accumulated.state, positions, sent), message, count
 
         def skip():
             header = layout.header(call.rank, call.step, 0, wire.FLAG_NONFINITE)
             return state, layout.empty(ops, header, like=grad), 0
 
-        new_state, message, count = ops.cond(is_finite(ops, grad), send, skip)
+        new_state, message, count = ops.cond(accumulated.finite, send, skip)
         return Compressed(message=message, state=new_state, count=count, layout=layout)
 
     def dense(self, ops: TensorOps, state: State, grad: Tensor, call: CompressCall) -> Tuple[Tensor, State]:

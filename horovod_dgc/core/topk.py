@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from .config import SparseConfig
 from .memory import ResidualMemory
@@ -30,5 +31,6 @@ class TopK(SparseMethod):
     def make_memory(self) -> ResidualMemory:
         return ResidualMemory()
 
-    def select(self, ops: TensorOps, x: Tensor, k: int, call: CompressCall) -> Tensor:
+    def select(self, ops: TensorOps, x: Tensor, k: int, call: CompressCall,
+               block_max: Optional[Tensor]) -> Tensor:
         return select_exact(ops, x, k)

@@ -23,6 +23,13 @@ _BIT_TABLE = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool()
 _SIGN_TABLE = _BIT_TABLE.float() * 2 - 1
 
 
+def _usable(out: Optional[torch.Tensor], like: torch.Tensor) -> Optional[torch.Tensor]:
+    """``out`` where it can hold a result shaped and typed like ``like``, else None."""
+    if out is None or out.shape != like.shape or out.dtype != like.dtype:
+        return None
+    return out
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """The core's name of a torch dtype (``"other"`` for dtypes the core does not know)."""
     return DTYPE_NAMES.get(dtype, "other")
@@ -42,6 +49,8 @@ class TorchOps(TensorOps):
         return torch.zeros(n, dtype=DTYPES[dtype], device=like.device)
 
     def zeroed(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and x.is_contiguous():
+            return kernels.zero(x)
         return x.zero_()
 
     def constant(self, values: Sequence[Any], dtype: str, like: torch.Tensor) -> torch.Tensor:
@@ -75,8 +84,9 @@ class TorchOps(TensorOps):
         numbers = isinstance(alpha, (int, float)) and isinstance(beta, (int, float))
         if numbers and not x.is_floating_point():
             alpha, beta = int(alpha), int(beta)
-        if out is not None and (out.shape != x.shape or out.dtype != torch.result_type(x, y)):
+        if torch.result_type(x, y) != x.dtype:
             out = None
+        out = _usable(out, x)
         if numbers and alpha == 1.0:
             return torch.add(x, y, alpha=beta, out=out)
         if numbers:
@@ -173,6 +183,40 @@ class TorchOps(TensorOps):
             return kernels.collect_at_least(x.reshape(-1), blocks, block, float(threshold))
         return super().collect_at_least(x, blocks, block, threshold)
 
+    def accumulate(self, memory: torch.Tensor, grad: torch.Tensor, grad_scale: Scalar = 1.0,
+                   out: Optional[torch.Tensor] = None, block: int = 0,
+                   stat: Optional[str] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor], Any]:
+        out = _usable(out, memory)
+        if isinstance(grad_scale, (int, float)) and kernels.supports_accumulate(grad, memory, out):
+            total, stats, finite = kernels.error_feedback(grad.reshape(-1), float(grad_scale), memory,
+                                                          out, block, stat)
+            return total, None if stats is None else stats.to(memory.dtype), finite
+        return super().accumulate(memory, grad, grad_scale, out, block, stat)
+
+    def momentum_accumulate(self, momentum: torch.Tensor, velocity: torch.Tensor,
+                            grad: torch.Tensor, m: float, grad_scale: Scalar, nesterov: bool,
+                            outs: Tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None),
+                            block: int = 0) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Any]:
+        outs = (_usable(outs[0], momentum), _usable(outs[1], velocity))
+        if isinstance(grad_scale, (int, float)) and kernels.supports_accumulate(
+                grad, momentum, velocity, *outs):
+            return kernels.momentum_correction(grad.reshape(-1), float(grad_scale), momentum, velocity,
+                                               m, nesterov, *outs, block)
+        return super().momentum_accumulate(momentum, velocity, grad, m, grad_scale, nesterov, outs, block)
+
+    def sign_compress(self, x: torch.Tensor, scales: torch.Tensor, block: int,
+                      length: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        if kernels.supports_signs(x, scales):
+            return kernels.sign_pack(x, scales, block, length)
+        return super().sign_compress(x, scales, block, length)
+
+    def sign_decode(self, packed: torch.Tensor, scales: torch.Tensor, block: int, n: int, dtype: str,
+                    add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if dtype == "float32" and kernels.supports_signs(scales, scales) and (
+                add_to is None or kernels.supports_signs(add_to, scales)):
+            return kernels.sign_decode(packed, scales, block, n, add_to)
+        return super().sign_decode(packed, scales, block, n, dtype, add_to)
+
     def nonzero(self, mask: torch.Tensor) -> torch.Tensor:
         return torch.nonzero(mask).reshape(-1)
 
@@ -194,6 +238,9 @@ class TorchOps(TensorOps):
 
     def scatter_add(self, out: torch.Tensor, indices: torch.Tensor,
                     values: torch.Tensor) -> torch.Tensor:
+        if kernels.supports(out) and out.dim() == 1 and values.dtype == torch.float32 \
+                and values.device.type == "cpu":
+            return kernels.scatter_add(out, indices, values)
         return out.index_add_(0, indices, values)
 
     def pad(self, x: torch.Tensor, length: int) -> torch.Tensor:
@@ -227,6 +274,16 @@ class TorchOps(TensorOps):
     def unpack_bits(self, packed: torch.Tensor) -> torch.Tensor:
         table = _BIT_TABLE.to(device=packed.device)
         return table.index_select(0, packed.to(torch.int64)).reshape(-1)
+
+    def set_bit_positions(self, packed: torch.Tensor, n_bits: int) -> torch.Tensor:
+        if packed.device.type == "cpu":
+            return kernels.set_bit_positions(packed, n_bits)
+        return super().set_bit_positions(packed, n_bits)
+
+    def unpack_fields(self, packed: torch.Tensor, width: int, count: int) -> torch.Tensor:
+        if packed.device.type == "cpu" and 0 < width < 64:
+            return kernels.unpack_fields(packed, width, count)
+        return super().unpack_fields(packed, width, count)
 
     def bits_of(self, values: torch.Tensor, width: int) -> torch.Tensor:
         shifts = torch.arange(width, device=values.device)

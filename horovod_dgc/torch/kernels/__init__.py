@@ -1,16 +1,18 @@
 """Compiled kernels for the PyTorch adapter (built by setup.py; plain C, no torch headers).
 
-They take contiguous float32 CPU tensors; :class:`~horovod_dgc.torch.ops.TorchOps` uses the
-torch composition for every other dtype and device.
+They take contiguous CPU tensors: float32 memories, and float32, float16 or bfloat16
+gradients; :class:`~horovod_dgc.torch.ops.TorchOps` uses the core's composition of torch
+operations for every other dtype and device, and that composition is what the kernels are
+tested against.
 """
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Dict, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _selection
+from . import _bits, _selection, _streaming
 
 # Below this many elements one call on the calling thread beats handing ranges to the pool.
 PARALLEL_MIN_NUMEL = 1 << 20
@@ -36,25 +38,34 @@ def _check(x: torch.Tensor, kernel: str) -> None:
                         f"{x.dtype} {tuple(x.shape)} on {x.device}")
 
 
+def _ranges(n: int, unit: int, width: int) -> List[Tuple[int, int]]:
+    """(start, count) ranges covering ``n`` entries, one per thread of ``width``, each start a
+    multiple of ``unit``; a single range below PARALLEL_MIN_NUMEL entries."""
+    if n < PARALLEL_MIN_NUMEL or width == 1:
+        return [(0, n)]
+    per_thread = -(-n // width // unit) * unit
+    return [(start, min(per_thread, n - start)) for start in range(0, n, per_thread)]
+
+
+def _run(kernel: Callable, calls: Sequence[tuple]) -> list:
+    """``kernel(*args)`` for each argument tuple, on the pool when there are several."""
+    if len(calls) == 1:
+        return [kernel(*calls[0])]
+    pool = _pool(torch.get_num_threads())
+    return [call.result() for call in [pool.submit(kernel, *args) for args in calls]]
+
+
 def block_abs_max(x: torch.Tensor, block: int) -> torch.Tensor:
     """``max |x|`` of each whole block of ``block`` elements of ``x`` (a trailing partial
     block is left to the caller), in one read pass."""
     _check(x, "block_abs_max")
     n_blocks = x.numel() // block
     out = torch.empty(n_blocks, dtype=torch.float32)
-    width = torch.get_num_threads()
-    if x.numel() < PARALLEL_MIN_NUMEL or width == 1:
-        _selection.block_abs_max(x.data_ptr(), n_blocks, block, out.data_ptr())
-        return out
-    per_thread = -(-n_blocks // width)
     item_bytes = x.element_size()
-    ranges = [(start, min(per_thread, n_blocks - start)) for start in range(0, n_blocks, per_thread)]
-    calls = [_pool(width).submit(_selection.block_abs_max,
-                                 x.data_ptr() + start * block * item_bytes, count, block,
-                                 out.data_ptr() + start * item_bytes)
-             for start, count in ranges]
-    for call in calls:
-        call.result()
+    _run(_selection.block_abs_max,
+         [(x.data_ptr() + start * item_bytes, count // block, block,
+           out.data_ptr() + start // block * item_bytes)
+          for start, count in _ranges(n_blocks * block, block, torch.get_num_threads())])
     return out
 
 
@@ -71,3 +82,177 @@ def collect_at_least(x: torch.Tensor, blocks: torch.Tensor, block: int,
                                         block, float(threshold), positions.data_ptr(),
                                         magnitudes.data_ptr())
     return positions[:count].clone(), magnitudes[:count].clone()
+
+
+GRAD_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_RESIDUAL, _MOMENTUM, _NESTEROV = 0, 1, 2
+_STATS = {None: 0, "max": 1, "sum": 2}
+# From this many entries on, new memories are written with non-temporal stores: they do not fit
+# in the cache, and the next pass over them is the next step's.
+STREAM_MIN_NUMEL = 1 << 20
+# Sum ranges start on a multiple of this many entries when blocks are longer than a range.
+_SUM_UNIT = 64
+
+
+def supports_accumulate(grad: torch.Tensor, *memories: Optional[torch.Tensor]) -> bool:
+    """Whether :func:`error_feedback` and :func:`momentum_correction` take these tensors:
+    contiguous CPU tensors of one length, a float32/float16/bfloat16 gradient, float32
+    memories (a None memory is an output to allocate)."""
+    tensors = [grad, *(m for m in memories if m is not None)]
+    return (grad.dtype in GRAD_KINDS and all(m.dtype == torch.float32 for m in tensors[1:])
+            and all(t.device.type == "cpu" and t.is_contiguous() and t.numel() == grad.numel()
+                    for t in tensors))
+
+
+def _accumulate(mode: int, grad: torch.Tensor, scale: float, m: float, scale_m: float,
+                a: torch.Tensor, a_out: torch.Tensor, b: Optional[torch.Tensor],
+                b_out: Optional[torch.Tensor], block: int, stat: Optional[str]) -> Tuple[Optional[torch.Tensor], bool]:
+    """Run the accumulate kernel over thread ranges: (per-block statistic, finite)."""
+    n = grad.numel()
+    if not supports_accumulate(grad, a, a_out, b, b_out):
+        raise TypeError("accumulate takes contiguous CPU tensors of one length: a float32, float16 "
+                        f"or bfloat16 gradient and float32 memories, got {grad.dtype} {tuple(grad.shape)}")
+    block = block if stat else 1
+    n_blocks = -(-n // block)
+    width = torch.get_num_threads()
+    if stat == "max" or (stat == "sum" and n_blocks >= width):
+        ranges = _ranges(n, block, width)
+    else:
+        ranges = _ranges(n, _SUM_UNIT, width)
+    kind, code = GRAD_KINDS[grad.dtype], _STATS[stat]
+    g_bytes = grad.element_size()
+    stats = torch.zeros(n_blocks, dtype=torch.float32 if stat == "max" else torch.float64)
+    partials = []
+    calls = []
+    for start, count in ranges:
+        phase = start % block
+        if phase == 0 or stat != "sum":
+            target = stats.data_ptr() + start // block * stats.element_size()
+        else:
+            partial = torch.zeros((phase + count - 1) // block + 1, dtype=torch.float64)
+            partials.append((start // block, partial))
+            target = partial.data_ptr()
+        offset = start * 4
+        calls.append((mode, kind, grad.data_ptr() + start * g_bytes, a.data_ptr() + offset,
+                      a_out.data_ptr() + offset, b.data_ptr() + offset if b is not None else 0,
+                      b_out.data_ptr() + offset if b_out is not None else 0, count, scale, m, scale_m,
+                      code, block, phase, target, n >= STREAM_MIN_NUMEL))
+    finite = all(_run(_streaming.accumulate, calls))
+    if stat is None:
+        return None, finite
+    for first, partial in partials:
+        # A range that starts inside a block: its partial sums join those of the range before.
+        stats[first:first + partial.numel()] += partial
+    return stats, finite
+
+
+def error_feedback(grad: torch.Tensor, scale: float, residual: torch.Tensor,
+                   out: Optional[torch.Tensor] = None, block: int = 0,
+                   stat: Optional[str] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor], bool]:
+    """``out = residual + scale * grad`` (a new tensor when ``out`` is None) in one pass, with
+    its ``"max"`` (float32) or ``"sum"`` (float64) of ``|out|`` per block of ``block`` entries
+    (the last one may be partial; None without ``stat``) and whether ``grad`` is finite."""
+    out = torch.empty_like(residual) if out is None else out
+    stats, finite = _accumulate(_RESIDUAL, grad, scale, 0.0, 0.0, residual, out, None, None, block, stat)
+    return out, stats, finite
+
+
+def momentum_correction(grad: torch.Tensor, scale: float, momentum: torch.Tensor,
+                        velocity: torch.Tensor, m: float, nesterov: bool,
+                        momentum_out: Optional[torch.Tensor] = None,
+                        velocity_out: Optional[torch.Tensor] = None,
+                        block: int = 0) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], bool]:
+    """DGC's ``u' = m * u + scale * g; v' = v + u'`` (Nesterov: ``u' = m * u + (scale * m) * g;
+    v' = v + u' + scale * g``) in one pass: (u', v', max ``|v'|`` per block of ``block``
+    entries or None, whether ``grad`` is finite)."""
+    momentum_out = torch.empty_like(momentum) if momentum_out is None else momentum_out
+    velocity_out = torch.empty_like(velocity) if velocity_out is None else velocity_out
+    mode = _NESTEROV if nesterov else _MOMENTUM
+    maxima, finite = _accumulate(mode, grad, scale, m, scale * m, momentum, momentum_out, velocity,
+                                 velocity_out, block, "max" if block else None)
+    return momentum_out, velocity_out, maxima, finite
+
+
+def supports_signs(x: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether :func:`sign_pack` and :func:`sign_decode` take these tensors."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+               for t in (x, scales))
+
+
+def sign_pack(x: torch.Tensor, scales: torch.Tensor, block: int,
+              length: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Blocksign's message and residual in one pass: the signs of ``x`` zero-padded to
+    ``length`` entries (a multiple of 8), 8 per byte (bit j of byte i: ``x[8i + j] >= 0``), and
+    ``x - scales[i // block] * sign(x)`` written over ``x``."""
+    if not supports_signs(x, scales) or length % 8 or length < x.numel():
+        raise TypeError(f"sign_pack takes contiguous float32 CPU tensors and a length that is a "
+                        f"multiple of 8 and at least {x.numel()}, got {x.dtype}, length {length}")
+    packed = torch.empty(length // 8, dtype=torch.uint8)
+    _run(_streaming.sign_pack,
+         [(x.data_ptr() + start * 4, x.numel(), count, scales.data_ptr(), block, start,
+           packed.data_ptr() + start // 8, x.data_ptr() + start * 4)
+          for start, count in _ranges(length, 8, torch.get_num_threads())])
+    return packed, x
+
+
+def sign_decode(packed: torch.Tensor, scales: torch.Tensor, block: int, n: int,
+                add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``scales[i // block] * (+1 where bit i of packed is set, else -1)`` for ``i < n``, as a
+    new float32 tensor or added to ``add_to`` (overwritten)."""
+    if not supports_signs(scales, scales) or n > packed.numel() * 8 or (
+            add_to is not None and not supports_signs(add_to, scales)):
+        raise TypeError(f"sign_decode takes float32 CPU scales and at most {packed.numel() * 8} "
+                        f"entries, got {scales.dtype}, n={n}")
+    packed = packed.contiguous()
+    out = torch.empty(n, dtype=torch.float32) if add_to is None else add_to
+    _run(_streaming.sign_decode,
+         [(packed.data_ptr() + start // 8, count, scales.data_ptr(), block, start,
+           out.data_ptr() + start * 4, add_to is not None)
+          for start, count in _ranges(n, 8, torch.get_num_threads())])
+    return out
+
+
+def _check_packed(packed: torch.Tensor, n_bits: int, kernel: str) -> torch.Tensor:
+    if packed.dtype != torch.uint8 or packed.device.type != "cpu" or n_bits > packed.numel() * 8:
+        raise TypeError(f"{kernel} takes a uint8 CPU tensor of at least {n_bits} bits, got "
+                        f"{packed.dtype} of {packed.numel() * 8} bits on {packed.device}")
+    return packed.contiguous()
+
+
+def set_bit_positions(packed: torch.Tensor, n_bits: int) -> torch.Tensor:
+    """Positions (int64, ascending) of the set bits among the first ``n_bits`` of ``packed``
+    (bit j of byte i is bit 8i + j)."""
+    packed = _check_packed(packed, n_bits, "set_bit_positions")
+    out = torch.empty(_bits.count_set_bits(packed.data_ptr(), n_bits), dtype=torch.int64)
+    _bits.set_bit_positions(packed.data_ptr(), n_bits, out.data_ptr())
+    return out
+
+
+def unpack_fields(packed: torch.Tensor, width: int, count: int) -> torch.Tensor:
+    """The ``count`` unsigned ``width``-bit fields stored one after another in ``packed``
+    (lowest bit first), as int64; ``width`` from 1 to 63."""
+    packed = _check_packed(packed, width * count, "unpack_fields")
+    out = torch.empty(count, dtype=torch.int64)
+    _bits.unpack_fields(packed.data_ptr(), width, count, out.data_ptr())
+    return out
+
+
+def scatter_add(out: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``out[index] += values`` (repeated indices summed in order) for a contiguous float32
+    CPU ``out``, int64 ``index`` and float32 ``values``; IndexError outside ``out``."""
+    _check(out, "scatter_add")
+    index, values = index.to(torch.int64).contiguous(), values.to(torch.float32).contiguous()
+    if index.numel() != values.numel():
+        raise ValueError(f"scatter_add: {index.numel()} indices for {values.numel()} values")
+    _streaming.scatter_add(out.data_ptr(), out.numel(), index.data_ptr(), values.data_ptr(), index.numel())
+    return out
+
+
+def zero(out: torch.Tensor) -> torch.Tensor:
+    """``out`` filled with zeros (contiguous CPU), by memset over thread ranges."""
+    if out.device.type != "cpu" or not out.is_contiguous():
+        raise TypeError(f"zero takes a contiguous CPU tensor, got one on {out.device}")
+    item = out.element_size()
+    _run(_streaming.zero, [(out.data_ptr() + start * item, count * item)
+                           for start, count in _ranges(out.numel(), 64, torch.get_num_threads())])
+    return out

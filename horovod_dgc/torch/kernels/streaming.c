@@ -1,0 +1,449 @@
+/* One-pass kernels over gradient-sized arrays: error feedback and momentum correction fused
+ * with the block statistic the next step needs, and the sign packing of blocksign.
+ *
+ * accumulate: the memory update of every method in one read of the gradient and the memories
+ *   residual:  r' = r + s * g
+ *   momentum:  u' = m * u + s * g;          v' = v + u'
+ *   nesterov:  u' = m * u + (s * m) * g;    v' = v + u' + s * g
+ * with, over the new memory that selection reads (r' or v'), the largest |x| per block (DGC's
+ * block filter) or the float64 sum of |x| per block (blocksign's scales), and whether every
+ * gradient entry is finite. Torch runs each line as a separate pass with its own temporary,
+ * then reads the result again for the statistic and the gradient again for its finiteness.
+ * The rounding is the composition's (core/ops.py): a product rounded, then added by one fused
+ * multiply-add, so float32 results are bit-identical to it.
+ *
+ * sign_pack: bit j of byte i is x[8i + j] >= 0 (entries past `valid` are zero padding), and
+ *   the residual x - scale_b * sign(x) over x's first `valid` entries, in one pass.
+ * sign_decode: scale_b * sign written to (or added to) a float32 array.
+ *
+ * scatter_add and zero: what decoding N sparse messages does to a gradient-sized output.
+ *
+ * Gradients may be float32, float16 or bfloat16; memories are float32. Every call covers one
+ * range and runs with the GIL released, so the adapter runs one call per thread. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define VECTOR_CLONES
+#endif
+
+enum { GRAD_FLOAT32 = 0, GRAD_FLOAT16 = 1, GRAD_BFLOAT16 = 2 };
+enum { MODE_RESIDUAL = 0, MODE_MOMENTUM = 1, MODE_NESTEROV = 2 };
+enum { STAT_NONE = 0, STAT_MAX = 1, STAT_SUM = 2 };
+
+/* Elements combined before their statistic is taken: small enough that the statistic reads
+ * them from the first-level cache, not from memory. */
+#define CHUNK 1024
+#define LANES 8
+#define ABS_BITS 0x7fffffffu
+
+static inline uint32_t float_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float bits_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* IEEE half precision to float, exact for every input and free of branches (it vectorises):
+ * a normal or special value only moves its fields and rebiases the exponent (by 127 - 15,
+ * or to 255 for infinities and NaN); a subnormal is its mantissa times 2^-24. */
+static inline float half_to_float(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t rest = h & 0x7fffu;
+    uint32_t special = 0u - (uint32_t)(rest >= 0x7c00u), subnormal = 0u - (uint32_t)(rest < 0x0400u);
+    uint32_t moved = (rest << 13) + (112u << 23) + (special & (112u << 23));
+    uint32_t small = float_bits((float)(int32_t)rest * 0x1p-24f);
+    return bits_float(sign | (small & subnormal) | (moved & ~subnormal));
+}
+
+#define LOAD_FLOAT32(v) (v)
+#define LOAD_FLOAT16(v) half_to_float(v)
+#define LOAD_BFLOAT16(v) bits_float((uint32_t)(v) << 16)
+#define BAD_FLOAT32(v) ((float_bits(v) & 0x7f800000u) == 0x7f800000u)
+#define BAD_FLOAT16(v) (((v) & 0x7c00u) == 0x7c00u)
+#define BAD_BFLOAT16(v) (((v) & 0x7f80u) == 0x7f80u)
+
+typedef struct {
+    int mode;
+    float scale;    /* s: the gradient's factor */
+    float momentum; /* m */
+    float scale_m;  /* s * m, rounded once, as the composition passes it */
+} Plan;
+
+/* The new memories of `len` entries; returns whether some gradient entry is not finite. */
+#define DEFINE_COMBINE(SUFFIX, GTYPE, LOAD, BAD)                                              \
+    VECTOR_CLONES static uint32_t combine_##SUFFIX(const Plan *p, const GTYPE *g, const float *a, \
+                                                   float *a_out, const float *b, float *b_out, \
+                                                   int64_t len)                                \
+    {                                                                                         \
+        uint32_t bad = 0;                                                                     \
+        const float s = p->scale, m = p->momentum, sm = p->scale_m;                           \
+        if (p->mode == MODE_RESIDUAL) {                                                       \
+            for (int64_t i = 0; i < len; ++i) {                                               \
+                bad |= BAD(g[i]);                                                             \
+                a_out[i] = fmaf(LOAD(g[i]), s, a[i]);                                         \
+            }                                                                                 \
+        } else if (p->mode == MODE_MOMENTUM) {                                                \
+            for (int64_t i = 0; i < len; ++i) {                                               \
+                bad |= BAD(g[i]);                                                             \
+                float u = fmaf(LOAD(g[i]), s, a[i] * m);                                      \
+                a_out[i] = u;                                                                 \
+                b_out[i] = b[i] + u;                                                          \
+            }                                                                                 \
+        } else {                                                                              \
+            for (int64_t i = 0; i < len; ++i) {                                               \
+                bad |= BAD(g[i]);                                                             \
+                float x = LOAD(g[i]);                                                         \
+                float u = fmaf(x, sm, a[i] * m);                                              \
+                a_out[i] = u;                                                                 \
+                b_out[i] = fmaf(x, s, b[i] + u);                                              \
+            }                                                                                 \
+        }                                                                                     \
+        return bad;                                                                           \
+    }
+
+DEFINE_COMBINE(float32, float, LOAD_FLOAT32, BAD_FLOAT32)
+DEFINE_COMBINE(float16, uint16_t, LOAD_FLOAT16, BAD_FLOAT16)
+DEFINE_COMBINE(bfloat16, uint16_t, LOAD_BFLOAT16, BAD_BFLOAT16)
+
+/* Bit patterns with the sign cleared: their integer order is the order of |x|, and every NaN
+ * lies above infinity, so a NaN wins as it does in torch's amax. */
+VECTOR_CLONES static uint32_t abs_max_bits(const float *x, int64_t len)
+{
+    const uint32_t *bits = (const uint32_t *)x;
+    uint32_t largest = 0;
+    for (int64_t i = 0; i < len; ++i) {
+        uint32_t a = bits[i] & ABS_BITS;
+        largest = a > largest ? a : largest;
+    }
+    return largest;
+}
+
+VECTOR_CLONES static double abs_sum(const float *x, int64_t len)
+{
+    double lane[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= len; i += LANES)
+        for (int j = 0; j < LANES; ++j)
+            lane[j] += fabs((double)x[i + j]);
+    double total = 0.0;
+    for (; i < len; ++i)
+        total += fabs((double)x[i]);
+    for (int j = 0; j < LANES; ++j)
+        total += lane[j];
+    return total;
+}
+
+typedef uint32_t (*Combine)(const Plan *, const void *, const float *, float *, const float *,
+                            float *, int64_t);
+
+/* dst[0:len] = src[0:len]. `stream`: with non-temporal stores where the destination is
+ * aligned, which write memory without reading it into the cache first: a gradient-sized
+ * output that is not read again soon costs one pass of memory traffic instead of two. */
+static void store(float *dst, const float *src, int64_t len, int stream)
+{
+#if defined(__SSE2__)
+    if (stream && ((uintptr_t)dst & 15u) == 0) {
+        int64_t i = 0;
+        for (; i + 4 <= len; i += 4)
+            _mm_stream_ps(dst + i, _mm_loadu_ps(src + i));
+        for (; i < len; ++i)
+            dst[i] = src[i];
+        return;
+    }
+#endif
+    memcpy(dst, src, (size_t)len * sizeof(float));
+}
+
+/* Entries [0, n) of a range whose entry 0 sits `phase` entries into its statistic block:
+ * the statistic of the range's k-th (possibly partial) block goes to stat_out[k]. Each chunk
+ * is combined into buffers that stay in the first-level cache, its statistic read from there,
+ * and the buffers then stored. */
+static uint32_t accumulate_range(Combine combine, size_t grad_bytes, const Plan *p,
+                                 const char *g, const float *a, float *a_out, const float *b,
+                                 float *b_out, int64_t n, int stat, int64_t block, int64_t phase,
+                                 void *stat_out, int stream)
+{
+    float a_chunk[CHUNK], b_chunk[CHUNK];
+    const float *selected = p->mode == MODE_RESIDUAL ? a_chunk : b_chunk;
+    uint32_t bad = 0, block_max = 0;
+    double block_sum = 0.0;
+    int64_t in_block = phase, k = 0;
+    for (int64_t i = 0; i < n;) {
+        int64_t len = n - i;
+        if (len > CHUNK) len = CHUNK;
+        if (stat != STAT_NONE && len > block - in_block) len = block - in_block;
+        bad |= combine(p, g + i * grad_bytes, a + i, a_chunk, b ? b + i : NULL, b_chunk, len);
+        if (stat == STAT_MAX) {
+            uint32_t m = abs_max_bits(selected, len);
+            block_max = m > block_max ? m : block_max;
+        } else if (stat == STAT_SUM) {
+            block_sum += abs_sum(selected, len);
+        }
+        store(a_out + i, a_chunk, len, stream);
+        if (b_out)
+            store(b_out + i, b_chunk, len, stream);
+        i += len;
+        in_block += len;
+        if (stat != STAT_NONE && (in_block == block || i == n)) {
+            if (stat == STAT_MAX)
+                ((uint32_t *)stat_out)[k] = block_max;
+            else
+                ((double *)stat_out)[k] = block_sum;
+            ++k;
+            block_max = 0;
+            block_sum = 0.0;
+            in_block = 0;
+        }
+    }
+#if defined(__SSE2__)
+    if (stream)
+        _mm_sfence(); /* the streamed stores are visible before the call returns */
+#endif
+    return bad;
+}
+
+static PyObject *accumulate(PyObject *self, PyObject *args)
+{
+    int mode, grad_kind, stat, stream;
+    unsigned long long g, a, a_out, b, b_out, stat_out;
+    long long n, block, phase;
+    double scale, momentum, scale_m;
+    if (!PyArg_ParseTuple(args, "iiKKKKKLdddiLLKp", &mode, &grad_kind, &g, &a, &a_out, &b, &b_out,
+                          &n, &scale, &momentum, &scale_m, &stat, &block, &phase, &stat_out, &stream))
+        return NULL;
+    if (mode < MODE_RESIDUAL || mode > MODE_NESTEROV || stat < STAT_NONE || stat > STAT_SUM
+        || n < 0 || block < 1 || phase < 0 || phase >= block || (mode != MODE_RESIDUAL && (!b || !b_out))) {
+        PyErr_Format(PyExc_ValueError, "accumulate: mode=%d, stat=%d, n=%lld, block=%lld, phase=%lld",
+                     mode, stat, n, block, phase);
+        return NULL;
+    }
+    Combine combine;
+    size_t grad_bytes;
+    switch (grad_kind) {
+    case GRAD_FLOAT32: combine = (Combine)combine_float32; grad_bytes = 4; break;
+    case GRAD_FLOAT16: combine = (Combine)combine_float16; grad_bytes = 2; break;
+    case GRAD_BFLOAT16: combine = (Combine)combine_bfloat16; grad_bytes = 2; break;
+    default:
+        PyErr_Format(PyExc_ValueError, "accumulate: gradient kind %d", grad_kind);
+        return NULL;
+    }
+    Plan plan = {mode, (float)scale, (float)momentum, (float)scale_m};
+    uint32_t bad;
+    Py_BEGIN_ALLOW_THREADS
+    bad = accumulate_range(combine, grad_bytes, &plan, (const char *)(uintptr_t)g,
+                           (const float *)(uintptr_t)a, (float *)(uintptr_t)a_out,
+                           (const float *)(uintptr_t)b, (float *)(uintptr_t)b_out, n, stat, block,
+                           phase, (void *)(uintptr_t)stat_out, stream);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(!bad);
+}
+
+/* Entries of one scale block at a time: the block of entry `at` is tracked by stepping a
+ * boundary forward, never by a division per entry. */
+#define ADVANCE(at, blk, boundary, block) \
+    while ((at) >= (boundary)) { ++(blk); (boundary) += (block); }
+
+/* Eight entries of one block: their sign bits, and v - scale * sign(v) written to r. */
+static inline uint32_t pack8(const float *v, float scale, float *r)
+{
+#if defined(__SSE2__)
+    const __m128 zero = _mm_setzero_ps(), up = _mm_set1_ps(scale), down = _mm_set1_ps(-scale);
+    uint32_t bits = 0;
+    for (int half = 0; half < 2; ++half) {
+        __m128 x = _mm_loadu_ps(v + 4 * half), positive = _mm_cmpge_ps(x, zero);
+        __m128 decoded = _mm_or_ps(_mm_and_ps(positive, up), _mm_andnot_ps(positive, down));
+        _mm_storeu_ps(r + 4 * half, _mm_sub_ps(x, decoded));
+        bits |= (uint32_t)_mm_movemask_ps(positive) << (4 * half);
+    }
+    return bits;
+#else
+    uint32_t bits = 0;
+    for (int j = 0; j < 8; ++j) {
+        uint32_t positive = v[j] >= 0.0f;
+        bits |= positive << j;
+        r[j] = v[j] - (positive ? scale : -scale);
+    }
+    return bits;
+#endif
+}
+
+/* o[j] = (or +=) scale * (bit j of bits ? 1 : -1) for eight entries of one block. */
+static inline void decode8(uint32_t bits, float scale, float *o, int add)
+{
+#if defined(__SSE2__)
+    const __m128 up = _mm_set1_ps(scale), down = _mm_set1_ps(-scale);
+    const __m128i lane = _mm_set_epi32(8, 4, 2, 1);
+    for (int half = 0; half < 2; ++half) {
+        __m128i word = _mm_set1_epi32((int)(bits >> (4 * half)));
+        __m128 set = _mm_castsi128_ps(_mm_cmpeq_epi32(_mm_and_si128(word, lane), lane));
+        __m128 value = _mm_or_ps(_mm_and_ps(set, up), _mm_andnot_ps(set, down));
+        if (add)
+            value = _mm_add_ps(_mm_loadu_ps(o + 4 * half), value);
+        _mm_storeu_ps(o + 4 * half, value);
+    }
+#else
+    for (int j = 0; j < 8; ++j) {
+        float value = (bits >> j) & 1u ? scale : -scale;
+        o[j] = add ? o[j] + value : value;
+    }
+#endif
+}
+
+static void sign_pack_range(const float *x, int64_t valid, int64_t n, const float *scales,
+                                          int64_t block, int64_t first, uint8_t *packed, float *residual)
+{
+    int64_t blk = first / block, boundary = (blk + 1) * block;
+    for (int64_t byte = 0; byte < n / 8; ++byte) {
+        int64_t at = first + byte * 8;
+        const float *v = x + byte * 8;
+        float *r = residual + byte * 8;
+        uint32_t bits = 0;
+        ADVANCE(at, blk, boundary, block)
+        if (at + 8 <= boundary && at + 8 <= valid) {
+            bits = pack8(v, scales[blk], r);
+        } else {
+            for (int j = 0; j < 8; ++j) {
+                ADVANCE(at + j, blk, boundary, block)
+                float value = at + j < valid ? v[j] : 0.0f;
+                uint32_t positive = value >= 0.0f;
+                bits |= positive << j;
+                if (at + j < valid)
+                    r[j] = value - (positive ? scales[blk] : -scales[blk]);
+            }
+        }
+        packed[byte] = (uint8_t)bits;
+    }
+}
+
+static PyObject *sign_pack(PyObject *self, PyObject *args)
+{
+    unsigned long long x, scales, packed, residual;
+    long long valid, n, block, first;
+    if (!PyArg_ParseTuple(args, "KLLKLLKK", &x, &valid, &n, &scales, &block, &first, &packed, &residual))
+        return NULL;
+    if (n < 0 || n % 8 || block < 1 || first < 0 || first % 8) {
+        PyErr_Format(PyExc_ValueError, "sign_pack: n=%lld, block=%lld, first=%lld", n, block, first);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    sign_pack_range((const float *)(uintptr_t)x, valid, n, (const float *)(uintptr_t)scales, block,
+                    first, (uint8_t *)(uintptr_t)packed, (float *)(uintptr_t)residual);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static void sign_decode_range(const uint8_t *packed, int64_t n, const float *scales,
+                                            int64_t block, int64_t first, float *out, int add)
+{
+    int64_t blk = first / block, boundary = (blk + 1) * block;
+    for (int64_t byte = 0; byte * 8 < n; ++byte) {
+        int64_t at = first + byte * 8;
+        float *o = out + byte * 8;
+        uint32_t bits = packed[byte];
+        ADVANCE(at, blk, boundary, block)
+        if (at + 8 <= boundary && byte * 8 + 8 <= n) {
+            decode8(bits, scales[blk], o, add);
+        } else {
+            for (int j = 0; j < 8 && byte * 8 + j < n; ++j) {
+                ADVANCE(at + j, blk, boundary, block)
+                float value = (bits >> j) & 1u ? scales[blk] : -scales[blk];
+                o[j] = add ? o[j] + value : value;
+            }
+        }
+    }
+}
+
+static PyObject *sign_decode(PyObject *self, PyObject *args)
+{
+    unsigned long long packed, scales, out;
+    long long n, block, first;
+    int add;
+    if (!PyArg_ParseTuple(args, "KLKLLKp", &packed, &n, &scales, &block, &first, &out, &add))
+        return NULL;
+    if (n < 0 || block < 1 || first < 0 || first % 8) {
+        PyErr_Format(PyExc_ValueError, "sign_decode: n=%lld, block=%lld, first=%lld", n, block, first);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    sign_decode_range((const uint8_t *)(uintptr_t)packed, n, (const float *)(uintptr_t)scales, block,
+                      first, (float *)(uintptr_t)out, add);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* out[index[i]] += values[i], in order; returns the first index out of range, or -1. */
+static int64_t scatter_add_range(float *out, int64_t numel, const int64_t *index, const float *values,
+                                 int64_t count)
+{
+    for (int64_t i = 0; i < count; ++i) {
+        if (index[i] < 0 || index[i] >= numel)
+            return i;
+        out[index[i]] += values[i];
+    }
+    return -1;
+}
+
+static PyObject *scatter_add(PyObject *self, PyObject *args)
+{
+    unsigned long long out, index, values;
+    long long numel, count;
+    if (!PyArg_ParseTuple(args, "KLKKL", &out, &numel, &index, &values, &count))
+        return NULL;
+    int64_t bad;
+    Py_BEGIN_ALLOW_THREADS
+    bad = scatter_add_range((float *)(uintptr_t)out, numel, (const int64_t *)(uintptr_t)index,
+                            (const float *)(uintptr_t)values, count);
+    Py_END_ALLOW_THREADS
+    if (bad >= 0) {
+        PyErr_Format(PyExc_IndexError, "scatter_add: index %lld at %lld is outside a tensor of %lld",
+                     (long long)((const int64_t *)(uintptr_t)index)[bad], (long long)bad, numel);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* memset, which writes large ranges with non-temporal stores: zeroing a gradient-sized
+ * output costs one pass of memory traffic, not a read and a write. */
+static PyObject *zero(PyObject *self, PyObject *args)
+{
+    unsigned long long out;
+    long long nbytes;
+    if (!PyArg_ParseTuple(args, "KL", &out, &nbytes))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    memset((void *)(uintptr_t)out, 0, (size_t)nbytes);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"scatter_add", scatter_add, METH_VARARGS,
+     "scatter_add(out, numel, index, values, count): out[index[i]] += values[i] for float32 out "
+     "and values and int64 indices, in order; IndexError for an index outside [0, numel)."},
+    {"zero", zero, METH_VARARGS, "zero(out, nbytes): memset(out, 0, nbytes)."},
+    {"accumulate", accumulate, METH_VARARGS,
+     "accumulate(mode, grad_kind, g, a, a_out, b, b_out, n, scale, momentum, scale_m, stat, block, "
+     "phase, stat_out, stream) -> finite: one range of the memory update (mode 0 residual, 1 momentum, "
+     "2 Nesterov; kind 0 float32, 1 float16, 2 bfloat16 gradient) and its per-block statistic "
+     "(stat 1: uint32 bits of max |x|, 2: float64 sum of |x|) of the range's blocks, the first "
+     "starting `phase` entries before the range; arguments after mode and kind are addresses, "
+     "counts and factors; stream: store the memories with non-temporal stores."},
+    {"sign_pack", sign_pack, METH_VARARGS,
+     "sign_pack(x, valid, n, scales, block, first, packed, residual): signs of entries "
+     "[first, first + n) of a zero-padded tensor of `valid` entries packed 8 per byte, and the "
+     "residual x - scale * sign over the valid ones (x and residual may be the same array)."},
+    {"sign_decode", sign_decode, METH_VARARGS,
+     "sign_decode(packed, n, scales, block, first, out, add): out = (or +=) scale * sign for "
+     "entries [first, first + n) of packed signs (packed points at byte first // 8)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_streaming", NULL, -1, methods, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__streaming(void) { return PyModule_Create(&module); }
