@@ -1,7 +1,7 @@
 """``make compose-test``: the Docker Compose cluster, run for real.
 
     python benchmarks/docker/compose_test.py [--compose auto|v1|v2] [--steps 3]
-        [--warmup-steps 1] [--kill-worker RANK [--kill-after-s 45]]
+        [--warmup-steps 1] [--kill-worker RANK [--kill-after-s 5]]
 
 As root, it
 
@@ -26,8 +26,8 @@ As root, it
    ls`` and ``ip netns list`` are as they were.
 
 A worker container that stops with a non-zero status (killed, say) ends the run at once with a
-message naming it. ``--kill-worker RANK`` kills that worker ``--kill-after-s`` seconds into the
-first run, to show it. Records and logs stay in ``build/compose-test/<project>/``.
+message naming it. ``--kill-worker RANK`` kills that worker ``--kill-after-s`` seconds after it
+started training in the first run, to show it (the test then fails, naming it). Records and logs stay in ``build/compose-test/<project>/``.
 
 Docker client: Debian's ``/usr/bin/docker`` (20.10, the engine's own version), whose ``docker
 build`` runs BuildKit inside the daemon; the newer client some machines have in
@@ -579,15 +579,22 @@ class ComposeRun:
             + (f" (LINK_RATE={self.run_spec.link_rate})" if self.run_spec.link_rate else ""))
         started = time.monotonic()
         run([*self.cmd, "up", "-d", "--no-build"], env=self.env, log=log)
-        killed_at = None
+        killed_at: Optional[float] = None
+        training_since: Optional[float] = None
         try:
             while True:
                 elapsed = time.monotonic() - started
                 ids = project_containers(self.project)
-                if kill_rank is not None and killed_at is None and elapsed >= kill_after_s:
-                    killed_at = self.kill_worker(kill_rank, ids)
+                if kill_rank is not None and killed_at is None:
+                    if training_since is None and self.worker_training(kill_rank, ids):
+                        training_since = time.monotonic()
+                    if training_since is not None and time.monotonic() - training_since >= kill_after_s:
+                        killed_at = self.kill_worker(kill_rank, ids)
                 if judge(inspect(ids), SIZE) == "finished":
                     self.save_logs()
+                    if kill_rank is not None and killed_at is None:
+                        raise ComposeTestError(f"the workers finished before worker{kill_rank} "
+                                               f"could be killed (try a smaller --kill-after-s)")
                     return time.monotonic() - started
                 if elapsed > RUN_TIMEOUT_S:
                     raise ComposeTestError(f"the workers ran past {RUN_TIMEOUT_S:g} s")
@@ -612,6 +619,14 @@ class ComposeRun:
         if len(logs) != SIZE or unshaped:
             raise ComposeTestError(f"{self.run_spec.label}: no 'shape_link: eth0 shaped' line in "
                                    f"{unshaped or 'the missing worker logs'} ({self.logs})")
+
+    def worker_training(self, rank: int, ids: Sequence[str]) -> bool:
+        """Whether worker ``rank`` has said it started training (train_check.py's first line)."""
+        target = next((s for s in inspect(ids) if s.service == f"worker{rank}"), None)
+        if target is None:
+            return False
+        out = run([DOCKER, "logs", target.name], check=False)
+        return f"train_check rank {rank} " in out.stdout + out.stderr
 
     def kill_worker(self, rank: int, ids: Sequence[str]) -> float:
         target = next((s for s in inspect(ids) if s.service == f"worker{rank}"), None)
@@ -726,8 +741,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=1, help="untimed steps per method")
     p.add_argument("--kill-worker", type=int, choices=range(SIZE), metavar="RANK",
                    help="kill this worker's container during the first run (the test then fails)")
-    p.add_argument("--kill-after-s", type=float, default=45.0,
-                   help="seconds after the first run's start to kill it")
+    p.add_argument("--kill-after-s", type=float, default=5.0,
+                   help="seconds after that worker started training to kill it")
     p.add_argument("--python", default=sys.executable,
                    help="the project's environment, whose versions the image gets")
     args = p.parse_args(argv)
