@@ -6,11 +6,18 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
 
 import pytest
 
 from benchmarks.docker import compose_test as ct
 from benchmarks.docker.compose_test import ComposeTestError, ContainerState
+
+from conftest import ROOT
 
 # Trimmed from `docker inspect` of a real run (Docker 20.10): worker2 killed with `docker kill`
 # while worker1 trained on.
@@ -119,6 +126,35 @@ def test_forward_policy_blocks_bridges_only_when_drop_and_bridged_through_iptabl
     assert not ct.forward_blocks_bridges("DROP", False)
     assert not ct.forward_blocks_bridges("ACCEPT", True)
     assert not ct.forward_blocks_bridges(None, True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("iptables") is None or shutil.which("ip") is None,
+                    reason="a namespace with its own firewall needs root, ip and iptables")
+def test_a_drop_forward_policy_is_found_and_named_in_a_namespace_of_its_own():
+    """The real iptables and sysctl, read inside a network namespace whose FORWARD policy is
+    set there (the host's firewall is not touched)."""
+    namespace = f"hdgc-fw-{uuid.uuid4().hex[:8]}"
+    check = [sys.executable, "-c", "from benchmarks.docker import compose_test as ct; "
+                                   "ct.check_forward_policy()"]
+
+    def in_namespace(*cmd: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["ip", "netns", "exec", namespace, *cmd], cwd=ROOT,
+                              capture_output=True, text=True)
+
+    subprocess.run(["ip", "netns", "add", namespace], check=True)
+    try:
+        assert in_namespace(*check).returncode == 0
+        assert in_namespace("iptables", "-P", "FORWARD", "DROP").returncode == 0
+        bridged = in_namespace("sysctl", "-n", "net.bridge.bridge-nf-call-iptables").stdout.strip()
+        if bridged == "1":
+            out = in_namespace(*check)
+            assert out.returncode != 0
+            assert "FORWARD policy is DROP" in out.stderr and "iptables -P FORWARD ACCEPT" in out.stderr
+            in_namespace("sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=0")
+        out = in_namespace(*check)
+        assert out.returncode == 0 and "bridged traffic bypasses iptables" in out.stdout
+    finally:
+        subprocess.run(["ip", "netns", "delete", namespace], check=True)
 
 
 def test_debian_mirror_from_deb822_and_one_line_sources(tmp_path):
