@@ -246,3 +246,35 @@ def test_scatter_add_refuses_an_index_outside_the_output():
 def test_zero_clears_every_entry(numel):
     out = _memory(numel, 4) + 1.0
     assert torch.equal(kernels.zero(out), torch.zeros(numel))
+
+
+@pytest.mark.parametrize("width,count,n_bytes", [(1, 8, 1), (9, 1001, 1200), (12, 25, 40), (63, 3, 24)])
+def test_pack_fields_equals_the_composition(width, count, n_bytes):
+    values = torch.randint(0, 2 ** min(width, 62), (count,), generator=torch.Generator().manual_seed(width))
+    expected = TensorOps.pack_fields(OPS, values, width, n_bytes)
+    assert torch.equal(kernels.pack_fields(values, width, n_bytes), expected)
+    assert torch.equal(kernels.unpack_fields(expected, width, count), values)
+
+
+def test_set_bits_equals_the_composition_and_refuses_a_position_outside():
+    positions = torch.tensor([0, 3, 3, 17, 79])
+    expected = TensorOps.set_bits(OPS, positions, 10)
+    assert torch.equal(kernels.set_bits(positions, 10), expected)
+    assert kernels.set_bit_positions(expected, 80).tolist() == [0, 3, 17, 79]
+    with pytest.raises(IndexError, match="position 80 is outside 80 bits"):
+        kernels.set_bits(torch.tensor([1, 80]), 10)
+
+
+@pytest.mark.parametrize("threshold", [-1.0, 0.5, 3.0, 100.0])
+def test_positions_at_least_equal_the_composition(threshold):
+    x = _memory(5001, 8)
+    x[[4, 99]] = float("nan")
+    expected = TensorOps.positions_at_least(OPS, x, torch.tensor(threshold))
+    assert torch.equal(kernels.positions_at_least(x, threshold), expected)
+
+
+def test_scatter_sub_and_scatter_zero_equal_index_add_and_index_fill():
+    out, index, values = _memory(1000, 5), torch.tensor([3, 999, 0, 500]), _memory(4, 6)
+    assert torch.equal(OPS.scatter_sub(out.clone(), index, values),
+                       out.clone().index_add_(0, index, values, alpha=-1))
+    assert torch.equal(OPS.scatter_zero(out.clone(), index), out.clone().index_fill_(0, index, 0))

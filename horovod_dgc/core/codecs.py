@@ -114,12 +114,8 @@ class EliasFano(IndexCoding):
         l, (lower, upper) = self.low_bits, self.parts
         high = ops.floordiv(positions, 2 ** l)
         low = ops.add(positions, high, 1, -(2 ** l))
-        low_bits = ops.bits_of(ops.pad(low, self.capacity), l)
         marks = ops.add(high, ops.arange(count, like=positions))
-        bitvector = ops.scatter_add(ops.zeros(upper[1] * 8, "int32", like=positions), marks,
-                                    ops.ones(ops.size(marks), "int32", like=positions))
-        return [ops.pack_bits(ops.pad(low_bits, lower[1] * 8)),
-                ops.pack_bits(ops.greater_equal(bitvector, 1))]
+        return [ops.pack_fields(low, l, lower[1]), ops.set_bits(marks, upper[1])]
 
     def decode(self, ops: TensorOps, parts: Sequence[Tensor], count: Scalar) -> Tuple[Tensor, Scalar]:
         l = self.low_bits
@@ -143,9 +139,7 @@ class Bitmap(IndexCoding):
         return (("uint8", _bytes_for_bits(self.numel)),)
 
     def encode(self, ops: TensorOps, positions: Tensor, count: Scalar) -> List[Tensor]:
-        bits = ops.scatter_add(ops.zeros(self.parts[0][1] * 8, "int32", like=positions), positions,
-                               ops.ones(ops.size(positions), "int32", like=positions))
-        return [ops.pack_bits(ops.greater_equal(bits, 1))]
+        return [ops.set_bits(positions, self.parts[0][1])]
 
     def decode(self, ops: TensorOps, parts: Sequence[Tensor], count: Scalar) -> Tuple[Tensor, Scalar]:
         set_bits = ops.set_bit_positions(parts[0], self.numel)

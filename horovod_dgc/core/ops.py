@@ -160,6 +160,11 @@ class TensorOps(ABC):
         """The elements of the listed blocks (int64 block numbers), concatenated: entry
         ``i * block + j`` is ``x[blocks[i] * block + j]``, NaN past the end of ``x``."""
 
+    def positions_at_least(self, x: Tensor, threshold: Scalar) -> Tensor:
+        """Positions (int64, ascending) of the elements ``>= threshold``. A composition; an
+        adapter may replace it with a kernel, as :meth:`collect_at_least`."""
+        return self.nonzero(self.greater_equal(x, threshold))
+
     def collect_at_least(self, x: Tensor, blocks: Tensor, block: int,
                          threshold: Scalar) -> Tuple[Tensor, Tensor]:
         """(positions, magnitudes) of the entries with ``|x| >= threshold`` inside the listed
@@ -289,6 +294,18 @@ class TensorOps(ABC):
     @abstractmethod
     def unpack_bits(self, packed: Tensor) -> Tensor:
         """The booleans :meth:`pack_bits` packed (8 per byte)."""
+
+    def pack_fields(self, values: Tensor, width: int, n_bytes: int) -> Tensor:
+        """``n_bytes`` uint8 holding :meth:`bits_of` ``values`` packed by :meth:`pack_bits`,
+        then zeros. A composition; an adapter may write the bytes in one pass instead."""
+        return self.pack_bits(self.pad(self.bits_of(values, width), n_bytes * 8))
+
+    def set_bits(self, positions: Tensor, n_bytes: int) -> Tensor:
+        """``n_bytes`` uint8 of a bitmap (:meth:`pack_bits`' order) with the bit of every
+        position in ``positions`` set. A composition, as :meth:`pack_fields`."""
+        counts = self.scatter_add(self.zeros(n_bytes * 8, "int32", like=positions), positions,
+                                  self.ones(self.size(positions), "int32", like=positions))
+        return self.pack_bits(self.greater_equal(counts, 1))
 
     def set_bit_positions(self, packed: Tensor, n_bits: int) -> Tensor:
         """Positions (int64, ascending) of the set bits among the first ``n_bits`` that

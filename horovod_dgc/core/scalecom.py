@@ -89,7 +89,7 @@ class ScaleCom(TwoStageMethod):
 
     def leader_indices(self, ops: TensorOps, p: Tensor, k: int, call: CompressCall,
                        block_max: Optional[Tensor] = None) -> Tensor:
-        """The leader's choice: exact top-k (``block_max``: max ``|p|`` per block of
+        """The leader's choice, ascending: exact top-k (``block_max``: max ``|p|`` per block of
         :meth:`leader_block` entries, if known), or the top of each chunk."""
         if self.config.leader_selection == "exact":
             return select_sampled(ops, p, k, SAMPLE_RATIO, call.step, MAX_RETRIES, RETRY_FACTOR,
@@ -103,7 +103,7 @@ class ScaleCom(TwoStageMethod):
             share = min(end - start, math.ceil(k * (end - start) / n))
             picks.append(select_exact(ops, ops.slice(p, start, end - start), share) + start)
         chosen = ops.concat(picks)
-        return ops.gather(chosen, ops.topk_abs(ops.gather(p, chosen), k))
+        return ops.sort(ops.gather(chosen, ops.topk_abs(ops.gather(p, chosen), k)))[0]
 
     def first(self, ops: TensorOps, state: State, grad: Tensor,
               call: CompressCall) -> Tuple[Tensor, State, StageHandover]:
@@ -117,8 +117,7 @@ class ScaleCom(TwoStageMethod):
 
         def leader_message() -> Tensor:
             def chosen() -> Tensor:
-                positions, _ = ops.sort(self.leader_indices(ops, p, layout.capacity, call,
-                                                            accumulated.block_max))
+                positions = self.leader_indices(ops, p, layout.capacity, call, accumulated.block_max)
                 header = layout.header(call.rank, call.step, layout.capacity, 0)
                 return layout.encode(ops, header, positions, layout.capacity)[0]
 

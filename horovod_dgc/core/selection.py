@@ -1,6 +1,7 @@
 """Which entries of a tensor to send: exact top-k, DGC's sampled threshold, Gaussian-k.
 
-Each selector returns the int64 positions of the chosen entries of a flat tensor ``x``.
+Each selector returns the int64 positions of the chosen entries of a flat tensor ``x``, in
+ascending order (the order messages code them in).
 
 The sampled and Gaussian selectors never build a full-size temporary: one pass computes the
 maximum of ``|x|`` per small block, and every later step (counting entries above a threshold,
@@ -53,7 +54,7 @@ def filter_block(k: int, numel: int) -> int:
 
 def select_exact(ops: TensorOps, x: Tensor, k: int) -> Tensor:
     """The k entries of largest magnitude, by a full exact top-k."""
-    return ops.topk_abs(x, k)
+    return ops.sort(ops.topk_abs(x, k))[0]
 
 
 class _BlockFilter:
@@ -69,7 +70,7 @@ class _BlockFilter:
         """(positions, magnitudes) of every entry with ``|x| >= threshold``."""
         if self._last[0] is threshold:
             return self._last[1]
-        blocks = self.ops.nonzero(self.ops.greater_equal(self.block_max, threshold))
+        blocks = self.ops.positions_at_least(self.block_max, threshold)
         self._last = (threshold, self.ops.collect_at_least(self.x, blocks, self.block, threshold))
         return self._last[1]
 
@@ -84,10 +85,15 @@ class _BlockFilter:
         return self.ops.kth_largest(self.block_max, k)
 
     def largest(self, threshold: Scalar, k: int) -> Tensor:
-        """Positions of the k largest entries among those at or above ``threshold``
-        (there must be at least k of them)."""
+        """Positions (ascending) of the k largest entries among those at or above
+        ``threshold`` (there must be at least k of them)."""
+        ops = self.ops
         positions, magnitudes = self.at(threshold)
-        return self.ops.gather(positions, self.ops.topk_abs(magnitudes, k))
+        # The candidates reaching the k-th largest magnitude keep their ascending order; only
+        # a tie at that magnitude (more than k reach it) needs a top-k and a sort.
+        chosen = ops.nonzero(ops.greater_equal(magnitudes, ops.kth_largest(magnitudes, k)))
+        return ops.cond(ops.equal(ops.size(chosen), k), lambda: ops.gather(positions, chosen),
+                        lambda: ops.sort(ops.gather(positions, ops.topk_abs(magnitudes, k)))[0])
 
 
 def sampled_threshold(ops: TensorOps, x: Tensor, k: int, sample_ratio: float,
@@ -121,7 +127,7 @@ def select_sampled(ops: TensorOps, x: Tensor, k: int, sample_ratio: float, offse
     """
     n = ops.numel(x)
     if k >= n:
-        return ops.topk_abs(x, n)
+        return ops.arange(n, like=x)
     block = filter_block(k, n)
     candidates = _BlockFilter(ops, x, block, block_max)
     threshold = sampled_threshold(ops, x, k, sample_ratio, offset, block)
@@ -167,7 +173,7 @@ def select_gaussian(ops: TensorOps, x: Tensor, k: int, block_max: Optional[Tenso
     n = ops.numel(x)
     capacity = gaussian_capacity(k, n)
     if capacity >= n:
-        return ops.topk_abs(x, n)
+        return ops.arange(n, like=x)
     candidates = _BlockFilter(ops, x, filter_block(k, n), block_max)
     low, high = GAUSSIAN_LOW * k, GAUSSIAN_HIGH * k
 

@@ -53,7 +53,7 @@ class SparseMethod(Method):
     @abstractmethod
     def select(self, ops: TensorOps, x: Tensor, k: int, call: CompressCall,
                block_max: Optional[Tensor]) -> Tensor:
-        """Positions (int64) of the entries of ``x`` to send; ``block_max``: max ``|x|`` per
+        """Positions (int64, ascending) of the entries of ``x`` to send; ``block_max``: max ``|x|`` per
         block of ``filter_block(k, numel)`` entries for a method that ``filters_blocks``."""
 
     def capacity(self, k: int, numel: int) -> int:
@@ -89,7 +89,7 @@ class SparseMethod(Method):
 
         def send():
             x = accumulated.x
-            positions, _ = ops.sort(self.select(ops, x, k, call, accumulated.block_max))
+            positions = self.select(ops, x, k, call, accumulated.block_max)
             count = ops.size(positions)
             header = layout.header(call.rank, call.step, count, 0)
             message, decoded = layout.encode(ops, header, positions, count, ops.gather(x, positions))

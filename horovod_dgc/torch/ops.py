@@ -30,6 +30,13 @@ def _usable(out: Optional[torch.Tensor], like: torch.Tensor) -> Optional[torch.T
     return out
 
 
+def _scatters(out: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether the scatter kernel takes a flat float32 CPU ``out`` and these values (torch's
+    index_add_ sets up a parallel loop over all of ``out`` for a few thousand entries)."""
+    return (kernels.supports(out) and out.dim() == 1 and values.dtype == torch.float32
+            and values.device.type == "cpu")
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """The core's name of a torch dtype (``"other"`` for dtypes the core does not know)."""
     return DTYPE_NAMES.get(dtype, "other")
@@ -177,6 +184,11 @@ class TorchOps(TensorOps):
             rows[-1] = tail
         return rows.reshape(-1)
 
+    def positions_at_least(self, x: torch.Tensor, threshold: Scalar) -> torch.Tensor:
+        if kernels.supports(x) and x.dim() == 1:
+            return kernels.positions_at_least(x, float(threshold))
+        return super().positions_at_least(x, threshold)
+
     def collect_at_least(self, x: torch.Tensor, blocks: torch.Tensor, block: int,
                          threshold: Scalar) -> Tuple[torch.Tensor, torch.Tensor]:
         if kernels.supports(x):
@@ -227,19 +239,25 @@ class TorchOps(TensorOps):
         return x.numel()
 
     def gather(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        # index_select skips advanced indexing's general set-up: 2x faster for k of 25M.
+        if x.dim() == 1 and isinstance(indices, torch.Tensor) and indices.dim() == 1:
+            return x.index_select(0, indices)
         return x[indices]
 
     def scatter_sub(self, out: torch.Tensor, indices: torch.Tensor,
                     values: torch.Tensor) -> torch.Tensor:
+        if _scatters(out, values):
+            return kernels.scatter_add(out, indices, values, -1)
         return out.index_add_(0, indices, values, alpha=-1)
 
     def scatter_zero(self, out: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        if _scatters(out, out):
+            return kernels.scatter_add(out, indices, None)
         return out.index_fill_(0, indices, 0)
 
     def scatter_add(self, out: torch.Tensor, indices: torch.Tensor,
                     values: torch.Tensor) -> torch.Tensor:
-        if kernels.supports(out) and out.dim() == 1 and values.dtype == torch.float32 \
-                and values.device.type == "cpu":
+        if _scatters(out, values):
             return kernels.scatter_add(out, indices, values)
         return out.index_add_(0, indices, values)
 
@@ -274,6 +292,16 @@ class TorchOps(TensorOps):
     def unpack_bits(self, packed: torch.Tensor) -> torch.Tensor:
         table = _BIT_TABLE.to(device=packed.device)
         return table.index_select(0, packed.to(torch.int64)).reshape(-1)
+
+    def pack_fields(self, values: torch.Tensor, width: int, n_bytes: int) -> torch.Tensor:
+        if values.device.type == "cpu" and 0 < width < 64:
+            return kernels.pack_fields(values, width, n_bytes)
+        return super().pack_fields(values, width, n_bytes)
+
+    def set_bits(self, positions: torch.Tensor, n_bytes: int) -> torch.Tensor:
+        if positions.device.type == "cpu":
+            return kernels.set_bits(positions, n_bytes)
+        return super().set_bits(positions, n_bytes)
 
     def set_bit_positions(self, packed: torch.Tensor, n_bits: int) -> torch.Tensor:
         if packed.device.type == "cpu":

@@ -69,6 +69,15 @@ def block_abs_max(x: torch.Tensor, block: int) -> torch.Tensor:
     return out
 
 
+def positions_at_least(x: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Positions (int64, ascending) of the entries of ``x`` that are ``>= threshold``, in one
+    pass (torch: a mask, then nonzero)."""
+    _check(x, "positions_at_least")
+    out = torch.empty(x.numel(), dtype=torch.int64)
+    count = _selection.positions_at_least(x.data_ptr(), x.numel(), float(threshold), out.data_ptr())
+    return out[:count].clone()
+
+
 def collect_at_least(x: torch.Tensor, blocks: torch.Tensor, block: int,
                      threshold: float) -> Tuple[torch.Tensor, torch.Tensor]:
     """(positions, magnitudes) of the entries with ``|x| >= threshold`` in the listed blocks
@@ -121,7 +130,11 @@ def _accumulate(mode: int, grad: torch.Tensor, scale: float, m: float, scale_m: 
         ranges = _ranges(n, _SUM_UNIT, width)
     kind, code = GRAD_KINDS[grad.dtype], _STATS[stat]
     g_bytes = grad.element_size()
-    stats = torch.zeros(n_blocks, dtype=torch.float32 if stat == "max" else torch.float64)
+    dtype = torch.float32 if stat == "max" else torch.float64
+    # Every block's statistic is written by one range, except where ranges start inside blocks:
+    # those blocks are summed from the ranges' partial sums.
+    aligned = all(start % block == 0 for start, _ in ranges)
+    stats = (torch.empty if aligned else torch.zeros)(n_blocks, dtype=dtype)
     partials = []
     calls = []
     for start, count in ranges:
@@ -237,14 +250,21 @@ def unpack_fields(packed: torch.Tensor, width: int, count: int) -> torch.Tensor:
     return out
 
 
-def scatter_add(out: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``out[index] += values`` (repeated indices summed in order) for a contiguous float32
-    CPU ``out``, int64 ``index`` and float32 ``values``; IndexError outside ``out``."""
+def scatter_add(out: torch.Tensor, index: torch.Tensor, values: Optional[torch.Tensor],
+                alpha: int = 1) -> torch.Tensor:
+    """``out[index] += alpha * values`` (repeated indices summed in order; ``alpha`` 1 or -1)
+    for a contiguous float32 CPU ``out``, int64 ``index`` and float32 ``values``; with
+    ``values=None``, ``out[index] = 0``. IndexError for an index outside ``out``."""
     _check(out, "scatter_add")
-    index, values = index.to(torch.int64).contiguous(), values.to(torch.float32).contiguous()
+    index = index.to(torch.int64).contiguous()
+    if values is None:
+        values, alpha = index, 0  # not read
+    else:
+        values = values.to(torch.float32).contiguous()
     if index.numel() != values.numel():
         raise ValueError(f"scatter_add: {index.numel()} indices for {values.numel()} values")
-    _streaming.scatter_add(out.data_ptr(), out.numel(), index.data_ptr(), values.data_ptr(), index.numel())
+    _streaming.scatter_add(out.data_ptr(), out.numel(), index.data_ptr(), values.data_ptr(),
+                           index.numel(), alpha)
     return out
 
 
@@ -256,3 +276,26 @@ def zero(out: torch.Tensor) -> torch.Tensor:
     _run(_streaming.zero, [(out.data_ptr() + start * item, count * item)
                            for start, count in _ranges(out.numel(), 64, torch.get_num_threads())])
     return out
+
+
+def pack_fields(values: torch.Tensor, width: int, n_bytes: int) -> torch.Tensor:
+    """``n_bytes`` bytes holding the lowest ``width`` bits (1 to 63) of each int64 value, one
+    field after another, lowest bit first, then zeros."""
+    values = values.to(torch.int64).contiguous()
+    if values.device.type != "cpu" or values.numel() * width > n_bytes * 8:
+        raise TypeError(f"pack_fields: {values.numel()} fields of {width} bits do not fit in "
+                        f"{n_bytes} bytes (or are not on the CPU)")
+    packed = torch.zeros(n_bytes, dtype=torch.uint8)
+    _bits.pack_fields(values.data_ptr(), values.numel(), width, packed.data_ptr())
+    return packed
+
+
+def set_bits(positions: torch.Tensor, n_bytes: int) -> torch.Tensor:
+    """``n_bytes`` bytes with bit p set (bit j of byte i is bit 8i + j) for every int64 position
+    p; IndexError for one outside them."""
+    positions = positions.to(torch.int64).contiguous()
+    if positions.device.type != "cpu":
+        raise TypeError(f"set_bits takes CPU positions, got them on {positions.device}")
+    packed = torch.zeros(n_bytes, dtype=torch.uint8)
+    _bits.set_bits(positions.data_ptr(), positions.numel(), n_bytes * 8, packed.data_ptr())
+    return packed

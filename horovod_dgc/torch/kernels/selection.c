@@ -118,7 +118,39 @@ static PyObject *collect_at_least(PyObject *self, PyObject *args)
     return PyLong_FromLongLong(count);
 }
 
+/* Positions of the entries >= threshold (a NaN never is), ascending; returns their count. */
+static int64_t at_least_range(const float *x, int64_t n, float threshold, int64_t *out)
+{
+    int64_t count = 0;
+    for (int64_t i = 0; i < n; ++i)
+        if (x[i] >= threshold)
+            out[count++] = i;
+    return count;
+}
+
+static PyObject *positions_at_least(PyObject *self, PyObject *args)
+{
+    unsigned long long x_address, out_address;
+    long long n;
+    float threshold;
+    if (!PyArg_ParseTuple(args, "KLfK", &x_address, &n, &threshold, &out_address))
+        return NULL;
+    if (n < 0) {
+        PyErr_Format(PyExc_ValueError, "positions_at_least: n=%lld", n);
+        return NULL;
+    }
+    int64_t count;
+    Py_BEGIN_ALLOW_THREADS
+    count = at_least_range((const float *)(uintptr_t)x_address, n, threshold,
+                           (int64_t *)(uintptr_t)out_address);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLongLong(count);
+}
+
 static PyMethodDef methods[] = {
+    {"positions_at_least", positions_at_least, METH_VARARGS,
+     "positions_at_least(x_address, n, threshold, out_address) -> count: the int64 positions of "
+     "the float32 entries >= threshold, ascending; out needs room for n."},
     {"block_abs_max", block_abs_max, METH_VARARGS,
      "block_abs_max(x_address, n_blocks, block, out_address): out[b] = max |x[b*block:(b+1)*block]| "
      "for contiguous float32 buffers given by address."},

@@ -377,14 +377,15 @@ static PyObject *sign_decode(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* out[index[i]] += values[i], in order; returns the first index out of range, or -1. */
+/* out[index[i]] += alpha * values[i] (alpha = 0: out[index[i]] = 0), in order; returns the
+ * first index out of range, or -1. alpha is 1 or -1, so the product is exact. */
 static int64_t scatter_add_range(float *out, int64_t numel, const int64_t *index, const float *values,
-                                 int64_t count)
+                                 int64_t count, float alpha)
 {
     for (int64_t i = 0; i < count; ++i) {
         if (index[i] < 0 || index[i] >= numel)
             return i;
-        out[index[i]] += values[i];
+        out[index[i]] = alpha == 0.0f ? 0.0f : out[index[i]] + alpha * values[i];
     }
     return -1;
 }
@@ -393,12 +394,17 @@ static PyObject *scatter_add(PyObject *self, PyObject *args)
 {
     unsigned long long out, index, values;
     long long numel, count;
-    if (!PyArg_ParseTuple(args, "KLKKL", &out, &numel, &index, &values, &count))
+    int alpha;
+    if (!PyArg_ParseTuple(args, "KLKKLi", &out, &numel, &index, &values, &count, &alpha))
         return NULL;
+    if (alpha < -1 || alpha > 1) {
+        PyErr_Format(PyExc_ValueError, "scatter_add: alpha=%d (1, -1 or 0)", alpha);
+        return NULL;
+    }
     int64_t bad;
     Py_BEGIN_ALLOW_THREADS
     bad = scatter_add_range((float *)(uintptr_t)out, numel, (const int64_t *)(uintptr_t)index,
-                            (const float *)(uintptr_t)values, count);
+                            (const float *)(uintptr_t)values, count, (float)alpha);
     Py_END_ALLOW_THREADS
     if (bad >= 0) {
         PyErr_Format(PyExc_IndexError, "scatter_add: index %lld at %lld is outside a tensor of %lld",
@@ -424,8 +430,9 @@ static PyObject *zero(PyObject *self, PyObject *args)
 
 static PyMethodDef methods[] = {
     {"scatter_add", scatter_add, METH_VARARGS,
-     "scatter_add(out, numel, index, values, count): out[index[i]] += values[i] for float32 out "
-     "and values and int64 indices, in order; IndexError for an index outside [0, numel)."},
+     "scatter_add(out, numel, index, values, count, alpha): out[index[i]] += alpha * values[i] "
+     "(alpha 1 or -1; 0: out[index[i]] = 0) for float32 out and values and int64 indices, in "
+     "order; IndexError for an index outside [0, numel)."},
     {"zero", zero, METH_VARARGS, "zero(out, nbytes): memset(out, 0, nbytes)."},
     {"accumulate", accumulate, METH_VARARGS,
      "accumulate(mode, grad_kind, g, a, a_out, b, b_out, n, scale, momentum, scale_m, stat, block, "
