@@ -12,8 +12,9 @@
 # Only the Debian packages the base image lacks are installed (apt-get then needs the network).
 # /tmp/wheels (benchmarks/docker/wheels/ in the build context) may hold a torch wheel, a
 # Horovod wheel and their dependencies, and constraints.txt (exact versions); without a Horovod
-# wheel, Horovod is compiled here with PyTorch and Gloo only (10-15 minutes on 2 cores).
-# WHEELS_ONLY=1: pip reads /tmp/wheels and no index, so the stage needs no network at all.
+# wheel, Horovod is compiled here with PyTorch and Gloo only (about 3 minutes on 2 cores).
+# WHEELS_ONLY=1: pip reads /tmp/wheels and no index, so the stage needs no network at all (to
+# compile Horovod then, /tmp/wheels must hold its source archive and the cmake and cffi wheels).
 # TensorFlow is not installed: no worker imports it.
 set -euo pipefail
 
@@ -72,14 +73,16 @@ runtime() {
     python_ready || die "$PYTHON with venv is still missing after installing python3.11-venv"
 }
 
+# Where pip looks: /tmp/wheels, and with WHEELS_ONLY nothing else.
+pip_sources() {
+    echo --find-links "$WHEELS"
+    if [ -n "${WHEELS_ONLY:-}" ]; then echo --no-index; else echo --extra-index-url "$TORCH_CPU_INDEX"; fi
+}
+
 pip_install() {
-    local args=(--no-cache-dir --disable-pip-version-check -q -c "$CONSTRAINTS" --find-links "$WHEELS")
-    if [ -n "${WHEELS_ONLY:-}" ]; then
-        args+=(--no-index)
-    else
-        args+=(--extra-index-url "$TORCH_CPU_INDEX")
-    fi
-    "$VENV/bin/pip" install "${args[@]}" "$@"
+    # shellcheck disable=SC2046 # pip_sources prints words without spaces inside
+    "$VENV/bin/pip" install --no-cache-dir --disable-pip-version-check -q -c "$CONSTRAINTS" \
+        $(pip_sources) "$@"
 }
 
 # Horovod from PyPI's source archive, PyTorch ops and Gloo only, when no wheel was given.
@@ -89,18 +92,18 @@ compile_horovod() {
     local work
     work=$(mktemp -d)
     apt_install g++ make
-    pip_install cmake
+    pip_install cmake cffi  # cffi: Horovod's setup_requires
     printf '%s\n' '#!/usr/bin/env bash' 'args=()' 'for a in "$@"; do' \
         '  case "$a" in -std=c++14|-std=gnu++14|-std=c++11|-std=gnu++11) a=-std=c++17 ;; esac' \
         '  args+=("$a")' 'done' 'exec g++ "${args[@]}"' >"$work/cxx17"
     chmod +x "$work/cxx17"
-    say "compiling horovod $HOROVOD_VERSION with PyTorch and Gloo (10-15 minutes on 2 cores)"
+    say "compiling horovod $HOROVOD_VERSION with PyTorch and Gloo (about 3 minutes on 2 cores)"
     env CXX="$work/cxx17" CC=gcc CMAKE_POLICY_VERSION_MINIMUM=3.5 PATH="$VENV/bin:$PATH" \
         HOROVOD_WITH_PYTORCH=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
         HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 HOROVOD_CPU_OPERATIONS=gloo \
         MAKEFLAGS="-j$(nproc)" \
         "$VENV/bin/pip" wheel --no-cache-dir --no-deps --no-build-isolation --no-binary horovod \
-        "horovod==$HOROVOD_VERSION" -w "$WHEELS" >"$work/build.log" 2>&1 \
+        $(pip_sources) "horovod==$HOROVOD_VERSION" -w "$WHEELS" >"$work/build.log" 2>&1 \
         || { tail -40 "$work/build.log" >&2; die "compiling horovod failed"; }
     rm -rf "$work"
 }

@@ -88,13 +88,15 @@ def train_method(method: str, args: argparse.Namespace) -> dict:
         F.cross_entropy(module(images), labels).backward()
         optimizer.step()
 
+    warmup = (max(args.warmup_steps, bench.POWERSGD_START_ITER) if method == "powersgd"
+              else args.warmup_steps)
     reset = compression.reset_stats if compression is not None else (lambda: None)
-    seconds, sent = bench.time_steps(step, args.warmup_steps, args.steps, args.iface, reset)
+    seconds, sent = bench.time_steps(step, warmup, args.steps, args.iface, reset)
     hvd.barrier()
     return {"rank": hvd.rank(), "size": hvd.size(), "host": socket.gethostname(),
             "link": args.link, "method": method, "optimizer": optimizer_label, "setting": setting,
             "model": args.model, "params": sum(p.numel() for p in model.parameters()),
-            "warmup_steps": args.warmup_steps, "steps": args.steps, "step_s": seconds,
+            "warmup_steps": warmup, "steps": args.steps, "step_s": seconds,
             "median_step_s": statistics.median(seconds), "tx_bytes": sent,
             "tx_bytes_per_step": sent / args.steps, "params_sha256": params_sha256(model)}
 
