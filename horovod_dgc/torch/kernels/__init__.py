@@ -87,10 +87,16 @@ def collect_at_least(x: torch.Tensor, blocks: torch.Tensor, block: int,
     capacity = blocks.numel() * block
     positions = torch.empty(capacity, dtype=torch.int64)
     magnitudes = torch.empty(capacity, dtype=torch.float32)
-    count = _selection.collect_at_least(x.data_ptr(), x.numel(), blocks.data_ptr(), blocks.numel(),
-                                        block, float(threshold), positions.data_ptr(),
-                                        magnitudes.data_ptr())
-    return positions[:count].clone(), magnitudes[:count].clone()
+    # One range of the listed blocks per thread, each writing from its first block's slot on.
+    ranges = [(start // block, count // block)
+              for start, count in _ranges(capacity, block, torch.get_num_threads())]
+    counts = _run(_selection.collect_at_least,
+                  [(x.data_ptr(), x.numel(), blocks.data_ptr() + first * 8, n_listed, block,
+                    float(threshold), positions.data_ptr() + first * block * 8,
+                    magnitudes.data_ptr() + first * block * 4) for first, n_listed in ranges])
+    parts = [(first * block, count) for (first, _), count in zip(ranges, counts)]
+    return (torch.cat([positions[at:at + count] for at, count in parts]),
+            torch.cat([magnitudes[at:at + count] for at, count in parts]))
 
 
 GRAD_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}

@@ -68,6 +68,9 @@ static PyObject *block_abs_max(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* How many listed blocks ahead collect_at_least asks for memory. */
+#define PREFETCH_BLOCKS 16
+
 static int64_t collect_at_least_range(const float *x, int64_t numel, const int64_t *blocks,
                                       int64_t n_blocks, int64_t block, float threshold,
                                       int64_t *positions, float *magnitudes)
@@ -76,6 +79,13 @@ static int64_t collect_at_least_range(const float *x, int64_t numel, const int64
     for (int64_t b = 0; b < n_blocks; ++b) {
         int64_t start = blocks[b] * block;
         int64_t end = start + block < numel ? start + block : numel;
+        if (b + PREFETCH_BLOCKS < n_blocks) {
+            /* The listed blocks lie far apart: each one's first touch would wait for memory. */
+            const char *ahead = (const char *)(x + blocks[b + PREFETCH_BLOCKS] * block);
+            int64_t ahead_bytes = block * (int64_t)sizeof(float);
+            for (int64_t line = 0; line < ahead_bytes && blocks[b + PREFETCH_BLOCKS] * block + line / 4 < numel; line += 64)
+                __builtin_prefetch(ahead + line);
+        }
         for (int64_t p = start; p < end; ++p) {
             float a = fabsf(x[p]);
             if (a >= threshold) {
