@@ -278,3 +278,11 @@ def test_scatter_sub_and_scatter_zero_equal_index_add_and_index_fill():
     assert torch.equal(OPS.scatter_sub(out.clone(), index, values),
                        out.clone().index_add_(0, index, values, alpha=-1))
     assert torch.equal(OPS.scatter_zero(out.clone(), index), out.clone().index_fill_(0, index, 0))
+
+
+def test_sign_decode_all_equals_the_concatenation_of_the_composition():
+    messages = [(_bytes(16, i), torch.rand(2, generator=torch.Generator().manual_seed(i)), 64, n)
+                for i, n in enumerate([128, 128, 77])]
+    expected = TensorOps.sign_decode_all(OPS, messages, "float32")
+    assert torch.equal(OPS.sign_decode_all(messages, "float32"), expected)
+    assert expected.numel() == 128 + 128 + 77

@@ -184,8 +184,8 @@ class BlockSign(TwoStageMethod):
         finite = none_flagged(ops, received.flags)
         shard, dtype = handover.data["shard"], state_dtype(handover.dtype)
         valid = [self._valid(handover.numel, shard, j) for j in range(handover.call.world_size)]
-        update = ops.cast(ops.concat([self._decode(ops, packed, scales, count, dtype)
-                                      for (packed, scales), count in zip(received.parts, valid) if count]),
-                          handover.dtype)
+        messages = [(packed, scales, shard // ops.numel(scales), count)
+                    for (packed, scales), count in zip(received.parts, valid) if count]
+        update = ops.cast(ops.sign_decode_all(messages, dtype), handover.dtype)
         return ops.cond(finite, lambda: update,
                         lambda: nan_like(ops, handover.numel, handover.dtype, update)), finite

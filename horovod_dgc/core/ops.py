@@ -237,6 +237,13 @@ class TensorOps(ABC):
         decoded = self.multiply(signs, self.repeat_blocks(scales, block, n))
         return decoded if add_to is None else self.scale_add(add_to, 1.0, decoded)
 
+    def sign_decode_all(self, messages: Sequence[Tuple[Tensor, Tensor, int, int]],
+                        dtype: str) -> Tensor:
+        """The concatenation of :meth:`sign_decode` of each (packed, scales, block, n) in
+        ``messages``. A composition; an adapter may decode into one tensor instead."""
+        return self.concat([self.sign_decode(packed, scales, block, n, dtype)
+                            for packed, scales, block, n in messages])
+
     @abstractmethod
     def nonzero(self, mask: Tensor) -> Tensor:
         """Positions (int64) where the boolean ``mask`` is true, ascending."""

@@ -229,6 +229,18 @@ class TorchOps(TensorOps):
             return kernels.sign_decode(packed, scales, block, n, add_to)
         return super().sign_decode(packed, scales, block, n, dtype, add_to)
 
+    def sign_decode_all(self, messages: Sequence[Tuple[torch.Tensor, torch.Tensor, int, int]],
+                        dtype: str) -> torch.Tensor:
+        if dtype != "float32" or not all(kernels.supports_signs(scales, scales)
+                                         for _, scales, _, _ in messages):
+            return super().sign_decode_all(messages, dtype)
+        out = torch.empty(sum(n for _, _, _, n in messages), dtype=torch.float32)
+        at = 0
+        for packed, scales, block, n in messages:
+            kernels.sign_decode(packed, scales, block, n, out=out[at:at + n])
+            at += n
+        return out
+
     def nonzero(self, mask: torch.Tensor) -> torch.Tensor:
         return torch.nonzero(mask).reshape(-1)
 

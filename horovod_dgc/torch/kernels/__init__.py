@@ -215,15 +215,16 @@ def sign_pack(x: torch.Tensor, scales: torch.Tensor, block: int,
 
 
 def sign_decode(packed: torch.Tensor, scales: torch.Tensor, block: int, n: int,
-                add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
+                add_to: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``scales[i // block] * (+1 where bit i of packed is set, else -1)`` for ``i < n``, as a
-    new float32 tensor or added to ``add_to`` (overwritten)."""
+    new float32 tensor, written over ``out``, or added to ``add_to`` (overwritten)."""
+    target = add_to if add_to is not None else out
     if not supports_signs(scales, scales) or n > packed.numel() * 8 or (
-            add_to is not None and not supports_signs(add_to, scales)):
+            target is not None and (not supports_signs(target, scales) or target.numel() != n)):
         raise TypeError(f"sign_decode takes float32 CPU scales and at most {packed.numel() * 8} "
                         f"entries, got {scales.dtype}, n={n}")
     packed = packed.contiguous()
-    out = torch.empty(n, dtype=torch.float32) if add_to is None else add_to
+    out = torch.empty(n, dtype=torch.float32) if target is None else target
     _run(_streaming.sign_decode,
          [(packed.data_ptr() + start // 8, count, scales.data_ptr(), block, start,
            out.data_ptr() + start * 4, add_to is not None)
