@@ -110,7 +110,7 @@ class ScaleCom(TwoStageMethod):
         n = ops.numel(grad)
         layout = self.index_layout(call.name, n, call.density)
         # Every rank computes the block maxima: the leader is known only at run time in a graph,
-        # and they cost no pass of their own.
+        # and a fused accumulation takes them without reading the memory again.
         accumulated = self.memory.accumulate(ops, state, grad, call.unscale, spare=call.spare,
                                              block=self.leader_block(layout.capacity, n))
         p, state, finite = accumulated.x, accumulated.state, accumulated.finite
@@ -152,7 +152,7 @@ class ScaleCom(TwoStageMethod):
 
     def finish(self, ops: TensorOps, received: Tensor, handover: StageHandover) -> Tuple[Tensor, Scalar]:
         call = handover.call
-        finite = settle(ops, self.config.nonfinite, ops.is_finite(ops.sum(received)), [],
+        finite = settle(ops, self.config.nonfinite, ops.all_finite(received), [],
                         lambda: f"tensor {call.name!r} on some rank", call.step)
         dense = ops.zeros(handover.numel, state_dtype(handover.dtype), like=received)
         dense = ops.scatter_add(dense, handover.data["indices"], ops.cast(received, ops.dtype(dense)))
