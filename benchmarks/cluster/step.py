@@ -269,9 +269,23 @@ def time_steps(step: Step, warmup_steps: int, steps: int, iface: str,
     return seconds, tx_bytes(iface) - sent_before
 
 
-def bench_method(method: str, args: argparse.Namespace) -> Record:
+@dataclass
+class Trained:
+    """One method's timed training on this worker: the model after it, what built it, the
+    warm-up steps, each timed step's seconds and the bytes the interface sent meanwhile."""
+
+    model: nn.Module
+    compression: object
+    optimizer_label: str
+    setting: str
+    warmup_steps: int
+    seconds: List[float]
+    sent_bytes: int
+
+
+def train_method(method: str, args: argparse.Namespace) -> Trained:
+    """Warm-up, then ``args.steps`` timed steps of ``method`` on synthetic images."""
     model, classes = build_model(args.model)
-    params = sum(p.numel() for p in model.parameters())
     module, optimizer, optimizer_label, setting, compression = build_method(method, model, args)
     generator = torch.Generator().manual_seed(SEED + 1 + hvd.rank())
     images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=generator)
@@ -285,6 +299,14 @@ def bench_method(method: str, args: argparse.Namespace) -> Record:
     warmup = max(args.warmup_steps, POWERSGD_START_ITER) if method == "powersgd" else args.warmup_steps
     reset = compression.reset_stats if compression is not None else (lambda: None)
     seconds, sent = time_steps(step, warmup, args.steps, args.iface, reset)
+    return Trained(model, compression, optimizer_label, setting, warmup, seconds, sent)
+
+
+def bench_method(method: str, args: argparse.Namespace) -> Record:
+    trained = train_method(method, args)
+    model, compression, seconds, sent = trained.model, trained.compression, trained.seconds, trained.sent_bytes
+    optimizer_label, setting, warmup = trained.optimizer_label, trained.setting, trained.warmup_steps
+    params = sum(p.numel() for p in model.parameters())
     handed, estimated = estimate(method, model, compression, args.steps)
     idle = statistics.mean(hvd.allgather_object(idle_bytes_per_s(args.iface),
                                                 name=f"cluster_step.idle.{method}"))

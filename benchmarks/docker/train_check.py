@@ -34,7 +34,6 @@ from typing import List, Optional
 
 import horovod.torch as hvd
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.cluster import step as bench
@@ -77,21 +76,9 @@ def params_sha256(model: nn.Module) -> str:
 
 def train_method(method: str, args: argparse.Namespace) -> dict:
     """Train ``method`` for the warm-up and timed steps; this worker's record."""
-    model, classes = bench.build_model(args.model)
-    module, optimizer, optimizer_label, setting, compression = bench.build_method(method, model, args)
-    generator = torch.Generator().manual_seed(bench.SEED + 1 + hvd.rank())
-    images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=generator)
-    labels = torch.randint(0, classes, (args.batch_size,), generator=generator)
-
-    def step() -> None:
-        optimizer.zero_grad()
-        F.cross_entropy(module(images), labels).backward()
-        optimizer.step()
-
-    warmup = (max(args.warmup_steps, bench.POWERSGD_START_ITER) if method == "powersgd"
-              else args.warmup_steps)
-    reset = compression.reset_stats if compression is not None else (lambda: None)
-    seconds, sent = bench.time_steps(step, warmup, args.steps, args.iface, reset)
+    trained = bench.train_method(method, args)
+    model, seconds, sent, warmup = trained.model, trained.seconds, trained.sent_bytes, trained.warmup_steps
+    optimizer_label, setting = trained.optimizer_label, trained.setting
     hvd.barrier()
     return {"rank": hvd.rank(), "size": hvd.size(), "host": socket.gethostname(),
             "link": args.link, "method": method, "optimizer": optimizer_label, "setting": setting,
