@@ -153,11 +153,10 @@ class BlockSign(TwoStageMethod):
         return wire.receive(ops, received, [(layout, r) for r in range(call.world_size)],
                             call.step, call.rank)
 
-    def _decode(self, ops: TensorOps, packed: Tensor, scales: Tensor, n: int, dtype: str,
-                add_to: Optional[Tensor] = None) -> Tensor:
-        """The first ``n`` entries of a received shard's C(x) (added to ``add_to``)."""
-        shard = ops.numel(packed) * 8
-        return ops.sign_decode(packed, scales, shard // ops.numel(scales), n, dtype, add_to)
+    @staticmethod
+    def _scale_block(ops: TensorOps, packed: Tensor, scales: Tensor) -> int:
+        """Entries per scale of a received shard (packed signs, scales)."""
+        return ops.numel(packed) * 8 // ops.numel(scales)
 
     def second(self, ops: TensorOps, state: State, received: Tensor,
                handover: StageHandover) -> Tuple[Tensor, State]:
@@ -168,7 +167,8 @@ class BlockSign(TwoStageMethod):
         finite = received_finite(ops, self.config.nonfinite, received.flags, [call.name], call.step)
         dtype, total = state_dtype(handover.dtype), None
         for packed, scales in received.parts:
-            total = self._decode(ops, packed, scales, shard, dtype, add_to=total)
+            total = ops.sign_decode(packed, scales, self._scale_block(ops, packed, scales), shard,
+                                    dtype, add_to=total)
         valid = self._valid(handover.numel, shard, call.rank)
         averaged = ops.scale_add(ops.scale(total, 1.0 / call.world_size), 1.0, state["server"])
         averaged = ops.slice(averaged, 0, valid)
@@ -184,7 +184,7 @@ class BlockSign(TwoStageMethod):
         finite = none_flagged(ops, received.flags)
         shard, dtype = handover.data["shard"], state_dtype(handover.dtype)
         valid = [self._valid(handover.numel, shard, j) for j in range(handover.call.world_size)]
-        messages = [(packed, scales, shard // ops.numel(scales), count)
+        messages = [(packed, scales, self._scale_block(ops, packed, scales), count)
                     for (packed, scales), count in zip(received.parts, valid) if count]
         update = ops.cast(ops.sign_decode_all(messages, dtype), handover.dtype)
         return ops.cond(finite, lambda: update,

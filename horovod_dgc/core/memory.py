@@ -48,10 +48,6 @@ class Accumulated:
     block_max: Optional[Tensor]
 
 
-def _max(block: int) -> Optional[str]:
-    return "max" if block else None
-
-
 class ResidualMemory:
     """Plain error feedback: ``p = g + e``; after sending ``s``, ``e = p - s``."""
 
@@ -61,7 +57,7 @@ class ResidualMemory:
     def accumulate(self, ops: TensorOps, state: State, grad: Tensor, grad_scale: Scalar = 1.0,
                    spare: Optional[State] = None, block: int = 0) -> Accumulated:
         residual, maxima, finite = ops.accumulate(state["residual"], grad, grad_scale,
-                                                  reuse(spare, "residual"), block, _max(block))
+                                                  reuse(spare, "residual"), block, "max")
         return Accumulated(residual, {"residual": residual}, finite, maxima)
 
     def update(self, ops: TensorOps, state: State, indices: Tensor, sent: Tensor) -> State:
@@ -127,7 +123,7 @@ class LowPassMemory:
                    spare: Optional[State] = None, block: int = 0) -> Accumulated:
         plain = self.beta == 1.0
         p, maxima, finite = ops.accumulate(state["memory"], grad, grad_scale,
-                                           reuse(spare, "memory") if plain else None, block, _max(block))
+                                           reuse(spare, "memory") if plain else None, block, "max")
         if plain:
             return Accumulated(p, {"memory": p}, finite, maxima)
         memory = ops.add(state["memory"], grad, 1.0, grad_scale * self.beta, out=reuse(spare, "memory"))

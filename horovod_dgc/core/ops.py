@@ -185,8 +185,8 @@ class TensorOps(ABC):
 
     def block_stat(self, x: Tensor, block: int, stat: Optional[str]) -> Optional[Tensor]:
         """:meth:`block_abs_max` (``stat="max"``) or :meth:`block_abs_sum` (``"sum"``) of
-        ``x`` over blocks of ``block`` elements; None for ``stat=None``."""
-        if stat is None:
+        ``x`` over blocks of ``block`` elements; None for ``stat=None`` or ``block`` 0."""
+        if stat is None or not block:
             return None
         return self.block_abs_max(x, block) if stat == "max" else self.block_abs_sum(x, block)
 
@@ -217,7 +217,7 @@ class TensorOps(ABC):
         v = self.add(velocity, u, out=outs[1])
         if nesterov:
             v = self.scale_add(v, 1.0, grad, grad_scale)
-        return u, v, self.block_stat(v, block, "max" if block else None), self.all_finite(grad)
+        return u, v, self.block_stat(v, block, "max"), self.all_finite(grad)
 
     def sign_compress(self, x: Tensor, scales: Tensor, block: int, length: int) -> Tuple[Tensor, Tensor]:
         """Blocksign's compression of ``x`` zero-padded to ``length`` entries (a multiple of

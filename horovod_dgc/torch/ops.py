@@ -30,11 +30,11 @@ def _usable(out: Optional[torch.Tensor], like: torch.Tensor) -> Optional[torch.T
     return out
 
 
-def _scatters(out: torch.Tensor, values: torch.Tensor) -> bool:
-    """Whether the scatter kernel takes a flat float32 CPU ``out`` and these values (torch's
-    index_add_ sets up a parallel loop over all of ``out`` for a few thousand entries)."""
-    return (kernels.supports(out) and out.dim() == 1 and values.dtype == torch.float32
-            and values.device.type == "cpu")
+def _scatters(out: torch.Tensor, values: Optional[torch.Tensor] = None) -> bool:
+    """Whether the scatter kernel takes a flat float32 CPU ``out`` and these values, if any
+    (torch's index_add_ sets up a parallel loop over all of ``out`` for a few thousand entries)."""
+    return (kernels.supports(out) and out.dim() == 1
+            and (values is None or (values.dtype == torch.float32 and values.device.type == "cpu")))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -224,15 +224,13 @@ class TorchOps(TensorOps):
 
     def sign_decode(self, packed: torch.Tensor, scales: torch.Tensor, block: int, n: int, dtype: str,
                     add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if dtype == "float32" and kernels.supports_signs(scales, scales) and (
-                add_to is None or kernels.supports_signs(add_to, scales)):
+        if dtype == "float32" and kernels.supports_signs(scales, *([] if add_to is None else [add_to])):
             return kernels.sign_decode(packed, scales, block, n, add_to)
         return super().sign_decode(packed, scales, block, n, dtype, add_to)
 
     def sign_decode_all(self, messages: Sequence[Tuple[torch.Tensor, torch.Tensor, int, int]],
                         dtype: str) -> torch.Tensor:
-        if dtype != "float32" or not all(kernels.supports_signs(scales, scales)
-                                         for _, scales, _, _ in messages):
+        if dtype != "float32" or not kernels.supports_signs(*(scales for _, scales, _, _ in messages)):
             return super().sign_decode_all(messages, dtype)
         out = torch.empty(sum(n for _, _, _, n in messages), dtype=torch.float32)
         at = 0
@@ -263,7 +261,7 @@ class TorchOps(TensorOps):
         return out.index_add_(0, indices, values, alpha=-1)
 
     def scatter_zero(self, out: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        if _scatters(out, out):
+        if _scatters(out):
             return kernels.scatter_add(out, indices, None)
         return out.index_fill_(0, indices, 0)
 

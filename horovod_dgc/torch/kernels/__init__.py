@@ -127,6 +127,8 @@ def _accumulate(mode: int, grad: torch.Tensor, scale: float, m: float, scale_m: 
     if not supports_accumulate(grad, a, a_out, b, b_out):
         raise TypeError("accumulate takes contiguous CPU tensors of one length: a float32, float16 "
                         f"or bfloat16 gradient and float32 memories, got {grad.dtype} {tuple(grad.shape)}")
+    if not block:
+        stat = None  # block 0: no statistic
     block = block if stat else 1
     n_blocks = -(-n // block)
     width = torch.get_num_threads()
@@ -136,16 +138,20 @@ def _accumulate(mode: int, grad: torch.Tensor, scale: float, m: float, scale_m: 
         ranges = _ranges(n, _SUM_UNIT, width)
     kind, code = GRAD_KINDS[grad.dtype], _STATS[stat]
     g_bytes = grad.element_size()
-    dtype = torch.float32 if stat == "max" else torch.float64
-    # Every block's statistic is written by one range, except where ranges start inside blocks:
-    # those blocks are summed from the ranges' partial sums.
-    aligned = all(start % block == 0 for start, _ in ranges)
-    stats = (torch.empty if aligned else torch.zeros)(n_blocks, dtype=dtype)
+    stats = None
+    if stat is not None:
+        # Every block's statistic is written by one range, except where ranges start inside
+        # blocks: those blocks are summed from the ranges' partial sums.
+        aligned = all(start % block == 0 for start, _ in ranges)
+        stats = (torch.empty if aligned else torch.zeros)(
+            n_blocks, dtype=torch.float32 if stat == "max" else torch.float64)
     partials = []
     calls = []
     for start, count in ranges:
         phase = start % block
-        if phase == 0 or stat != "sum":
+        if stats is None:
+            target = 0
+        elif phase == 0 or stat != "sum":
             target = stats.data_ptr() + start // block * stats.element_size()
         else:
             partial = torch.zeros((phase + count - 1) // block + 1, dtype=torch.float64)
@@ -157,8 +163,6 @@ def _accumulate(mode: int, grad: torch.Tensor, scale: float, m: float, scale_m: 
                       b_out.data_ptr() + offset if b_out is not None else 0, count, scale, m, scale_m,
                       code, block, phase, target, n >= STREAM_MIN_NUMEL))
     finite = all(_run(_streaming.accumulate, calls))
-    if stat is None:
-        return None, finite
     for first, partial in partials:
         # A range that starts inside a block: its partial sums join those of the range before.
         stats[first:first + partial.numel()] += partial
@@ -170,7 +174,8 @@ def error_feedback(grad: torch.Tensor, scale: float, residual: torch.Tensor,
                    stat: Optional[str] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor], bool]:
     """``out = residual + scale * grad`` (a new tensor when ``out`` is None) in one pass, with
     its ``"max"`` (float32) or ``"sum"`` (float64) of ``|out|`` per block of ``block`` entries
-    (the last one may be partial; None without ``stat``) and whether ``grad`` is finite."""
+    (the last one may be partial; None without ``stat`` or for block 0) and whether ``grad`` is
+    finite."""
     out = torch.empty_like(residual) if out is None else out
     stats, finite = _accumulate(_RESIDUAL, grad, scale, 0.0, 0.0, residual, out, None, None, block, stat)
     return out, stats, finite
@@ -188,14 +193,15 @@ def momentum_correction(grad: torch.Tensor, scale: float, momentum: torch.Tensor
     velocity_out = torch.empty_like(velocity) if velocity_out is None else velocity_out
     mode = _NESTEROV if nesterov else _MOMENTUM
     maxima, finite = _accumulate(mode, grad, scale, m, scale * m, momentum, momentum_out, velocity,
-                                 velocity_out, block, "max" if block else None)
+                                 velocity_out, block, "max")
     return momentum_out, velocity_out, maxima, finite
 
 
-def supports_signs(x: torch.Tensor, scales: torch.Tensor) -> bool:
-    """Whether :func:`sign_pack` and :func:`sign_decode` take these tensors."""
+def supports_signs(*tensors: torch.Tensor) -> bool:
+    """Whether :func:`sign_pack` and :func:`sign_decode` take these tensors: contiguous
+    float32 on the CPU."""
     return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
-               for t in (x, scales))
+               for t in tensors)
 
 
 def sign_pack(x: torch.Tensor, scales: torch.Tensor, block: int,
@@ -219,8 +225,8 @@ def sign_decode(packed: torch.Tensor, scales: torch.Tensor, block: int, n: int,
     """``scales[i // block] * (+1 where bit i of packed is set, else -1)`` for ``i < n``, as a
     new float32 tensor, written over ``out``, or added to ``add_to`` (overwritten)."""
     target = add_to if add_to is not None else out
-    if not supports_signs(scales, scales) or n > packed.numel() * 8 or (
-            target is not None and (not supports_signs(target, scales) or target.numel() != n)):
+    if not supports_signs(scales) or n > packed.numel() * 8 or (
+            target is not None and (not supports_signs(target) or target.numel() != n)):
         raise TypeError(f"sign_decode takes float32 CPU scales and at most {packed.numel() * 8} "
                         f"entries, got {scales.dtype}, n={n}")
     packed = packed.contiguous()
