@@ -89,7 +89,7 @@ SELECTIONS: List[Tuple[str, Selector]] = [
 # Each method keeps its default config: the density comes from the CompressCall. A
 # two-stage method's row is its stage 1 on rank 0, the leader of step 0 for ScaleCom.
 COMPRESSORS: List[Tuple[str, Callable[[], Method]]] = [
-    (f"{spec.name} {'compress' if spec.family == 'sparse' else 'stage 1'}", spec.build)
+    (f"{spec.name} {'compress' if spec.method.family == 'sparse' else 'stage 1'}", spec.build)
     for spec in METHODS]
 
 
@@ -185,7 +185,7 @@ def coding_cases(ops: TorchOps, x: torch.Tensor, density: float, k: int) -> List
     cases = [Case("message coding", "dgc encode (positions, values)",
                   lambda rep: layout.encode(ops, header, positions, k, values))]
     for spec in METHODS:
-        if spec.family != "sparse":
+        if spec.method.family != "sparse":
             continue
         method, messages = spec.build(), []
         for rank in range(DECODE_WORLD):
@@ -212,7 +212,7 @@ def receiving_cases(ops: TorchOps, x: torch.Tensor, density: float) -> List[Case
     of what the second delivered."""
     cases = []
     for spec in METHODS:
-        if spec.family != "two-stage":
+        if spec.method.family != "two-stage":
             continue
         method = spec.build()
         calls = [CompressCall("resnet50.flat_grad", rank, DECODE_WORLD, 0, density)
@@ -238,7 +238,7 @@ def receiving_cases(ops: TorchOps, x: torch.Tensor, density: float) -> List[Case
 def print_formats(numel: int, density: float) -> None:
     """Bits per position and per value of each sparse method's message (its defaults)."""
     for spec in METHODS:
-        if spec.family == "sparse":
+        if spec.method.family == "sparse":
             layout = spec.build().layout("w", numel, "float32", density)
             index_bits, value_bits = bits_per_entry(layout.indices, layout.values)
             print(f"{spec.name} message: {layout.nbytes} bytes, {layout.indices.name} positions "

@@ -160,18 +160,19 @@ def test_float16_gradients_too_large_to_sum_in_float16_are_still_finite_and_clip
     assert float(sent[0].float().abs().max()) == pytest.approx(300.0 / norm, rel=1e-3)
 
 
-@pytest.mark.parametrize("name", ["dgc", "topk", "scalecom", "blocksign"])
-def test_memories_hold_unscaled_gradients_whatever_the_loss_scale(name):
+@pytest.mark.parametrize("name,options", [("dgc", {}), ("topk", {}), ("scalecom", {}), ("blocksign", {}),
+                                          ("dgc", {"aggregation": "sparse_allreduce"})])
+def test_memories_hold_unscaled_gradients_whatever_the_loss_scale(name, options):
     from horovod_dgc.core.methods import BY_NAME
 
     spec = BY_NAME[name]
-    plain, scaled = (Engine(spec.build(), world_size=1, rank=0) for _ in range(2))
+    plain, scaled = (Engine(spec.build(**options), world_size=1, rank=0) for _ in range(2))
     scaled.use_loss_scale(lambda: 1024.0)
     grads = [torch.randn(64, 64, generator=torch.Generator().manual_seed(t)) for t in range(3)]
     for t, grad in enumerate(grads):
         outputs = []
         for engine, g in ((plain, grad), (scaled, grad * 1024.0)):
-            if spec.family == "sparse":
+            if engine.method.family == "sparse":
                 message = engine.compress("w", g, None)
                 outputs.append(engine.decompress(message.message, [message])[0])
             else:

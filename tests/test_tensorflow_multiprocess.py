@@ -32,11 +32,24 @@ def test_dgc_hands_horovod_300x_fewer_bytes_than_dense():
         assert dgc["stats_bytes_per_step"] == pytest.approx(dgc["bytes_per_step"]), "stats() disagrees"
 
 
-def test_scalecom_and_blocksign_match_the_n_worker_simulation():
+TWO_STAGE = ("scalecom", "blocksign", "blocksign64", "dgc-sar", "topk-sar", "gaussiank-sar")
+
+
+def test_two_stage_methods_match_the_n_worker_simulation():
     out = horovodrun("twostage_tensorflow.py", 2, timeout_s=600)
     for mode in MODES:
-        for kind in ("scalecom", "blocksign", "blocksign64"):
+        for kind in TWO_STAGE:
             assert out.count(f"{kind} {mode} twostage ok") == 2, out
+
+
+@pytest.mark.parametrize("np", [3, 4])
+def test_sparse_allreduce_matches_the_n_worker_simulation(np):
+    """The sparse all-reduce's regions and capacities depend on N: 3 and 4 workers too."""
+    kinds = "dgc-sar,topk-sar"
+    out = horovodrun("twostage_tensorflow.py", np, ["--kinds", kinds, "--modes", "function"],
+                     timeout_s=600)
+    for kind in kinds.split(","):
+        assert out.count(f"{kind} function twostage ok") == np, out
 
 
 def test_keras_optimizer_compressors_need_no_variables():

@@ -41,12 +41,24 @@ def test_misuse_is_refused_with_clear_errors():
     assert out.count("misuse ok") == 2, out
 
 
+TWO_STAGE = ("scalecom", "blocksign", "blocksign64", "dgc-sar", "topk-sar", "gaussiank-sar")
+
+
 @pytest.mark.parametrize("np", [2, 4])
 @pytest.mark.parametrize("path", ["stock", "own"])
-def test_scalecom_and_blocksign_match_the_n_worker_simulation_for_20_steps(np, path):
+def test_two_stage_methods_match_the_n_worker_simulation_for_20_steps(np, path):
     out = horovodrun("twostage_torch.py", np, ["--path", path])
-    for kind in ("scalecom", "blocksign", "blocksign64"):
+    for kind in TWO_STAGE:
         assert out.count(f"{kind} {path} twostage ok") == np, out
+
+
+@pytest.mark.parametrize("path", ["stock", "own"])
+def test_sparse_allreduce_matches_the_simulation_on_3_workers(path):
+    """Three regions of unequal fill: the last is shorter than the others."""
+    kinds = "dgc-sar,topk-sar,gaussiank-sar"
+    out = horovodrun("twostage_torch.py", 3, ["--path", path, "--kinds", kinds])
+    for kind in kinds.split(","):
+        assert out.count(f"{kind} {path} twostage ok") == 3, out
 
 
 @pytest.mark.parametrize("path", ["stock", "own"])

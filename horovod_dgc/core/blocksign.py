@@ -103,6 +103,11 @@ class BlockSign(TwoStageMethod):
         return wire.PartsLayout(name=name, method_id=self.method_id, numel=numel, capacity=shard,
                                 part_list=(("uint8", shard // 8), ("float32", scales)))
 
+    def exchanges(self, numel: int, grad_dtype: str, density: float,
+                  world_size: int) -> Tuple[Tuple[str, int], ...]:
+        shard = self.layout("", numel, world_size).nbytes
+        return (ALLTOALL, world_size * shard), (ALLGATHER, shard)
+
     def _valid(self, numel: int, shard: int, j: int) -> int:
         return max(0, min(shard, numel - j * shard))
 

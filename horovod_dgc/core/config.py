@@ -145,3 +145,29 @@ class SparseConfig(CompressionConfig):
     def density_floor(self, shape: tuple) -> Optional[float]:
         return self.small_density if self.is_small(shape) else None
 
+
+
+AGGREGATIONS = ("allgather", "sparse_allreduce", "auto")
+
+
+@dataclass(frozen=True)
+class GatheredConfig(SparseConfig):
+    """Settings of the methods whose workers each choose their own entries (DGC, Top-k,
+    Gaussian-k), besides :class:`SparseConfig`'s.
+
+    Attributes:
+        aggregation: how the workers' messages are combined. ``"allgather"``: every worker
+            receives every other worker's message, so each sends N - 1 messages' bytes a
+            step. ``"sparse_allreduce"``: the tensor is cut into N regions; an alltoall
+            brings every worker's entries of region j to worker j, which sums them, adds
+            what it kept from earlier steps, and forwards its largest to everyone by an
+            allgather (``core/sparse_allreduce.py``): about the same bytes whatever N.
+            ``"auto"``: whichever of the two sends fewer bytes for the number of workers
+            the compressor is built for (``sparse_allreduce.resolve``).
+    """
+
+    aggregation: str = "allgather"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_choice("aggregation", self.aggregation, AGGREGATIONS)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from .config import SparseConfig
+from .config import GatheredConfig
 from .memory import MomentumCorrectionMemory
 from .method import CompressCall
 from .ops import Scalar, Tensor, TensorOps
@@ -22,8 +22,8 @@ from .wire import tensor_id
 
 
 @dataclass(frozen=True)
-class DGCConfig(SparseConfig):
-    """DGC's settings (and :class:`SparseConfig`'s).
+class DGCConfig(GatheredConfig):
+    """DGC's settings (and :class:`GatheredConfig`'s).
 
     Attributes:
         density: fraction of each compressed tensor sent per step (0.1% in the paper).

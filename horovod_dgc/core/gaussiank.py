@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .config import SparseConfig
+from .config import GatheredConfig
 from .memory import ResidualMemory
 from .ops import Tensor, TensorOps
 from .selection import gaussian_capacity, select_gaussian
@@ -17,8 +17,8 @@ from .sparse import SparseMethod
 
 
 @dataclass(frozen=True)
-class GaussianKConfig(SparseConfig):
-    """Gaussian threshold; see :class:`SparseConfig` for the fields. Messages have room for
+class GaussianKConfig(GatheredConfig):
+    """Gaussian threshold; see :class:`GatheredConfig` for the fields. Messages have room for
     ``ceil(4k/3)`` entries; the count sent varies from step to step."""
 
     density: float = 0.001

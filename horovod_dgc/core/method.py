@@ -93,6 +93,22 @@ class Method(ABC):
     def __init__(self, config: CompressionConfig):
         self.config = config
 
+    @property
+    def table_class(self) -> str:
+        """The class the method table lists this method under (saved with its state)."""
+        return type(self).__name__
+
+    def with_config(self, config: CompressionConfig) -> "Method":
+        """The same method with other settings."""
+        return type(self)(config)
+
+    @abstractmethod
+    def exchanges(self, numel: int, grad_dtype: str, density: float,
+                  world_size: int) -> Tuple[Tuple[str, int], ...]:
+        """The collectives (kinds of :mod:`.collectives`) one compressed tensor of ``numel``
+        elements goes through at ``density`` among ``world_size`` workers, with the bytes
+        each worker hands to each: the traffic model's input."""
+
     @abstractmethod
     def state_layout(self, compressed: bool) -> StateLayout:
         """The memories of a tensor that is (or is not) compressed."""

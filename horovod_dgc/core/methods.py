@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Tuple, Type
+from typing import Any, Dict, Mapping, Optional, Tuple, Type
 
 from .blocksign import BlockSign, BlockSignConfig
-from .config import CompressionConfig
+from .config import CompressionConfig, GatheredConfig
 from .dgc import DGC, DGCConfig
 from .gaussiank import GaussianK, GaussianKConfig
 from .method import Method
 from .scalecom import ScaleCom, ScaleComConfig
+from .sparse_allreduce import aggregated
 from .topk import TopK, TopKConfig
 
 
@@ -25,8 +26,7 @@ class MethodSpec:
 
     Attributes:
         name: the factory's name (``Compression.<name>``) and the examples' flag value.
-        method: the core class; its ``family`` (sparse or two-stage) says how a tensor is
-            exchanged.
+        method: the core class.
         config: the frozen dataclass of its options, every default included.
         momentum_in_compressor: the method has a ``momentum`` option of its own: the fused
             optimizer moves SGD's momentum (and what else of SGD's the config has: Nesterov,
@@ -43,17 +43,18 @@ class MethodSpec:
     summary: str
 
     @property
-    def family(self) -> str:
-        return self.method.family
-
-    @property
     def takes_density(self) -> bool:
         """Whether the options include a ``density`` (the sparse selections do)."""
         return any(f.name == "density" for f in dataclasses.fields(self.config))
 
-    def build(self, **options: Any) -> Method:
-        """The method with these options (validated by its config)."""
-        return self.method(self.config(**options))
+    def build(self, world_size: Optional[int] = None, **options: Any) -> Method:
+        """The method with these options (validated by its config), exchanged as its
+        ``aggregation`` option says, if it has one (``"auto"`` picks by ``world_size``).
+        The result's ``family`` (sparse or two-stage) says how a tensor is exchanged."""
+        method = self.method(self.config(**options))
+        if isinstance(method.config, GatheredConfig):
+            return aggregated(method, world_size)
+        return method
 
 
 METHODS: Tuple[MethodSpec, ...] = (
@@ -88,13 +89,14 @@ _check_unique()
 
 def spec_of(method: Method) -> MethodSpec:
     """The table line of a method object."""
-    return BY_CLASS[type(method).__name__]
+    return BY_CLASS[method.table_class]
 
 
-def from_saved(method_class: str, config: Mapping[str, Any]) -> Method:
-    """The method a saved state names (its class name and config fields)."""
+def from_saved(method_class: str, config: Mapping[str, Any], world_size: Optional[int] = None) -> Method:
+    """The method a saved state names (its class name and config fields; ``world_size``:
+    the workers it will run among, for ``aggregation="auto"``)."""
     spec = BY_CLASS.get(method_class)
     if spec is None:
         raise ValueError(f"compressor state is from an unknown method {method_class!r}")
-    return spec.build(**{key: tuple(value) if isinstance(value, list) else value
+    return spec.build(world_size, **{key: tuple(value) if isinstance(value, list) else value
                          for key, value in config.items()})

@@ -249,6 +249,11 @@ class TensorOps(ABC):
         """Positions (int64) where the boolean ``mask`` is true, ascending."""
 
     @abstractmethod
+    def searchsorted(self, ascending: Tensor, bounds: Sequence[int]) -> Tensor:
+        """For each of ``bounds``, how many entries of the 1-D ``ascending`` are below it
+        (int64, one per bound)."""
+
+    @abstractmethod
     def greater_equal(self, x: Tensor, threshold: Scalar) -> Tensor:
         """Boolean mask ``x >= threshold``."""
 

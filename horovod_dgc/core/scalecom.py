@@ -83,6 +83,12 @@ class ScaleCom(TwoStageMethod):
         return wire.MessageLayout(name=name, method_id=self.method_id, numel=numel,
                                   capacity=top_count(density, numel), value_format=None)
 
+    def exchanges(self, numel: int, grad_dtype: str, density: float,
+                  world_size: int) -> Tuple[Tuple[str, int], ...]:
+        indices = self.index_layout("", numel, density)
+        values = wire.DTYPE_BYTES[self.config.value_dtype] * indices.capacity
+        return (BROADCAST, indices.nbytes), (ALLREDUCE, values)
+
     def leader_block(self, k: int, numel: int) -> int:
         """Block length whose maxima the leader's selection filters by (0: none)."""
         return filter_block(k, numel) if self.config.leader_selection == "exact" else 0

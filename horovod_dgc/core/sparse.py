@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, List, Optional, Sequence, Tuple
 
 from . import wire
+from .collectives import ALLGATHER
 from .config import SparseConfig
+from .memory import Accumulated
 from .method import CompressCall, Method, State, StateLayout, state_dtype
 from .nonfinite import nan_like, none_flagged, received_finite
 from .ops import Scalar, Tensor, TensorOps
@@ -75,17 +77,25 @@ class SparseMethod(Method):
     def state_layout(self, compressed: bool) -> StateLayout:
         return StateLayout(self.memory.state_names if compressed else self.memory.dense_state_names)
 
+    def exchanges(self, numel: int, grad_dtype: str, density: float,
+                  world_size: int) -> Tuple[Tuple[str, int], ...]:
+        return ((ALLGATHER, self.layout("", numel, grad_dtype, density).nbytes),)
+
     # -- the two halves ---------------------------------------------------------------------
+    def accumulate(self, ops: TensorOps, state: State, grad: Tensor,
+                   call: CompressCall) -> Tuple[Accumulated, int]:
+        """The memory's accumulation of a flat gradient (new tensors: a step that is not
+        finite simply drops them), and k, how many entries to select from it."""
+        numel = ops.numel(grad)
+        k = top_count(call.density, numel)
+        block = filter_block(k, numel) if self.filters_blocks else 0
+        return self.memory.accumulate(ops, state, *self.prepare(ops, grad, call), spare=call.spare,
+                                      block=block), k
+
     def compress(self, ops: TensorOps, state: State, grad: Tensor, call: CompressCall) -> Compressed:
         """Message for a flat gradient, and the memory after sending it."""
-        numel = ops.numel(grad)
-        layout = self.layout(call.name, numel, ops.dtype(grad), call.density)
-        k = top_count(call.density, numel)
-
-        block = filter_block(k, numel) if self.filters_blocks else 0
-        # The memories are new tensors: a step that is not finite simply drops them.
-        accumulated = self.memory.accumulate(ops, state, *self.prepare(ops, grad, call),
-                                             spare=call.spare, block=block)
+        layout = self.layout(call.name, ops.numel(grad), ops.dtype(grad), call.density)
+        accumulated, k = self.accumulate(ops, state, grad, call)
 
         def send():
             x = accumulated.x

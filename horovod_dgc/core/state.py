@@ -30,7 +30,7 @@ Memories = Dict[str, Dict[str, Tensor]]
 def state_frame(method: Method, *, world_size: Optional[int], rank: Optional[int], epoch: float,
                 steps: Mapping[str, int], states: Memories) -> dict:
     """A state as the adapters' ``state_dict()`` return it: ``states`` holds the memories."""
-    return {"format": STATE_FORMAT, "method": type(method).__name__,
+    return {"format": STATE_FORMAT, "method": method.table_class,
             "config": dataclasses.asdict(method.config), "world_size": world_size, "rank": rank,
             "epoch": epoch, "steps": dict(steps), "states": states}
 
@@ -52,7 +52,7 @@ def check_format(state: Any) -> None:
 def check_method(state: dict, method: Method) -> None:
     """Raise ValueError unless ``state`` was saved by ``method``'s class with its config."""
     check_format(state)
-    mine = type(method).__name__
+    mine = method.table_class
     if state["method"] != mine:
         raise ValueError(f"compressor state is from method {state['method']}, this compressor "
                          f"runs {mine}")
@@ -133,7 +133,7 @@ def pool(ops: TensorOps, parts: Sequence[dict]) -> dict:
 
 def shard(ops: TensorOps, pooled: dict, world_size: int, rank: int) -> dict:
     """Rank ``rank``'s part of a pooled state in a world of ``world_size`` workers."""
-    method = from_saved(pooled["method"], pooled["config"])
+    method = from_saved(pooled["method"], pooled["config"], world_size)
     sharded = set(method.state_layout(True).sharded)
     states: Memories = {}
     for name, memories in pooled["states"].items():
@@ -164,7 +164,7 @@ def with_states(state: dict, world_size: Optional[int], rank: Optional[int], sta
 
 
 def _sharded_keys(state: dict) -> set:
-    method = from_saved(state["method"], state["config"])
+    method = from_saved(state["method"], state["config"], state["world_size"])
     return set(method.state_layout(True).sharded)
 
 

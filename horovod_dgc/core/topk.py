@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .config import SparseConfig
+from .config import GatheredConfig
 from .memory import ResidualMemory
 from .ops import Tensor, TensorOps
 from .selection import select_exact
@@ -16,8 +16,8 @@ from .sparse import SparseMethod
 
 
 @dataclass(frozen=True)
-class TopKConfig(SparseConfig):
-    """Exact top-k by magnitude, per tensor; see :class:`SparseConfig` for the fields."""
+class TopKConfig(GatheredConfig):
+    """Exact top-k by magnitude, per tensor; see :class:`GatheredConfig` for the fields."""
 
     density: float = 0.01
 

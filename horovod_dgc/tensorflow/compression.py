@@ -392,14 +392,17 @@ _TRACED: Dict[Tuple[str, str, str], MethodCompressor] = {}
 
 def _factory(spec: MethodSpec) -> Callable[..., MethodCompressor]:
     def factory(variables: Optional[Iterable[Any]] = None, **options) -> MethodCompressor:
+        workers = hvd.size() if hvd.is_initialized() else None
         if variables is not None or tf.executing_eagerly():
-            return COMPRESSORS[spec.family](spec.build(**options), variables)
+            method = spec.build(workers, **options)
+            return COMPRESSORS[method.family](method, variables)
         # Built inside a tf.function (Horovod's TensorFlow 2 example does): each trace of the
         # function would build new memories, which tf.function refuses after its first trace.
         # The traces of one function share one compressor instead.
         key = (tf.compat.v1.get_default_graph().name, spec.name, repr(sorted(options.items())))
         if key not in _TRACED:
-            _TRACED[key] = COMPRESSORS[spec.family](spec.build(**options))
+            method = spec.build(workers, **options)
+            _TRACED[key] = COMPRESSORS[method.family](method)
         return _TRACED[key]
 
     factory.__name__ = spec.name

@@ -298,6 +298,10 @@ class TFOps(TensorOps):
     def nonzero(self, mask: tf.Tensor) -> tf.Tensor:
         return tf.reshape(tf.where(mask), [-1])
 
+    def searchsorted(self, ascending: tf.Tensor, bounds: Sequence[int]) -> tf.Tensor:
+        found = tf.searchsorted(ascending, tf.constant(bounds, ascending.dtype), side="left")
+        return tf.cast(found, tf.int64)
+
     def greater_equal(self, x: tf.Tensor, threshold: Scalar) -> tf.Tensor:
         return x >= _tensor(threshold, x.dtype)
 

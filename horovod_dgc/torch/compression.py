@@ -76,7 +76,7 @@ class MethodCompressor(CompressorControls, Compressor):
 
     def reconfigure(self, **changes) -> None:
         """Replace settings of the method's config (validated again); only before training."""
-        self.method = type(self.method)(dataclasses.replace(self.config, **changes))
+        self.method = self.method.with_config(dataclasses.replace(self.config, **changes))
         self.config = self.method.config
         if self._engine is not None:
             self._engine.set_method(self.method)
@@ -359,9 +359,20 @@ def check_plain_optimizer(optimizer: torch.optim.Optimizer, config,
 COMPRESSORS = {"sparse": SparseCompressor, "two-stage": TwoStageCompressor}
 
 
+def _workers() -> Optional[int]:
+    """The number of workers, once Horovod or ``torch.distributed`` is set up (what
+    ``aggregation="auto"`` picks by)."""
+    if hvd.is_initialized():
+        return hvd.size()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return None
+
+
 def _factory(spec: MethodSpec) -> Callable[..., MethodCompressor]:
     def factory(named_parameters: Optional[NamedParameters] = None, **options) -> MethodCompressor:
-        return COMPRESSORS[spec.family](spec.build(**options), named_parameters)
+        method = spec.build(_workers(), **options)
+        return COMPRESSORS[method.family](method, named_parameters)
 
     factory.__name__ = spec.name
     factory.__doc__ = (f"{spec.summary[0].upper()}{spec.summary[1:]}; options: "

@@ -242,6 +242,10 @@ class TorchOps(TensorOps):
     def nonzero(self, mask: torch.Tensor) -> torch.Tensor:
         return torch.nonzero(mask).reshape(-1)
 
+    def searchsorted(self, ascending: torch.Tensor, bounds: Sequence[int]) -> torch.Tensor:
+        return torch.searchsorted(ascending, torch.tensor(bounds, dtype=ascending.dtype,
+                                                          device=ascending.device))
+
     def greater_equal(self, x: torch.Tensor, threshold: Scalar) -> torch.Tensor:
         return x >= threshold
 

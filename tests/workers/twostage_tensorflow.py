@@ -1,4 +1,5 @@
-"""ScaleCom and blocksign through the stock ``hvd.DistributedGradientTape``, eagerly and
+"""ScaleCom, blocksign and the sparse all-reduce (DGC, Top-k, Gaussian-k with
+``aggregation="sparse_allreduce"``) through the stock ``hvd.DistributedGradientTape``, eagerly and
 inside ``tf.function``: 6 steps of fixed per-rank gradients; every rank checks each step's
 aggregated gradient against the core's in-process simulation of all the workers, and that
 its memories equal the simulated worker's.
@@ -7,6 +8,8 @@ The variables include a small tensor (a bias: dense for blocksign, its own densi
 ScaleCom) and two kernels of one shape. Eagerly the compressor is given ``variables=``;
 inside ``tf.function`` it is given nothing and takes them from Horovod's call.
 """
+import argparse
+
 import numpy as np
 import tensorflow as tf
 import horovod.tensorflow as hvd
@@ -17,7 +20,11 @@ from horovod_dgc.core.method import CompressCall
 from horovod_dgc.tensorflow import TFOps
 
 STEPS = 6
-OPTIONS = {"scalecom": dict(density=0.01), "blocksign": dict(), "blocksign64": dict(block_size=64, momentum=0.9)}
+SPARSE_ALLREDUCE = dict(aggregation="sparse_allreduce", density=0.01)
+KINDS = {"scalecom": ("scalecom", dict(density=0.01)), "blocksign": ("blocksign", dict()),
+         "blocksign64": ("blocksign", dict(block_size=64, momentum=0.9)),
+         "dgc-sar": ("dgc", SPARSE_ALLREDUCE), "topk-sar": ("topk", SPARSE_ALLREDUCE),
+         "gaussiank-sar": ("gaussiank", SPARSE_ALLREDUCE)}
 
 
 def variables():
@@ -34,9 +41,10 @@ def run(kind: str, mode: str) -> None:
     rank, size = hvd.rank(), hvd.size()
     model_vars = variables()
     names = {v.name.rsplit(":", 1)[0]: tuple(v.shape) for v in model_vars}
-    method_name = "blocksign" if kind.startswith("blocksign") else kind
+    method_name, options = KINDS[kind]
     given = model_vars if mode == "eager" else None
-    compression = getattr(hdgc.Compression, method_name)(variables=given, **OPTIONS[kind])
+    compression = getattr(hdgc.Compression, method_name)(variables=given, **options)
+    assert compression.method.family == "two-stage", kind
 
     def step_fn(grads):
         with tf.GradientTape() as tape:
@@ -80,8 +88,12 @@ def run(kind: str, mode: str) -> None:
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--modes", default="eager,function")
+    args = parser.parse_args()
     hvd.init()
     tf.config.threading.set_intra_op_parallelism_threads(1)
-    for mode in ("eager", "function"):
-        for kind in OPTIONS:
+    for mode in args.modes.split(","):
+        for kind in args.kinds.split(","):
             run(kind, mode)

@@ -1,4 +1,5 @@
-"""20 steps of ScaleCom and blocksign on fixed per-rank gradients through a Horovod path;
+"""20 steps of ScaleCom, blocksign and the sparse all-reduce (DGC, Top-k, Gaussian-k with
+``aggregation="sparse_allreduce"``) on fixed per-rank gradients through a Horovod path;
 every rank checks each step's applied update against the in-process N-worker simulation
 of the core, and that all ranks end with the same parameters.
 
@@ -15,8 +16,12 @@ from horovod_dgc.core.method import CompressCall
 from horovod_dgc.torch.ops import TorchOps
 
 STEPS = 20
-OPTIONS = {"scalecom": dict(density=0.01), "blocksign": dict(block_size=None),
-           "blocksign64": dict(block_size=64)}
+SPARSE_ALLREDUCE = dict(aggregation="sparse_allreduce", density=0.01)
+KINDS = {"scalecom": ("scalecom", dict(density=0.01)),
+         "blocksign": ("blocksign", dict(block_size=None)),
+         "blocksign64": ("blocksign", dict(block_size=64)),
+         "dgc-sar": ("dgc", SPARSE_ALLREDUCE), "topk-sar": ("topk", SPARSE_ALLREDUCE),
+         "gaussiank-sar": ("gaussiank", SPARSE_ALLREDUCE)}
 
 
 def model() -> torch.nn.Module:
@@ -60,10 +65,11 @@ def compressed_units(compression, net) -> dict:
 
 def run(kind: str, path: str) -> None:
     rank, size = hvd.rank(), hvd.size()
-    method_name = "blocksign" if kind.startswith("blocksign") else kind
+    method_name, options = KINDS[kind]
     net = model()
     compression = getattr(hdgc.Compression, method_name)(named_parameters=net.named_parameters(),
-                                                         **OPTIONS[kind])
+                                                         **options)
+    assert compression.method.family == "two-stage", kind
     wrap = hvd.DistributedOptimizer if path == "stock" else hdgc.DistributedOptimizer
     optimizer = wrap(torch.optim.SGD(net.parameters(), lr=0.01), named_parameters=net.named_parameters(),
                      compression=compression)
@@ -93,7 +99,7 @@ def run(kind: str, path: str) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--path", choices=["stock", "own"], required=True)
-    parser.add_argument("--kinds", default="scalecom,blocksign,blocksign64")
+    parser.add_argument("--kinds", default=",".join(KINDS))
     args = parser.parse_args()
     hvd.init()
     torch.set_num_threads(1)
