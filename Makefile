@@ -3,7 +3,7 @@ VENV   := .venv
 PYTHON := $(VENV)/bin/python
 NP     ?= 2
 
-.PHONY: setup test test-slow demo imagenet-demo bench-compress bench-convergence cluster-bench compose-test horovod-examples clean-venv
+.PHONY: setup test test-slow demo imagenet-demo bench-compress bench-convergence cluster-bench cluster-scaling traffic-model compose-test horovod-examples clean-venv
 
 setup:
 	@bash scripts/setup_env.sh
@@ -46,6 +46,12 @@ bench-convergence: setup
 ## 100 Mbit/s, dense and dgc, a few steps (under 5 minutes).
 cluster-bench: setup
 	$(PYTHON) -m benchmarks.cluster.run --check $(if $(QUICK),--quick)
+
+## Bytes per worker per step as the number of workers grows, from the message layouts
+## (ResNet-50, every method and aggregation, N = 2 to 256; seconds): a table and
+## docs/img/traffic_model.png.
+traffic-model: setup
+	$(PYTHON) -m benchmarks.traffic_model
 
 ## The Docker Compose cluster, run for real (needs root; minutes; not part of make test): installs
 ## Debian's docker.io and docker-compose when missing, starts dockerd when none runs, builds the

@@ -58,6 +58,7 @@ def all_runs() -> List[Run]:
             runs.append(Run(f"{spec.name}-{path}", {"compression": spec.name, "path": path}))
     runs += [Run("dgc-ddp", {"compression": "dgc", "path": "ddp"}),
              Run("dgc-int8", {"compression": "dgc", "value-dtype": "int8"}),
+             Run("dgc-sparse-allreduce", {"compression": "dgc", "aggregation": "sparse_allreduce"}),
              Run("dgc-bf16", {"compression": "dgc", "precision": "bf16"}),
              Run("dgc-fp16-gradscaler", {"compression": "dgc", "precision": "fp16"}),
              Run("dense-adam", {"compression": "dense", "optimizer": "adam"}, reference=None),

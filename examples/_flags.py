@@ -9,6 +9,7 @@ import argparse
 from pathlib import Path
 from typing import List, Optional, Sequence
 
+from horovod_dgc.core.config import AGGREGATIONS, GatheredConfig
 from horovod_dgc.core.methods import METHODS as TABLE
 from horovod_dgc.core.wire import VALUE_FORMATS
 
@@ -17,6 +18,8 @@ from horovod_dgc.core.wire import VALUE_FORMATS
 BASELINES = {"dense": "none", "fp16": "fp16"}
 METHODS = (*BASELINES, *(spec.name for spec in TABLE))
 SPARSE_METHODS = tuple(spec.name for spec in TABLE if spec.takes_density)
+# Methods whose messages are aggregated by allgather or sparse all-reduce (--aggregation).
+GATHERED_METHODS = tuple(spec.name for spec in TABLE if issubclass(spec.config, GatheredConfig))
 # Methods that apply the momentum themselves (the wrapped optimizer then has none).
 MOMENTUM_IN_COMPRESSOR = tuple(spec.name for spec in TABLE if spec.momentum_in_compressor)
 
@@ -36,12 +39,31 @@ def add_compression_flags(p: argparse.ArgumentParser) -> None:
                       "to --density); sparse methods")
     comp.add_argument("--value-dtype", choices=VALUE_FORMATS,
                       help="how the values sent travel (sparse methods; default: the method's)")
+    add_aggregation_flag(comp)
     comp.add_argument("--min-numel", type=int,
                       help="tensors with fewer elements are sent at their own small density "
                       "(default: the method's)")
     comp.add_argument("--beta", type=float, default=1.0, help="scalecom: low-pass filter of the memory")
     comp.add_argument("--block-size", type=int, help="blocksign: elements per scaled sign block "
                       "(default: one block per tensor)")
+
+
+def add_aggregation_flag(p) -> None:
+    """``--aggregation``, for the methods of ``GATHERED_METHODS``."""
+    p.add_argument("--aggregation", choices=AGGREGATIONS,
+                   help=f"how the messages of {', '.join(GATHERED_METHODS)} are combined "
+                   "(default: the method's, allgather)")
+
+
+def compression_options(args: argparse.Namespace, warmup_epochs: int) -> dict:
+    """The options of ``args.compression`` that the sparse-method flags set."""
+    if args.compression not in SPARSE_METHODS:
+        return {}
+    options = dict(density=args.density, warmup_epochs=warmup_epochs,
+                   **given(args, "value_dtype"))
+    if args.compression in GATHERED_METHODS:
+        options.update(given(args, "aggregation"))
+    return options
 
 
 def given(args: argparse.Namespace, *names: str) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Sequence
 
-from _flags import BASELINES, MOMENTUM_IN_COMPRESSOR, SPARSE_METHODS, given
+from _flags import BASELINES, MOMENTUM_IN_COMPRESSOR, compression_options, given
 from horovod_dgc.tensorflow import Compression
 
 
@@ -14,9 +14,7 @@ def make(args: argparse.Namespace, variables: Sequence[Any]):
     if args.compression in BASELINES:
         return getattr(Compression, BASELINES[args.compression])
     options: dict = given(args, "min_numel")
-    if args.compression in SPARSE_METHODS:
-        options.update(density=args.density, warmup_epochs=args.sparsity_warmup_epochs,
-                       **given(args, "value_dtype"))
+    options.update(compression_options(args, args.sparsity_warmup_epochs))
     if args.compression in MOMENTUM_IN_COMPRESSOR:
         options["momentum"] = args.momentum
     if args.compression == "dgc" and getattr(args, "wd", 0.0):

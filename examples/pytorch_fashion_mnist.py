@@ -31,8 +31,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _fashion_mnist as data  # noqa: E402
-from _flags import (BASELINES, METHODS, MOMENTUM_IN_COMPRESSOR, SPARSE_METHODS,  # noqa: E402
-                    given)
+from _flags import (BASELINES, METHODS, MOMENTUM_IN_COMPRESSOR, add_aggregation_flag,  # noqa: E402
+                    compression_options, given)
 from horovod_dgc.core.wire import VALUE_FORMATS  # noqa: E402
 import horovod_dgc.torch as hdgc  # noqa: E402
 from horovod_dgc.torch import ddp  # noqa: E402
@@ -59,6 +59,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="epochs of warm-up sparsity (densities rho^(e+1)/(W+1), e < W)")
     p.add_argument("--value-dtype", choices=VALUE_FORMATS,
                    help="how values travel (default: the method's)")
+    add_aggregation_flag(p)
     p.add_argument("--min-numel", type=int, help="tensors with fewer elements travel dense "
                    "(default: the method's)")
     p.add_argument("--epochs", type=int, default=4)
@@ -99,9 +100,7 @@ def make_compression(args: argparse.Namespace, model: nn.Module):
     if args.compression in BASELINES:
         return getattr(hdgc.Compression, BASELINES[args.compression])
     options = given(args, "min_numel")
-    if args.compression in SPARSE_METHODS:
-        options.update(density=args.density, warmup_epochs=args.warmup_epochs,
-                       **given(args, "value_dtype"))
+    options.update(compression_options(args, args.warmup_epochs))
     if args.compression in MOMENTUM_IN_COMPRESSOR and args.path != "fused" and args.optimizer == "sgd":
         options["momentum"] = args.momentum
     return getattr(hdgc.Compression, args.compression)(named_parameters=model.named_parameters(),

@@ -35,7 +35,7 @@ from torch import nn
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _flags import (BASELINES, MOMENTUM_IN_COMPRESSOR, SPARSE_METHODS,  # noqa: E402
+from _flags import (BASELINES, MOMENTUM_IN_COMPRESSOR, compression_options,  # noqa: E402
                     given, imagenet_parser, parse_imagenet_args)
 from _imagefolder import ImageFolder, SyntheticImages  # noqa: E402
 from _resnet import resnet50  # noqa: E402
@@ -70,9 +70,7 @@ def make_compression(args: argparse.Namespace, model: nn.Module):
         return getattr(hdgc.Compression, BASELINES[args.compression])
     factory = getattr(hdgc.Compression, args.compression)
     options = given(args, "min_numel")
-    if args.compression in SPARSE_METHODS:
-        options.update(density=args.density, warmup_epochs=args.sparsity_warmup_epochs,
-                       **given(args, "value_dtype"))
+    options.update(compression_options(args, args.sparsity_warmup_epochs))
     if args.compression == "scalecom":
         options["beta"] = args.beta
     if args.compression == "blocksign":

@@ -179,3 +179,26 @@ def test_traffic_per_worker_stays_flat_while_the_allgather_grows():
         assert per_worker(reduced, workers) < 2.0 * per_worker(reduced, 4)
         assert per_worker(reduced, workers) < 0.7 * per_worker(gathered, workers)
     assert per_worker(reduced, 2) > per_worker(gathered, 2)
+
+
+def test_resuming_on_more_workers_re_cuts_the_owner_residuals():
+    """Saved on 2 workers, resumed on 3: the owners' residuals, laid end to end, are the same
+    tensor (cut into 3 regions now), and the workers' memories keep their average."""
+    from horovod_dgc.core.state import redistribute, state_frame
+
+    numel, method = 1001, build("dgc", density=0.01)
+    gen = torch.Generator().manual_seed(3)
+    parts = []
+    for rank in range(2):
+        state = method.init_state(ops, torch.zeros(numel), True, 2)
+        state = {key: torch.randn(value.numel(), generator=gen) for key, value in state.items()}
+        parts.append(state_frame(method, world_size=2, rank=rank, epoch=1.0, steps={"w": 5},
+                                 states={"w": state}))
+    shares = [redistribute(ops, parts, 3, rank) for rank in range(3)]
+    assert [s["states"]["w"]["owner_residual"].numel() for s in shares] == [334] * 3
+    owners = torch.cat([p["states"]["w"]["owner_residual"] for p in parts])[:numel]
+    torch.testing.assert_close(torch.cat([s["states"]["w"]["owner_residual"] for s in shares])[:numel],
+                               owners)
+    for key in ("momentum", "velocity"):
+        before = sum(p["states"]["w"][key] for p in parts) / 2
+        torch.testing.assert_close(sum(s["states"]["w"][key] for s in shares) / 3, before)

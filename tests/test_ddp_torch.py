@@ -6,7 +6,7 @@ import torch
 
 from conftest import horovodrun, torchrun
 
-PARITY_METHODS = ("dgc", "topk", "gaussiank", "scalecom", "blocksign")
+PARITY_METHODS = ("dgc", "topk", "gaussiank", "scalecom", "blocksign", "dgc-sar")
 
 
 @pytest.mark.parametrize("nproc", [2, 4])

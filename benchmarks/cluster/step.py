@@ -68,7 +68,9 @@ IDLE_S = 2.0
 POWERSGD_START_ITER = 2  # PowerSGD's smallest start with error feedback; earlier steps go dense
 TORCH_DIST_TIMEOUT_S = 120
 SPARSE_METHODS = ("dgc", "topk", "gaussiank", "scalecom", "blocksign")
-METHODS = ("dense", "fp16", *SPARSE_METHODS, "dgc-ddp", "powersgd")
+# Our methods with other than their default options: (method, options, setting label).
+VARIANTS = {"dgc-sar": ("dgc", {"aggregation": "sparse_allreduce"}, "sparse all-reduce")}
+METHODS = ("dense", "fp16", *SPARSE_METHODS, *VARIANTS, "dgc-ddp", "powersgd")
 
 Step = Callable[[], None]
 
@@ -199,12 +201,14 @@ def build_method(method: str, model: nn.Module, args: argparse.Namespace
                                              compression=compression)
         return (model, optimizer, "hvd.DistributedOptimizer",
                 "float32" if method == "dense" else "float16", None)
-    if method in SPARSE_METHODS:
-        compression = getattr(hdgc.Compression, method)()
+    if method in SPARSE_METHODS or method in VARIANTS:
+        name, options, variant = VARIANTS.get(method, (method, {}, ""))
+        compression = getattr(hdgc.Compression, name)(**options)
         optimizer = hdgc.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters(),
                                               compression=compression)
         density = getattr(compression.config, "density", None)
         setting = f"density {density:g}" if density is not None else "1-bit signs"
+        setting += f", {variant}" if variant else ""
         return model, optimizer, "horovod_dgc.torch.DistributedOptimizer", setting, compression
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
     from torch.nn.parallel import DistributedDataParallel

@@ -33,8 +33,16 @@ from aggregate_torch import exact_topk_dense, sent_values
 STEPS = 20
 BUCKET_CAP_MB = 0.07  # a few buckets, some holding two parameters
 LAYER_SCALE = (1.0, 1.0, 0.01, 0.01)
-OPTIONS = {"dgc": dict(density=0.01), "topk": dict(density=0.01), "gaussiank": dict(density=0.01),
-           "scalecom": dict(density=0.01), "blocksign": dict(momentum=0.5)}
+# Run name -> (method, options).
+KINDS = {"dgc": ("dgc", dict(density=0.01)), "topk": ("topk", dict(density=0.01)),
+         "gaussiank": ("gaussiank", dict(density=0.01)), "scalecom": ("scalecom", dict(density=0.01)),
+         "blocksign": ("blocksign", dict(momentum=0.5)),
+         "dgc-sar": ("dgc", dict(density=0.01, aggregation="sparse_allreduce"))}
+
+
+def make_compression(kind: str, **options):
+    method, defaults = KINDS[kind]
+    return getattr(hdgc.Compression, method)(**{**defaults, **options})
 
 
 class Injected(torch.nn.Module):
@@ -67,7 +75,7 @@ def setup(method: str, **overrides):
     """A fresh model, its DDP wrapper, the hook's state and plain SGD."""
     module = Injected()
     model = ddp_model(module)
-    compression = getattr(hdgc.Compression, method)(**{**OPTIONS[method], **overrides})
+    compression = make_compression(method, **overrides)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     state = ddp.register(model, compression, optimizer=sgd)
     return module, model, state, sgd
@@ -119,8 +127,7 @@ def train_ddp(method: str) -> torch.Tensor:
 
 def train_horovod(method: str, hvd) -> torch.Tensor:
     module = Injected()
-    compression = getattr(hdgc.Compression, method)(named_parameters=module.named_parameters(),
-                                                    **OPTIONS[method])
+    compression = make_compression(method, named_parameters=module.named_parameters())
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(module.parameters(), lr=0.1),
                                          named_parameters=module.named_parameters(),
                                          compression=compression)

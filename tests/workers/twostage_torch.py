@@ -98,10 +98,11 @@ def run(kind: str, path: str) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--path", choices=["stock", "own"], required=True)
+    parser.add_argument("--path", required=True, help="stock, own, or both: stock,own")
     parser.add_argument("--kinds", default=",".join(KINDS))
     args = parser.parse_args()
     hvd.init()
     torch.set_num_threads(1)
-    for kind in args.kinds.split(","):
-        run(kind, args.path)
+    for path in args.path.split(","):
+        for kind in args.kinds.split(","):
+            run(kind, path)
