@@ -53,6 +53,12 @@ cluster-bench: setup
 traffic-model: setup
 	$(PYTHON) -m benchmarks.traffic_model
 
+## Bytes per worker per step measured on 2, 4 and 8 network-namespace hosts (ResNet-50,
+## batch 2; dgc by allgather and by sparse all-reduce) beside the traffic model (needs root;
+## about 10 minutes): results/scaling/scaling.md and scaling.png.
+cluster-scaling: setup
+	$(PYTHON) -m benchmarks.cluster.scaling
+
 ## The Docker Compose cluster, run for real (needs root; minutes; not part of make test): installs
 ## Debian's docker.io and docker-compose when missing, starts dockerd when none runs, builds the
 ## image (a debootstrap base when no base image can be pulled), trains dense and dgc on a

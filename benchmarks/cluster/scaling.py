@@ -53,8 +53,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-def model_bytes(method: str, workers: int) -> Optional[float]:
-    """The traffic model's bytes per worker per step for a step.py method, or None."""
+def model_bytes(model: str, method: str, workers: int) -> Optional[float]:
+    """The traffic model's bytes per worker per step for a step.py method on ResNet-50, or
+    None (another model, or a method the model does not know)."""
+    if model != "resnet50":
+        return None
     if method == "dense":
         return per_worker_bytes(None, resnet50_shapes(), workers)
     name, options, _ = VARIANTS.get(method, (method, {}, ""))
@@ -88,7 +91,7 @@ def table(rows: List[dict]) -> Dict[str, object]:
     within = []
     for row in rows:
         sent = row["tx_bytes_per_step"]
-        model = model_bytes(row["method"], row["workers"])
+        model = model_bytes(row["model"], row["method"], row["workers"])
         negotiation = row["idle_bytes_per_s"] * row["median_step_s"]
         full = None if model is None else model + negotiation
         series.setdefault(row["method"], []).append((row["workers"], sent, model, full))
