@@ -202,3 +202,16 @@ def test_resuming_on_more_workers_re_cuts_the_owner_residuals():
     for key in ("momentum", "velocity"):
         before = sum(p["states"]["w"][key] for p in parts) / 2
         torch.testing.assert_close(sum(s["states"]["w"][key] for s in shares) / 3, before)
+
+
+def test_the_torch_factory_resolves_auto_by_the_number_of_workers(monkeypatch):
+    import horovod_dgc.torch.compression as adapter
+    from horovod_dgc.torch import Compression
+
+    monkeypatch.setattr(adapter, "_workers", lambda: None)
+    with pytest.raises(ValueError, match="hvd.init"):
+        Compression.dgc(aggregation="auto")
+    for workers, family in ((2, "sparse"), (8, "two-stage")):
+        monkeypatch.setattr(adapter, "_workers", lambda: workers)
+        assert Compression.dgc(aggregation="auto").method.family == family
+    assert Compression.topk(aggregation="sparse_allreduce").method.family == "two-stage"
