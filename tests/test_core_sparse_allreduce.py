@@ -10,7 +10,7 @@ import torch
 from horovod_dgc.core import MessageError, CompressCall
 from horovod_dgc.core.collectives import network_bytes
 from horovod_dgc.core.methods import BY_NAME, from_saved
-from horovod_dgc.core.sparse_allreduce import REGION_SLACK, SparseAllreduce
+from horovod_dgc.core.sparse_allreduce import FORWARD_SLACK, REGION_SLACK, SparseAllreduce
 from horovod_dgc.core.twostage import simulate_step
 from horovod_dgc.torch.ops import TorchOps
 
@@ -38,7 +38,7 @@ def reference_topk_step(residuals, owners, grads, k, workers):
     n = len(grads[0])
     region = math.ceil(n / workers)
     to_owner = min(region, math.ceil(REGION_SLACK * k / workers))
-    forward = min(region, math.ceil(k / workers))
+    forward = min(region, math.ceil(FORWARD_SLACK * k / workers))
     received = [[0.0] * region for _ in range(workers)]
     for i in range(workers):
         p = [e + g for e, g in zip(residuals[i], grads[i])]
@@ -102,7 +102,7 @@ def test_sparse_allreduce_conserves_gradient_mass_over_200_steps(method, options
         grads = [torch.randn(n, generator=gen) * (1 + step % 5) for _ in range(workers)]
         results, states = simulate_step(ops, built, states, grads, calls(workers, step, density))
         assert all(torch.equal(results[0], r) for r in results[1:])
-        assert torch.count_nonzero(results[0]) <= workers * math.ceil(math.ceil(density * n) / workers)
+        assert torch.count_nonzero(results[0]) <= workers * math.ceil(FORWARD_SLACK * math.ceil(density * n) / workers)
         applied += results[0].double()
         mean_grads += sum(g.double() for g in grads) / workers
     owner = torch.cat([s["owner_residual"] for s in states])
@@ -177,7 +177,7 @@ def test_traffic_per_worker_stays_flat_while_the_allgather_grows():
     assert per_worker(reduced, 8) < 1.85 * per_worker(reduced, 2)
     for workers in (4, 8, 16, 64):
         assert per_worker(reduced, workers) < 2.0 * per_worker(reduced, 4)
-        assert per_worker(reduced, workers) < 0.7 * per_worker(gathered, workers)
+        assert per_worker(reduced, workers) < per_worker(gathered, workers) * 5.0 / workers
     assert per_worker(reduced, 2) > per_worker(gathered, 2)
 
 

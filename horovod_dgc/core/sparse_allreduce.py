@@ -12,8 +12,8 @@ region j and keeps an owner residual ``E_j`` for it (averaged units)::
                J_j = exact top C_out of |P_j|;  E_j = P_j - P_j[J_j] as sent
     everyone:  update = sum_j scatter(J_j, P_j[J_j])      (an allgather of the N forwards)
 
-``C_in = ceil(REGION_SLACK * capacity / N)`` and ``C_out = ceil(k / N)`` are fixed per tensor
-and density, so messages keep a fixed size. Nothing is lost, only delayed:
+``C_in = ceil(REGION_SLACK * capacity / N)`` and ``C_out = ceil(FORWARD_SLACK * k / N)`` are
+fixed per tensor and density, so messages keep a fixed size. Nothing is lost, only delayed:
 ``(1/N) sum_i (sent_i) = update + change of sum_j E_j`` every step.
 
 Regions are fixed, equal slices (not re-balanced from the selected indices): a region
@@ -37,6 +37,9 @@ from .twostage import StageHandover, TwoStageMethod
 
 # Room per destination in the alltoall, relative to an even share of a worker's selection.
 REGION_SLACK = 1.5
+# Entries each owner forwards, relative to an even share of k: room for regions that hold
+# more than their share of the largest sums (a fixed share per region delays them).
+FORWARD_SLACK = 2.0
 # Messages of the sparse all-reduce carry their method's id plus this, so that a rank set up
 # for the other aggregation is named by the header check.
 METHOD_ID_OFFSET = 16
@@ -85,7 +88,7 @@ class SparseAllreduce(TwoStageMethod):
                                       capacity=min(region, capacity), value_format=fmt)
 
         return (layout(math.ceil(REGION_SLACK * gathered / world_size)),
-                layout(math.ceil(k / world_size)))
+                layout(math.ceil(FORWARD_SLACK * k / world_size)))
 
     def exchanges(self, numel: int, grad_dtype: str, density: float,
                   world_size: int) -> Tuple[Tuple[str, int], ...]:
