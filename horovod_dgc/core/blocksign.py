@@ -19,7 +19,7 @@ from typing import Optional, Tuple
 from . import wire
 from .collectives import ALLGATHER, ALLTOALL
 from .config import CompressionConfig
-from .method import CompressCall, State, StateLayout, state_dtype
+from .method import CompressCall, State, StateLayout, shard_entries, state_dtype
 from .memory import reuse
 from .nonfinite import flag, nan_like, none_flagged, received_finite
 from .ops import Scalar, Tensor, TensorOps
@@ -108,9 +108,6 @@ class BlockSign(TwoStageMethod):
         shard = self.layout("", numel, world_size).nbytes
         return (ALLTOALL, world_size * shard), (ALLGATHER, shard)
 
-    def _valid(self, numel: int, shard: int, j: int) -> int:
-        return max(0, min(shard, numel - j * shard))
-
     def _momentum_step(self, ops: TensorOps, state: State, grad: Tensor,
                        unscale: Scalar) -> Tuple[Tensor, Scalar, State]:
         """(direction, its factor, state): ``m = mu * m + g``, and the step's direction is
@@ -145,7 +142,7 @@ class BlockSign(TwoStageMethod):
         for j in range(world):
             # One block per tensor: every shard carries the one scale.
             shard_scales = ops.slice(scales, 0 if self.config.block_size is None else j * per_shard, per_shard)
-            header = layout.header(call.rank, call.step, self._valid(n, shard, j), flag(ops, finite))
+            header = layout.header(call.rank, call.step, shard_entries(n, shard, j), flag(ops, finite))
             messages.append(wire.encode_parts(ops, layout, header,
                                               [ops.slice(packed, j * shard // 8, shard // 8), shard_scales]))
         handover = StageHandover(call, n, ops.dtype(grad), {"layout": layout, "shard": shard})
@@ -174,7 +171,7 @@ class BlockSign(TwoStageMethod):
         for packed, scales in received.parts:
             total = ops.sign_decode(packed, scales, self._scale_block(ops, packed, scales), shard,
                                     dtype, add_to=total)
-        valid = self._valid(handover.numel, shard, call.rank)
+        valid = shard_entries(handover.numel, shard, call.rank)
         averaged = ops.scale_add(ops.scale(total, 1.0 / call.world_size), 1.0, state["server"])
         averaged = ops.slice(averaged, 0, valid)
         block = self._server_block(shard)
@@ -188,7 +185,7 @@ class BlockSign(TwoStageMethod):
         received = self._receive(ops, received, handover)
         finite = none_flagged(ops, received.flags)
         shard, dtype = handover.data["shard"], state_dtype(handover.dtype)
-        valid = [self._valid(handover.numel, shard, j) for j in range(handover.call.world_size)]
+        valid = [shard_entries(handover.numel, shard, j) for j in range(handover.call.world_size)]
         messages = [(packed, scales, self._scale_block(ops, packed, scales), count)
                     for (packed, scales), count in zip(received.parts, valid) if count]
         update = ops.cast(ops.sign_decode_all(messages, dtype), handover.dtype)

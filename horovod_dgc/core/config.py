@@ -146,7 +146,6 @@ class SparseConfig(CompressionConfig):
         return self.small_density if self.is_small(shape) else None
 
 
-
 AGGREGATIONS = ("allgather", "sparse_allreduce", "auto")
 
 
@@ -163,7 +162,7 @@ class GatheredConfig(SparseConfig):
             what it kept from earlier steps, and forwards its largest to everyone by an
             allgather (``core/sparse_allreduce.py``): about the same bytes whatever N.
             ``"auto"``: whichever of the two sends fewer bytes for the number of workers
-            the compressor is built for (``sparse_allreduce.resolve``).
+            the compressor is built for (``sparse_allreduce.aggregated``).
     """
 
     aggregation: str = "allgather"

@@ -73,6 +73,12 @@ class StateLayout:
         return self.per_worker + self.sharded
 
 
+def shard_entries(numel: int, shard: int, j: int) -> int:
+    """Entries of a tensor of ``numel`` elements inside rank j's shard of ``shard`` entries
+    (:class:`StateLayout`'s sharding; the rest of the shard is padding)."""
+    return max(0, min(shard, numel - j * shard))
+
+
 def state_dtype(grad_dtype: str) -> str:
     """Memories of 16-bit gradients are kept in float32 so small updates are not lost."""
     return "float32" if grad_dtype in ("float16", "bfloat16") else grad_dtype

@@ -23,12 +23,12 @@ worker's memory.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 from . import wire
 from .collectives import ALLGATHER, ALLTOALL, network_bytes
 from .config import GatheredConfig
-from .method import CompressCall, Method, State, StateLayout, state_dtype
+from .method import CompressCall, Method, State, StateLayout, shard_entries, state_dtype
 from .nonfinite import flag, nan_like, none_flagged, received_finite
 from .ops import Scalar, Tensor, TensorOps
 from .selection import select_exact, top_count
@@ -95,10 +95,6 @@ class SparseAllreduce(TwoStageMethod):
         to_owner, forward = self.region_layouts("", numel, grad_dtype, density, world_size)
         return (ALLTOALL, world_size * to_owner.nbytes), (ALLGATHER, forward.nbytes)
 
-    @staticmethod
-    def _valid(numel: int, region: int, j: int) -> int:
-        return max(0, min(region, numel - j * region))
-
     # -- the method's work ------------------------------------------------------------------
     def dense(self, ops: TensorOps, state: State, grad: Tensor, call: CompressCall) -> Tuple[Tensor, State]:
         return self.inner.dense(ops, state, grad, call)
@@ -147,23 +143,33 @@ class SparseAllreduce(TwoStageMethod):
 
         return ops.cond(ops.size(positions) > capacity, largest, lambda: positions)
 
+    @staticmethod
+    def _receive(ops: TensorOps, received: Tensor, layout: wire.MessageLayout,
+                 handover: StageHandover) -> Tuple[Tensor, List[Tuple[Tensor, Tensor]]]:
+        """(each sender's flags word, each sender's (positions, values) in the state dtype)
+        from the concatenation of one ``layout`` message per rank, headers and positions
+        checked."""
+        call = handover.call
+        expected = [(layout, r) for r in range(call.world_size)]
+        got = wire.receive(ops, received, expected, call.step, call.rank)
+        decoded = [layout.decode(ops, parts, ops.gather(got.counts, r), state_dtype(handover.dtype))
+                   for r, parts in enumerate(got.parts)]
+        positions = wire.checked_positions(ops, [(p, ok) for p, _, ok in decoded], expected, call.step)
+        return got.flags, [(where, values) for where, (_, values, _) in zip(positions, decoded)]
+
     def second(self, ops: TensorOps, state: State, received: Tensor,
                handover: StageHandover) -> Tuple[Tensor, State]:
         """The owner's work on its region; a sender's non-finite flag is passed on (with
         ``nonfinite="raise"`` every owner raises, naming the sender)."""
         call, to_owner, forward = handover.call, handover.data["to_owner"], handover.data["forward"]
         world, region = call.world_size, to_owner.numel
-        expected = [(to_owner, r) for r in range(world)]
-        got = wire.receive(ops, received, expected, call.step, call.rank)
-        finite = received_finite(ops, self.config.nonfinite, got.flags, [call.name], call.step)
+        flags, entries = self._receive(ops, received, to_owner, handover)
+        finite = received_finite(ops, self.config.nonfinite, flags, [call.name], call.step)
         dtype = state_dtype(handover.dtype)
-        decoded = [to_owner.decode(ops, parts, ops.gather(got.counts, r), dtype)
-                   for r, parts in enumerate(got.parts)]
-        positions = wire.checked_positions(ops, [(p, ok) for p, _, ok in decoded], expected, call.step)
         total = ops.copy(state["owner_residual"])
-        for where, (_, values, _) in zip(positions, decoded):
+        for where, values in entries:
             total = ops.scatter_add(total, where, ops.scale(ops.copy(values), 1.0 / world))
-        valid = self._valid(handover.numel, region, call.rank)
+        valid = shard_entries(handover.numel, region, call.rank)
         capacity = min(forward.capacity, valid)
         if capacity:
             chosen = select_exact(ops, ops.slice(total, 0, valid), capacity)
@@ -175,17 +181,12 @@ class SparseAllreduce(TwoStageMethod):
         return message, {**state, "owner_residual": owner}
 
     def finish(self, ops: TensorOps, received: Tensor, handover: StageHandover) -> Tuple[Tensor, Scalar]:
-        call, forward = handover.call, handover.data["forward"]
-        expected = [(forward, r) for r in range(call.world_size)]
-        got = wire.receive(ops, received, expected, call.step, call.rank)
-        finite = none_flagged(ops, got.flags)
-        dtype = state_dtype(handover.dtype)
-        decoded = [forward.decode(ops, parts, ops.gather(got.counts, r), dtype)
-                   for r, parts in enumerate(got.parts)]
-        positions = wire.checked_positions(ops, [(p, ok) for p, _, ok in decoded], expected, call.step)
-        update = ops.zeros(handover.numel, dtype, like=received)
-        for r, (where, (_, values, _)) in enumerate(zip(positions, decoded)):
-            if self._valid(handover.numel, forward.numel, r):
+        forward = handover.data["forward"]
+        flags, entries = self._receive(ops, received, forward, handover)
+        finite = none_flagged(ops, flags)
+        update = ops.zeros(handover.numel, state_dtype(handover.dtype), like=received)
+        for r, (where, values) in enumerate(entries):
+            if shard_entries(handover.numel, forward.numel, r):
                 update = ops.scatter_add(update, where + r * forward.numel, values)
         update = ops.cast(update, handover.dtype)
         return ops.cond(finite, lambda: update,
