@@ -54,8 +54,7 @@ def per_worker_bytes(method: Optional[Method], shapes: Sequence[Tuple[int, ...]]
             total += network_bytes(ALLREDUCE, 4 * numel, workers)
             continue
         density = method.config.density_for(0, 0.0, method.config.is_small(shape))
-        total += sum(network_bytes(kind, nbytes, workers)
-                     for kind, nbytes in method.exchanges(numel, "float32", density, workers))
+        total += method.network_bytes(numel, "float32", density, workers)
     return total
 
 

@@ -26,11 +26,11 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional, Tuple
 
 from .job import ROOT, ClusterJob
-from .netns import (ClusterError, NetnsCluster, netns_names, parse_link,
-                           require_root_and_tools, stop_on_sigterm)
+from .netns import (ClusterError, LinkShape, NetnsCluster, netns_names, parse_link,
+                    require_root_and_tools, stop_on_sigterm)
 
 BENCH = ROOT / "benchmarks" / "cluster" / "step.py"
 QUICK_HOSTS = 2
@@ -87,13 +87,46 @@ def bench_command(args: argparse.Namespace, link_name: str, records: Path) -> Li
             "--out", str(records)]
 
 
+def launch(cluster: NetnsCluster, link: LinkShape, command: List[str], logs: Path, timeout_s: float,
+           cycle_time_ms: float) -> None:
+    """Shape ``cluster``'s links as ``link`` and run ``command`` once on every host."""
+    cluster.shape(link)
+    ClusterJob(cluster, command, logs, timeout_s,
+               env={"HOROVOD_CYCLE_TIME": f"{cycle_time_ms:g}"}).run()
+
+
 def run_links(args: argparse.Namespace, records: Path) -> None:
     with NetnsCluster(args.hosts, args.prefix) as cluster:
         for link in args.links:
-            cluster.shape(link)
-            ClusterJob(cluster, bench_command(args, link.name, records),
-                       args.out / "logs" / link.name, args.timeout_s,
-                       env={"HOROVOD_CYCLE_TIME": f"{args.cycle_time_ms:g}"}).run()
+            launch(cluster, link, bench_command(args, link.name, records),
+                   args.out / "logs" / link.name, args.timeout_s, args.cycle_time_ms)
+
+
+def in_namespaces(tool: str, work: Callable[[], None]) -> Tuple[Optional[int], bool]:
+    """Run ``work`` (which builds namespace clusters) as root, removing what it built on
+    SIGTERM too: (the exit status when it could not run or failed, else None; whether
+    namespaces were left behind). Errors are printed under ``tool``'s name."""
+    try:
+        require_root_and_tools()
+    except ClusterError as error:
+        print(f"{tool}: ERROR: {error}", file=sys.stderr)
+        return 1, False
+    stop_on_sigterm()
+    before = set(netns_names())
+    failed = None
+    try:
+        work()
+    except ClusterError as error:
+        print(f"{tool}: ERROR: {error}", file=sys.stderr)
+        failed = 1
+    except KeyboardInterrupt:
+        print(f"{tool}: interrupted; the namespaces were removed", file=sys.stderr)
+        failed = 130
+    finally:
+        left = sorted(set(netns_names()) - before)
+        if left:
+            print(f"{tool}: ERROR: namespaces left behind: {left}", file=sys.stderr)
+    return failed, bool(left)
 
 
 def header(args: argparse.Namespace, first: dict, wall_s: float, load: tuple) -> str:
@@ -107,29 +140,17 @@ def header(args: argparse.Namespace, first: dict, wall_s: float, load: tuple) ->
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    try:
-        require_root_and_tools()
-    except ClusterError as error:
-        print(f"cluster-bench: ERROR: {error}", file=sys.stderr)
-        return 1
-    stop_on_sigterm()
-    before = set(netns_names())
-    args.out.mkdir(parents=True, exist_ok=True)
     records = args.out / "results.jsonl"
-    records.unlink(missing_ok=True)
     load, started = os.getloadavg(), time.monotonic()
-    try:
+
+    def work() -> None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        records.unlink(missing_ok=True)
         run_links(args, records)
-    except ClusterError as error:
-        print(f"cluster-bench: ERROR: {error}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("cluster-bench: interrupted; the namespaces were removed", file=sys.stderr)
-        return 130
-    finally:
-        left = sorted(set(netns_names()) - before)
-        if left:
-            print(f"cluster-bench: ERROR: namespaces left behind: {left}", file=sys.stderr)
+
+    failed, left = in_namespaces("cluster-bench", work)
+    if failed is not None:
+        return failed
     from .report import load_records, write_report
 
     rows = load_records(records)

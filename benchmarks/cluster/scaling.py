@@ -28,10 +28,10 @@ from typing import Dict, List, Optional
 from horovod_dgc.core.methods import BY_NAME
 
 from ..traffic_model import per_worker_bytes, resnet50_shapes
-from .job import ROOT, ClusterJob
-from .netns import ClusterError, NetnsCluster, netns_names, parse_link, require_root_and_tools, stop_on_sigterm
+from .job import ROOT
+from .netns import NetnsCluster, parse_link
 from .report import load_records
-from .run import BENCH, DEFAULT_CYCLE_TIME_MS
+from .run import BENCH, DEFAULT_CYCLE_TIME_MS, in_namespaces, launch
 from .step import VARIANTS
 
 FLAT_LIMIT = 1.3         # the sparse all-reduce at the most hosts over the fewest (#14)
@@ -75,9 +75,8 @@ def measure(args: argparse.Namespace) -> List[dict]:
         command = [sys.executable, str(BENCH), *BENCH_FLAGS, *args.bench_flags, "--methods",
                    args.methods, "--link", link.name, "--out", str(records)]
         with NetnsCluster(hosts, f"hdgcs{os.getpid()}n{hosts}") as cluster:
-            cluster.shape(link)
-            ClusterJob(cluster, command, args.out / "logs" / str(hosts), args.timeout_s,
-                       env={"HOROVOD_CYCLE_TIME": f"{DEFAULT_CYCLE_TIME_MS:g}"}).run()
+            launch(cluster, link, command, args.out / "logs" / str(hosts), args.timeout_s,
+                   DEFAULT_CYCLE_TIME_MS)
         rows += load_records(records)
     return rows
 
@@ -147,23 +146,15 @@ def plot(series: Dict[str, List[tuple]], path: Path) -> None:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    try:
-        require_root_and_tools()
-    except ClusterError as error:
-        print(f"cluster-scaling: ERROR: {error}", file=sys.stderr)
-        return 1
-    stop_on_sigterm()
-    before = set(netns_names())
-    args.out.mkdir(parents=True, exist_ok=True)
-    try:
-        rows = measure(args)
-    except ClusterError as error:
-        print(f"cluster-scaling: ERROR: {error}", file=sys.stderr)
-        return 1
-    finally:
-        left = sorted(set(netns_names()) - before)
-        if left:
-            print(f"cluster-scaling: ERROR: namespaces left behind: {left}", file=sys.stderr)
+    rows: List[dict] = []
+
+    def work() -> None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        rows.extend(measure(args))
+
+    failed, left = in_namespaces("cluster-scaling", work)
+    if failed is not None:
+        return failed
     result = table(rows)
     claims = "\n".join(f"- {'PASS' if ok else 'FAIL' if ok is False else 'INFO'}: {text}"
                        for text, ok in result["claims"])

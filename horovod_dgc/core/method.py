@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, Optional, Tuple
 
+from .collectives import network_bytes
 from .config import CompressionConfig
 from .ops import Tensor, TensorOps
 
@@ -114,6 +115,12 @@ class Method(ABC):
         """The collectives (kinds of :mod:`.collectives`) one compressed tensor of ``numel``
         elements goes through at ``density`` among ``world_size`` workers, with the bytes
         each worker hands to each: the traffic model's input."""
+
+    def network_bytes(self, numel: int, grad_dtype: str, density: float, world_size: int) -> float:
+        """Bytes one worker sends on the network for such a tensor: :meth:`exchanges` through
+        Gloo's ring collectives (``collectives.network_bytes``)."""
+        return sum(network_bytes(kind, nbytes, world_size)
+                   for kind, nbytes in self.exchanges(numel, grad_dtype, density, world_size))
 
     @abstractmethod
     def state_layout(self, compressed: bool) -> StateLayout:

@@ -26,7 +26,7 @@ import math
 from typing import List, Optional, Tuple
 
 from . import wire
-from .collectives import ALLGATHER, ALLTOALL, network_bytes
+from .collectives import ALLGATHER, ALLTOALL
 from .config import GatheredConfig
 from .method import CompressCall, Method, State, StateLayout, shard_entries, state_dtype
 from .nonfinite import flag, nan_like, none_flagged, received_finite
@@ -197,8 +197,7 @@ def sends_less(inner: SparseMethod, world_size: int, numel: int = AUTO_NUMEL) ->
     """Whether a sparse all-reduce sends fewer bytes per worker than an allgather for a
     float32 tensor of ``numel`` elements at the config's density among ``world_size``."""
     def per_worker(method: Method) -> float:
-        return sum(network_bytes(kind, nbytes, world_size) for kind, nbytes in
-                   method.exchanges(numel, "float32", inner.config.density, world_size))
+        return method.network_bytes(numel, "float32", inner.config.density, world_size)
 
     return world_size > 1 and per_worker(SparseAllreduce(inner)) < per_worker(inner)
 
