@@ -7,7 +7,10 @@ One float32 gradient of ResNet-50's size (``torch.randn``, fixed seed) is timed 
 * selections: exact ``torch.topk(|x|, k)``, DGC's sampled threshold (``select_sampled`` with
   ``DGCConfig()``'s defaults and a sampling offset that changes every repetition), Gaussian-k;
 * full compress steps through the core (memory update, selection, message encoding), each
-  from a zeroed memory, so that every method selects from the same gradient as above.
+  from a zeroed memory, so that every method selects from the same gradient as above. DGC's
+  row is given the candidate bound its adapter would pass from the tensor's last step
+  (``CompressCall.candidate_bound``), predicted on another gradient drawn like this one; a
+  second row is a tensor's first step, without it.
 * message coding: DGC's encoding of its positions and values, every sparse method's decoding
   of 4 ranks' messages, written over a float32 gradient's memory (what the adapters do) and
   into a new tensor (what a 16-bit gradient needs), and every two-stage method's receiving
@@ -38,7 +41,8 @@ from horovod_dgc.core import CompressCall, DGCConfig, Method
 from horovod_dgc.core.codecs import bits_per_entry
 from horovod_dgc.core.collectives import emulate
 from horovod_dgc.core.methods import BY_NAME, METHODS
-from horovod_dgc.core.selection import select_gaussian, select_sampled, top_count
+from horovod_dgc.core.selection import (candidate_capacity, filter_block, select_gaussian,
+                                        select_sampled, top_count)
 from horovod_dgc.torch.ops import TorchOps
 
 RESNET50_NUMEL = 25_557_032
@@ -54,6 +58,7 @@ MIN_TOPK_SPEEDUP = 10.0
 READ_PASS = "read pass x.sum()"
 EXACT_TOPK = "exact torch.topk(|x|, k)"
 DGC_SELECTION = "DGC select_sampled"
+DGC_PASS = "dgc memory pass alone (its floor)"
 # Most read passes (medians) each row may cost: a step's unavoidable traffic is about one
 # read of every input and one write of every new memory.
 TARGETS = {DGC_SELECTION: MAX_READ_PASSES, "dgc compress": 6.0, "blocksign stage 1": 8.0,
@@ -95,14 +100,13 @@ COMPRESSORS: List[Tuple[str, Callable[[], Method]]] = [
 
 @dataclass
 class Case:
-    """One row: ``run(rep)`` does the timed work, after the untimed ``before()``;
-    ``selected`` reads the number of entries chosen from ``run``'s result."""
+    """One row: ``run(rep)`` does the timed work; ``selected`` reads the number of entries
+    chosen from ``run``'s result."""
 
     section: str
     name: str
     run: Callable[[int], Any]
     selected: Callable[[Any], Optional[int]] = lambda result: None
-    before: Callable[[], None] = lambda: None
 
 
 @dataclass
@@ -124,32 +128,39 @@ class Row:
 
 
 class CompressStep:
-    """One compress step of a tensor (``step`` = the repetition) from a zeroed memory.
+    """One compress step of a tensor (``step`` = the repetition), every time from the same
+    zeroed memory, which stays zero: a step never writes the memories it is given (checked
+    by :meth:`kept_its_memory`).
 
     Carrying the memory over would feed the same gradient again and again: the residual
     becomes a multiple of it with its top entries cut out, a distribution real training
-    never sees (Gaussian-k then sends a small fraction of k). The memories the step replaced
-    are its storage for the next one (``CompressCall.spare``), as in the adapters' engines.
+    never sees (Gaussian-k then sends a small fraction of k). Zeroing it again before each
+    step would leave 200 MB of fresh writes draining during the timed step (10 ms more for
+    DGC on a 2-core machine), which no training step has. A step's new memories are the
+    next one's storage (``CompressCall.spare``), as in the adapters' engines.
     """
 
-    def __init__(self, ops: TorchOps, method: Method, grad: torch.Tensor, density: float):
+    def __init__(self, ops: TorchOps, method: Method, grad: torch.Tensor, density: float,
+                 candidate_bound: Optional[float] = None):
         self.ops, self.method, self.grad, self.density = ops, method, grad, density
+        self.candidate_bound = candidate_bound
         self.state = method.init_state(ops, grad, compressed=True, world_size=1)
         self.spare = None
 
-    def reset(self) -> None:
-        for tensor in self.state.values():
-            tensor.zero_()
+    def kept_its_memory(self) -> bool:
+        """Whether the memory every step starts from is still all zeros."""
+        return all(not bool(tensor.any()) for tensor in self.state.values())
 
     def __call__(self, rep: int) -> Any:
         call = CompressCall(name="resnet50.flat_grad", rank=0, world_size=1, step=rep,
-                            density=self.density, spare=self.spare)
+                            density=self.density, spare=self.spare,
+                            candidate_bound=self.candidate_bound)
         if self.method.family == "two-stage":
             message, state, _ = self.method.first(self.ops, self.state, self.grad, call)
         else:
             compressed = self.method.compress(self.ops, self.state, self.grad, call)
             message, state = compressed, compressed.state
-        self.spare, self.state = self.state, state
+        self.spare = state
         return message
 
 
@@ -164,14 +175,46 @@ def selection_cases(ops: TorchOps, x: torch.Tensor, k: int) -> List[Case]:
 
 
 def compress_case(ops: TorchOps, name: str, method: Method, x: torch.Tensor,
-                  density: float) -> Case:
-    step = CompressStep(ops, method, x, density)
+                  density: float, candidate_bound: Optional[float] = None) -> Case:
+    step = CompressStep(ops, method, x, density, candidate_bound)
     return Case("full compress (memory + selection + encoding)", name, step,
-                lambda out: int(out.count) if hasattr(out, "count") else None, step.reset)
+                lambda out: int(out.count) if hasattr(out, "count") else None)
+
+
+def predicted_bound(ops: TorchOps, method: Method, numel: int, density: float) -> Optional[float]:
+    """The candidate bound a step of ``method`` predicts for the next one, as the adapters
+    pass it on (``Compressed.next_bound``): its second step on a gradient drawn like the
+    benchmark's but not it, from a zeroed memory each time (the first step has no count to
+    predict from)."""
+    step = CompressStep(ops, method, torch.randn(numel, generator=torch.Generator().manual_seed(SEED + 1)),
+                        density)
+    step.candidate_bound = step(0).next_bound
+    bound = step(1).next_bound
+    return None if bound is None else float(bound)
+
+
+def dgc_pass_case(ops: TorchOps, x: torch.Tensor, density: float) -> Case:
+    """DGC's memory pass alone, with its block maxima: the floor of its compress step (it
+    reads the gradient and both memories and writes both new memories, whatever else the
+    step does)."""
+    k = top_count(density, x.numel())
+    momentum, velocity = torch.zeros_like(x), torch.zeros_like(x)  # as the compress rows'
+    outs = (torch.empty_like(x), torch.empty_like(x))
+    return Case("full compress (memory + selection + encoding)", DGC_PASS,
+                lambda rep: ops.momentum_accumulate(momentum, velocity, x, DGC_DEFAULTS.momentum, 1.0,
+                                                    False, outs, filter_block(k, x.numel())))
 
 
 def compress_cases(ops: TorchOps, x: torch.Tensor, density: float) -> List[Case]:
-    return [compress_case(ops, name, make(), x, density) for name, make in COMPRESSORS]
+    cases = [dgc_pass_case(ops, x, density)]
+    for name, make in COMPRESSORS:
+        method = make()
+        if getattr(method, "collects_candidates", False):
+            bound = predicted_bound(ops, method, x.numel(), density)
+            cases.append(compress_case(ops, name, method, x, density, bound))
+            name = f"{name}, first step (no candidate bound)"
+        cases.append(compress_case(ops, name, method, x, density))
+    return cases
 
 
 def coding_cases(ops: TorchOps, x: torch.Tensor, density: float, k: int) -> List[Case]:
@@ -248,7 +291,6 @@ def print_formats(numel: int, density: float) -> None:
 def time_call(case: Case, rep: int) -> Tuple[float, Optional[int]]:
     """Milliseconds taken by ``case.run(rep)``, and the entry count of its result (which is
     freed on return, before the next call)."""
-    case.before()
     start = time.perf_counter()
     result = case.run(rep)
     elapsed = (time.perf_counter() - start) * 1e3
@@ -318,6 +360,24 @@ def check_dgc_selection(ops: TorchOps, x: torch.Tensor, k: int, offsets: range) 
         elif chosen.numel() == k and bool((magnitudes[torch.cat([extra, missing])] == kth).all()):
             result["equal_up_to_ties"] += 1
     return result
+
+
+def check_hinted_selection(ops: TorchOps, x: torch.Tensor, k: int, density: float) -> Dict[str, Any]:
+    """DGC's selection from the candidates its memory's pass collects at the benchmark's
+    candidate bound (from a zeroed memory the velocity is the gradient), against the exact
+    top-k set; also whether the candidates sufficed (else the sampled selection ran)."""
+    bound = predicted_bound(ops, BY_NAME["dgc"].build(), x.numel(), density)
+    capacity = candidate_capacity(bound, k, x.numel())
+    zero = torch.zeros_like(x)
+    _, velocity, maxima, _, candidates = ops.momentum_accumulate(
+        zero, zero, x, DGC_DEFAULTS.momentum, 1.0, False, (None, None),
+        filter_block(k, x.numel()), bound, capacity)
+    chosen = select_sampled(ops, velocity, k, DGC_DEFAULTS.sample_ratio, 0, DGC_DEFAULTS.max_retries,
+                            DGC_DEFAULTS.retry_factor, maxima, candidates)
+    exact = torch.topk(x.abs(), k).indices
+    return {"bound": bound, "candidates": int(candidates.count), "capacity": capacity,
+            "used": candidates.positions.numel() >= k,
+            "equal_set": chosen.numel() == k and bool(torch.isin(chosen, exact).all())}
 
 
 def print_dgc_check(check: Dict[str, Any], k: int) -> bool:
@@ -405,7 +465,11 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     rows = measure(cases, args.repeat)
     load = (load_before, os.getloadavg()[0])
+    written = [case.name for case in cases
+               if isinstance(case.run, CompressStep) and not case.run.kept_its_memory()]
     del cases  # the compress memories hold several gradient-sized tensors
+    if written:
+        raise SystemExit(f"these compress steps wrote the memory they were given: {written}")
     summary = summarize(rows)
     print_table(summary)
     # Other processes on these cores stall every parallel region: rows are comparable only
@@ -416,7 +480,13 @@ def main() -> None:
     print()
 
     check = check_dgc_selection(ops, x, k, range(WARMUP + args.repeat))
-    check["correct"] = print_dgc_check(check, k)
+    hinted = check_hinted_selection(ops, x, k, args.density)
+    print(f"DGC selection from the candidates collected at the predicted bound "
+          f"({hinted['candidates']} reached {hinted['bound']:.4g}, capacity "
+          f"{hinted['capacity']}; {'used' if hinted['used'] else 'NOT used: the sample ran'}): "
+          f"{'equal to' if hinted['equal_set'] else 'DIFFERENT from'} the torch.topk set")
+    check["correct"] = print_dgc_check(check, k) and hinted["equal_set"]
+    check["hinted"] = hinted
     targets = verdicts(rows)
     for target in targets:
         print(f"{target['target']}: {'met' if target['met'] else 'NOT met'} ({target['detail']})")

@@ -14,11 +14,16 @@ ops = TorchOps()
 
 def step(method, state, grad, t, world_size=1, name="w", param=None):
     """One compress; returns (dense tensor of what receivers decode, new state)."""
+    return bounded_step(method, state, grad, t, world_size, name, param)[:2]
+
+
+def bounded_step(method, state, grad, t, world_size=1, name="w", param=None, candidate_bound=None):
+    """One compress given a candidate bound; (decoded, new state, the next step's bound)."""
     ctx = CompressCall(name=name, rank=0, world_size=world_size, step=t,
-                      density=method.config.density, param=param)
+                      density=method.config.density, param=param, candidate_bound=candidate_bound)
     result = method.compress(ops, state, grad, ctx)
     sent = method.decompress(ops, result.message, [result.layout], 1, t, [ops.dtype(grad)])[0][0]
-    return sent, result.state
+    return sent, result.state, result.next_bound
 
 
 def naive_topk_mask(v: torch.Tensor, k: int) -> torch.Tensor:
@@ -65,7 +70,7 @@ def test_conservation_sent_plus_residual_equals_sum_of_gradients_over_1000_steps
 
 def test_the_conservation_test_fails_for_a_selector_that_ignores_magnitudes():
     class Blind(TopK):
-        def select(self, ops, x, k, call, block_max):
+        def select(self, ops, x, k, call, accumulated):
             return torch.randperm(ops.numel(x), generator=torch.Generator().manual_seed(call.step))[:k].sort()[0]
 
     with pytest.raises(AssertionError, match="larger than a sent one"):
@@ -96,7 +101,17 @@ def reference_dgc(grads, k, momentum, nesterov, clip_norm, world_size):
 
 @pytest.mark.parametrize("nesterov", [False, True])
 @pytest.mark.parametrize("clip_norm", [None, 5.0])
-def test_dgc_momentum_correction_and_masking_match_the_equations_for_10_steps(nesterov, clip_norm):
+@pytest.mark.parametrize("hinted", [False, True], ids=["sampled", "candidate-bound"])
+def test_dgc_momentum_correction_and_masking_match_the_equations_for_10_steps(nesterov, clip_norm,
+                                                                               hinted, monkeypatch):
+    """With ``hinted``, each step passes the bound its last step predicted, so that the
+    memory's pass collects the candidates and (checked) the sampled selection does not run
+    in most steps; the selection must be the naive reference's all the same."""
+    import horovod_dgc.core.selection as selection
+    sampled_at = []
+    sample = selection.sampled_threshold
+    monkeypatch.setattr(selection, "sampled_threshold",
+                        lambda *a, **kw: sampled_at.append(t) or sample(*a, **kw))
     n, density, world_size = 3000, 0.01, 4
     gen = torch.Generator().manual_seed(1)
     grads = [torch.randn(n, generator=gen) for _ in range(10)]
@@ -104,12 +119,21 @@ def test_dgc_momentum_correction_and_masking_match_the_equations_for_10_steps(ne
                            value_dtype="float32"))
     state = method.init_state(ops, grads[0], True, 1)
     expected = reference_dgc(grads, top_count(density, n), 0.9, nesterov, clip_norm, world_size)
+    bound = None
     for t, (grad, (ref_sent, ref_u, ref_v)) in enumerate(zip(grads, expected)):
-        sent, state = step(method, state, grad, t, world_size=world_size)
+        sent, state, bound = bounded_step(method, state, grad, t, world_size,
+                                          candidate_bound=bound if hinted else None)
+        assert 0.0 < float(bound) <= float(ref_sent[ref_sent != 0].abs().min())
         assert torch.equal(sent != 0, ref_sent != 0), f"step {t}: different entries selected"
         torch.testing.assert_close(sent, ref_sent, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(state["momentum"], ref_u, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(state["velocity"], ref_v, rtol=1e-5, atol=1e-6)
+    if hinted:
+        # Only while the velocity still grows fast (the threshold doubles in the first steps)
+        # do the candidates overflow and the sample run.
+        assert sampled_at == list(range(len(sampled_at))) and len(sampled_at) <= 6, sampled_at
+    else:
+        assert sampled_at == list(range(10))
 
 
 def test_dgc_weight_decay_is_folded_into_the_gradient():

@@ -87,3 +87,64 @@ def test_dgc_selection_fallback_with_fewer_blocks_than_k():
     k = top_count(0.25, x.numel())
     got = select_sampled(ops, x, k, sample_ratio=0.01, offset=0, max_retries=4, retry_factor=0.8)
     assert set(got.tolist()) == set(torch.topk(x.abs(), k).indices.tolist())
+
+
+def _candidates_at(x: torch.Tensor, bound: float, capacity: int):
+    """A naive stand-in for what the memory's pass collects: a mask, positions in order."""
+    from horovod_dgc.core.ops import Candidates
+    positions = (x.abs() >= bound).nonzero().flatten()
+    if positions.numel() > capacity:
+        return Candidates(positions[:0], x[:0], positions.numel(), bound)
+    return Candidates(positions, x.abs()[positions], positions.numel(), bound)
+
+
+@pytest.mark.parametrize("bound_factor,capacity_factor", [(0.9, 6), (1.2, 6), (0.3, 6), (0.9, 1)])
+def test_dgc_selection_from_collected_candidates_is_the_exact_topk(bound_factor, capacity_factor,
+                                                                    monkeypatch):
+    """Candidates enough (0.9 of the k-th largest), too few (1.2), too many for the capacity
+    (0.3, or capacity k): always the naive top-k; the sample runs only when they cannot do."""
+    import horovod_dgc.core.selection as selection
+    n, k = 50_000, 50
+    sampled = []
+    real = selection.sampled_threshold
+    monkeypatch.setattr(selection, "sampled_threshold",
+                        lambda *a, **kw: sampled.append(1) or real(*a, **kw))
+    for name, x in samples(n, 4).items():
+        if name == "mostly zero":
+            continue
+        kth = float(torch.topk(x.abs(), k).values[-1])
+        candidates = _candidates_at(x, bound_factor * kth, capacity_factor * k)
+        sampled.clear()
+        got = select_sampled(ops, x, k, 0.01, 3, 4, 0.8, candidates=candidates)
+        assert set(got.tolist()) == naive_topk_set(x, k), name
+        assert got.tolist() == sorted(got.tolist())
+        usable = k <= candidates.count <= capacity_factor * k
+        assert bool(sampled) != usable, (name, candidates.count)
+
+
+def test_candidate_capacity_and_none_where_candidates_cannot_help():
+    from horovod_dgc.core.selection import CANDIDATE_CAPACITY, candidate_capacity
+    assert candidate_capacity(2.0, 10, 100_000) == CANDIDATE_CAPACITY * 10
+    # No bound yet, a skipped step's 0, a non-finite one, and a density (warm-up's 25%) whose
+    # candidates would be a large share of the tensor: the sampled selection runs.
+    for bound, k in [(None, 10), (0.0, 10), (float("nan"), 10), (float("inf"), 10), (2.0, 25_000)]:
+        assert candidate_capacity(bound, k, 100_000) == 0
+
+
+def test_predicted_bound_puts_the_target_count_between_it_and_the_threshold():
+    from horovod_dgc.core.ops import Candidates
+    from horovod_dgc.core.selection import (FIRST_MARGIN, MIN_MARGIN, TARGET_CANDIDATES,
+                                            predict_bound)
+    k, threshold = 100, torch.tensor(10.0)
+    # 901 entries reached 8.0, 100 of them at least the threshold 10: 801 entries per 2.0 of
+    # magnitude, so TARGET_CANDIDATES * k entries reach 10 - 2.0 * 100 / 801.
+    reached = Candidates(torch.zeros(0), torch.zeros(0), 901, 8.0)
+    expected = 10.0 - 2.0 * (TARGET_CANDIDATES - 1) * k / 801
+    assert float(predict_bound(ops, threshold, k, reached)) == pytest.approx(expected)
+    # No count yet, or fewer than k reached the bound (the threshold fell below it).
+    assert float(predict_bound(ops, threshold, k, None)) == pytest.approx(10.0 * FIRST_MARGIN)
+    few = Candidates(torch.zeros(0), torch.zeros(0), 50, 10.5)
+    assert float(predict_bound(ops, threshold, k, few)) == pytest.approx(10.0 * FIRST_MARGIN)
+    # Entries barely spread below the threshold: never below MIN_MARGIN times it.
+    sparse = Candidates(torch.zeros(0), torch.zeros(0), 101, 1.0)
+    assert float(predict_bound(ops, threshold, k, sparse)) == pytest.approx(10.0 * MIN_MARGIN)

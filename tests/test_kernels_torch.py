@@ -286,3 +286,61 @@ def test_sign_decode_all_equals_the_concatenation_of_the_composition():
     expected = TensorOps.sign_decode_all(OPS, messages, "float32")
     assert torch.equal(OPS.sign_decode_all(messages, "float32"), expected)
     assert expected.numel() == 128 + 128 + 77
+
+
+# -- candidates collected during the momentum pass (DGC's selection with a threshold hint) ------
+def _naive_candidates(x: torch.Tensor, bound: float):
+    """Positions and magnitudes of |x| >= bound by a plain mask, the bound rounded to float32."""
+    mask = x.abs() >= torch.tensor(bound, dtype=torch.float32)
+    positions = mask.nonzero().flatten()
+    return positions, x.abs()[positions]
+
+
+@pytest.mark.parametrize("numel", [3001, 4097, kernels.PARALLEL_MIN_NUMEL * 2 + 77])
+@pytest.mark.parametrize("width", [1, 2, 3])
+@pytest.mark.parametrize("dtype", GRAD_DTYPES)
+def test_momentum_pass_collects_every_entry_at_the_bound(numel, width, dtype):
+    grad = _gradient(numel, dtype, 11)
+    momentum, velocity = _memory(numel, 5), _memory(numel, 6)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(width)
+        u, v, maxima, finite, (positions, magnitudes, count) = kernels.momentum_correction(
+            grad, 1.0, momentum, velocity, 0.9, False, block=64, bound=5.0, capacity=numel)
+    finally:
+        torch.set_num_threads(threads)
+    expected_positions, expected_magnitudes = _naive_candidates(v, 5.0)
+    assert count == expected_positions.numel() > 0
+    assert torch.equal(positions, expected_positions)  # ascending across the thread ranges
+    assert torch.equal(magnitudes, expected_magnitudes)
+
+
+def test_candidates_equal_the_composition_and_overflow_to_empty():
+    numel = 5000
+    grad, momentum, velocity = _gradient(numel, torch.float32, 1), _memory(numel, 1), _memory(numel, 2)
+    for capacity in (numel, 10):
+        expected = TensorOps.momentum_accumulate(OPS, momentum, velocity, grad, 0.9, 0.5, True,
+                                                 (None, None), 64, 3.0, capacity)[4]
+        got = kernels.momentum_correction(grad, 0.5, momentum, velocity, 0.9, True, block=64,
+                                          bound=3.0, capacity=capacity)[4]
+        assert got[2] == expected.count > 10
+        assert torch.equal(got[0], expected.positions) and torch.equal(got[1], expected.magnitudes)
+    assert got[0].numel() == 0  # capacity 10: more reached the bound, none are kept
+
+
+def test_the_bound_is_compared_in_float32_rounded_to_nearest():
+    # 1 + 2^-25 rounds to 1.0 in float32: an entry of exactly 1.0 reaches it, as in torch.
+    velocity = torch.zeros(64)
+    velocity[9] = 1.0
+    got = kernels.momentum_correction(torch.zeros(64), 1.0, torch.zeros(64), velocity, 0.9, False,
+                                      block=64, bound=1.0 + 2.0 ** -25, capacity=64)[4]
+    assert got[0].tolist() == [9] and got[2] == 1
+
+
+def test_without_a_bound_no_candidates_and_a_bound_needs_the_block_maxima():
+    grad, memory = _gradient(1000, torch.float32, 2), _memory(1000, 2)
+    assert kernels.momentum_correction(grad, 1.0, memory, memory, 0.9, False, block=64)[4] is None
+    with pytest.raises(ValueError, match="beside block maxima"):
+        kernels.momentum_correction(grad, 1.0, memory, memory, 0.9, False, bound=1.0, capacity=9)
+    with pytest.raises(ValueError, match="a bound of at least 0"):
+        kernels.momentum_correction(grad, 1.0, memory, memory, 0.9, False, block=64, bound=-1.0, capacity=9)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from .config import GatheredConfig
-from .memory import MomentumCorrectionMemory
+from .memory import Accumulated, MomentumCorrectionMemory
 from .method import CompressCall
 from .ops import Scalar, Tensor, TensorOps
 from .selection import MAX_RETRIES, RETRY_FACTOR, SAMPLE_RATIO, select_sampled
@@ -67,6 +67,7 @@ _OFFSET_MULTIPLIER = 2654435761
 class DGC(SparseMethod):
     method_id = 2
     filters_blocks = True
+    collects_candidates = True
     config: DGCConfig
 
     def __init__(self, config: DGCConfig = DGCConfig()):
@@ -92,8 +93,8 @@ class DGC(SparseMethod):
         return grad, ops.minimum(bound / ops.maximum(norm, 1e-30), 1.0) * factor
 
     def select(self, ops: TensorOps, x: Tensor, k: int, call: CompressCall,
-               block_max: Optional[Tensor]) -> Tensor:
+               accumulated: Accumulated) -> Tensor:
         cfg = self.config
         offset = (call.step * _OFFSET_MULTIPLIER + tensor_id(call.name)) % 2 ** 31
         return select_sampled(ops, x, k, cfg.sample_ratio, offset, cfg.max_retries, cfg.retry_factor,
-                              block_max)
+                              accumulated.block_max, accumulated.candidates)

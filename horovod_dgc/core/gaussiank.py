@@ -6,10 +6,9 @@ Error feedback as Top-k, but the threshold comes from the mean and standard devi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from .config import GatheredConfig
-from .memory import ResidualMemory
+from .memory import Accumulated, ResidualMemory
 from .ops import Tensor, TensorOps
 from .selection import gaussian_capacity, select_gaussian
 from .method import CompressCall
@@ -38,5 +37,5 @@ class GaussianK(SparseMethod):
         return gaussian_capacity(k, numel)
 
     def select(self, ops: TensorOps, x: Tensor, k: int, call: CompressCall,
-               block_max: Optional[Tensor]) -> Tensor:
-        return select_gaussian(ops, x, k, block_max)
+               accumulated: Accumulated) -> Tensor:
+        return select_gaussian(ops, x, k, accumulated.block_max)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from .method import State
-from .ops import Scalar, Tensor, TensorOps
+from .ops import Candidates, Scalar, Tensor, TensorOps
 
 
 def reuse(spare: Optional[State], name: str) -> Optional[Tensor]:
@@ -40,12 +40,15 @@ class Accumulated:
         state: the memories after the step, new tensors (kept only if every rank was finite).
         finite: whether the gradient was finite.
         block_max: max ``|x|`` per block of the requested length (None when none was asked).
+        candidates: the entries of ``x`` reaching a bound given before the pass (None when
+            none was given).
     """
 
     x: Tensor
     state: State
     finite: Scalar
     block_max: Optional[Tensor]
+    candidates: Optional[Candidates] = None
 
 
 class ResidualMemory:
@@ -85,12 +88,16 @@ class MomentumCorrectionMemory:
         self.nesterov = nesterov
 
     def accumulate(self, ops: TensorOps, state: State, grad: Tensor, grad_scale: Scalar = 1.0,
-                   spare: Optional[State] = None, block: int = 0) -> Accumulated:
+                   spare: Optional[State] = None, block: int = 0, bound: Optional[float] = None,
+                   capacity: int = 0) -> Accumulated:
+        """As the other memories'; with a ``bound`` (and a block), also the candidates of the
+        velocity at it (:meth:`TensorOps.candidates`, at most ``capacity`` entries)."""
         outs = (reuse(spare, "momentum"), reuse(spare, "velocity"))
-        momentum, velocity, maxima, finite = ops.momentum_accumulate(
+        momentum, velocity, maxima, finite, candidates = ops.momentum_accumulate(
             state["momentum"], state["velocity"], grad, self.momentum, grad_scale, self.nesterov,
-            outs, block)
-        return Accumulated(velocity, {"momentum": momentum, "velocity": velocity}, finite, maxima)
+            outs, block, bound, capacity)
+        return Accumulated(velocity, {"momentum": momentum, "velocity": velocity}, finite, maxima,
+                           candidates)
 
     def update(self, ops: TensorOps, state: State, indices: Tensor, sent: Tensor) -> State:
         return {"momentum": ops.scatter_zero(state["momentum"], indices),

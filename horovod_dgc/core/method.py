@@ -37,6 +37,10 @@ class CompressCall:
         spare: memories of this tensor that nothing needs any more (those two steps old),
             whose storage the new memories may take, by name; None: new tensors. A fresh
             gradient-size tensor costs several read passes in page faults on its first touch.
+        candidate_bound: a magnitude predicted to lie a little below this step's k-th
+            largest, from the tensor's last step (``Compressed.next_bound``), or None. Only for
+            speed: with it DGC's pass collects its selection's candidates
+            (``selection.predict_bound``); the selection is the exact top-k with or without it.
     """
 
     name: str
@@ -48,6 +52,7 @@ class CompressCall:
     loss_scale: Any = 1.0
     weight_decay: Optional[float] = None
     spare: Optional[State] = None
+    candidate_bound: Optional[float] = None
 
     @property
     def unscale(self) -> Any:

@@ -17,10 +17,21 @@ Conventions:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
 
 Tensor = Any
 Scalar = Any  # a 0-d tensor or a Python number
+
+
+class Candidates(NamedTuple):
+    """The entries of a tensor with ``|x| >= bound``, for a bound known before the pass that
+    made the tensor: int64 positions (ascending) and float32 magnitudes, both empty when more
+    than the capacity asked for reached the bound, and ``count``, how many reached it."""
+
+    positions: Tensor
+    magnitudes: Tensor
+    count: Scalar
+    bound: float
 
 
 class TensorOps(ABC):
@@ -133,6 +144,10 @@ class TensorOps(ABC):
         """Indices (int64) of the ``k`` elements of largest magnitude, exact."""
 
     @abstractmethod
+    def min_abs(self, x: Tensor) -> Scalar:
+        """The smallest ``|x|`` of a non-empty ``x``."""
+
+    @abstractmethod
     def kth_largest(self, x: Tensor, k: int) -> Scalar:
         """The ``k``-th largest value of ``x`` (1-based), exact."""
 
@@ -208,16 +223,33 @@ class TensorOps(ABC):
     def momentum_accumulate(self, momentum: Tensor, velocity: Tensor, grad: Tensor, m: float,
                             grad_scale: Scalar, nesterov: bool,
                             outs: Tuple[Optional[Tensor], Optional[Tensor]] = (None, None),
-                            block: int = 0) -> Tuple[Tensor, Tensor, Optional[Tensor], Scalar]:
+                            block: int = 0, bound: Optional[float] = None, capacity: int = 0
+                            ) -> Tuple[Tensor, Tensor, Optional[Tensor], Scalar, Optional[Candidates]]:
         """DGC's momentum correction: ``u' =`` :meth:`momentum_step`, ``v' = v + u'``
         (Nesterov: ``v + u' + grad_scale * g``); returns ``u'``, ``v'`` (``outs``: storage for
         them, as :meth:`add`'s ``out``), :meth:`block_abs_max` of ``v'`` over blocks of
-        ``block`` (None for 0) and whether ``grad`` is finite."""
+        ``block`` (None for 0), whether ``grad`` is finite, and the :meth:`candidates` of
+        ``v'`` at ``bound`` holding at most ``capacity`` entries (None without a bound)."""
         u = self.momentum_step(momentum, grad, m, grad_scale, nesterov, out=outs[0])
         v = self.add(velocity, u, out=outs[1])
         if nesterov:
             v = self.scale_add(v, 1.0, grad, grad_scale)
-        return u, v, self.block_stat(v, block, "max"), self.all_finite(grad)
+        maxima = self.block_stat(v, block, "max")
+        return u, v, maxima, self.all_finite(grad), self.candidates(v, maxima, block, bound, capacity)
+
+    def candidates(self, x: Tensor, block_max: Optional[Tensor], block: int, bound: Optional[float],
+                   capacity: int) -> Optional[Candidates]:
+        """:class:`Candidates` of ``x`` at ``bound`` (compared in ``x``'s dtype), found through
+        its ``block_max`` over blocks of ``block``; None without a bound or blocks."""
+        if bound is None or block_max is None:
+            return None
+        blocks = self.positions_at_least(block_max, bound)
+        positions, magnitudes = self.collect_at_least(x, blocks, block, bound)
+        count = self.size(positions)
+        return self.cond(count > capacity,
+                         lambda: Candidates(self.slice(positions, 0, 0), self.slice(magnitudes, 0, 0),
+                                            count, bound),
+                         lambda: Candidates(positions, magnitudes, count, bound))
 
     def sign_compress(self, x: Tensor, scales: Tensor, block: int, length: int) -> Tuple[Tensor, Tensor]:
         """Blocksign's compression of ``x`` zero-padded to ``length`` entries (a multiple of

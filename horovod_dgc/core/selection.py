@@ -15,7 +15,7 @@ import math
 from statistics import NormalDist
 from typing import Any, Optional, Tuple
 
-from .ops import Scalar, Tensor, TensorOps
+from .ops import Candidates, Scalar, Tensor, TensorOps
 
 # Blocks hold about 2 * sqrt(1/density) elements. Candidate blocks then hold about k * block
 # elements and there are n / block block maxima: the square root balances the two, and the
@@ -31,6 +31,20 @@ MAX_RETRIES = 4
 RETRY_FACTOR = 0.8
 # A sample always contains at least this many expected selections, whatever the density.
 MIN_SAMPLED_SELECTIONS = 64
+# A bound known before the memory's pass lets the pass collect the candidates itself: every
+# entry reaching it, usable if there are between k and CANDIDATE_CAPACITY * k of them. The
+# bound is predicted from the tensor's last step (predict_bound): DGC's velocity piles up just
+# below its threshold (at density 0.001, 25k entries lie within 10% below the k-th largest),
+# so the bound is placed where about TARGET_CANDIDATES * k entries were, from the last step's
+# count; a step without a count puts it at FIRST_MARGIN times the k-th largest, and never
+# below MIN_MARGIN times it.
+TARGET_CANDIDATES = 2
+CANDIDATE_CAPACITY = 6
+FIRST_MARGIN = 0.99
+MIN_MARGIN = 0.5
+# Above this share of a tensor (densities of about 2% and more, early in warm-up) candidates
+# would take more memory than the sampled selection costs.
+MAX_CANDIDATE_SHARE = 0.125
 
 
 def top_count(density: float, numel: int) -> int:
@@ -50,6 +64,41 @@ def filter_block(k: int, numel: int) -> int:
     """Block length of the sampled and Gaussian selections of k entries out of ``numel``:
     the length whose per-block maxima a memory's accumulation may hand them."""
     return block_size(k / numel)
+
+
+def candidate_capacity(bound: Optional[float], k: int, numel: int) -> int:
+    """How many candidates a memory's pass may collect at ``bound`` for a selection of k
+    entries out of ``numel``; 0: none (no usable bound, or too large a share of the tensor)."""
+    capacity = CANDIDATE_CAPACITY * k
+    if (bound is None or not bound > 0.0 or not math.isfinite(bound)
+            or capacity > MAX_CANDIDATE_SHARE * numel):
+        return 0
+    return capacity
+
+
+def predict_bound(ops: TensorOps, threshold: Scalar, k: int,
+                  candidates: Optional[Candidates]) -> Scalar:
+    """The candidate bound for a tensor's next step, from this step's k-th largest magnitude
+    ``threshold`` and the candidates collected at this step's bound (None: none were): where
+    TARGET_CANDIDATES * k entries would have reached it if entries were spread evenly between
+    the bound and the threshold, and within [MIN_MARGIN, 1] times the threshold."""
+    if candidates is None:
+        return threshold * FIRST_MARGIN
+    excess = ops.maximum(candidates.count - k, 1)
+    gap = ops.maximum(threshold - candidates.bound, 0.0)
+    bound = threshold - gap * ((TARGET_CANDIDATES - 1) * k / excess)
+    return ops.where(candidates.count > k, ops.maximum(bound, threshold * MIN_MARGIN),
+                     threshold * FIRST_MARGIN)
+
+
+def largest_of(ops: TensorOps, positions: Tensor, magnitudes: Tensor, k: int) -> Tensor:
+    """Positions (ascending) of the k largest ``magnitudes`` among candidates listed in
+    ascending ``positions`` (at least k of them)."""
+    # The candidates reaching the k-th largest magnitude keep their ascending order; only a tie
+    # at that magnitude (more than k reach it) needs a top-k and a sort.
+    chosen = ops.nonzero(ops.greater_equal(magnitudes, ops.kth_largest(magnitudes, k)))
+    return ops.cond(ops.equal(ops.size(chosen), k), lambda: ops.gather(positions, chosen),
+                    lambda: ops.sort(ops.gather(positions, ops.topk_abs(magnitudes, k)))[0])
 
 
 def select_exact(ops: TensorOps, x: Tensor, k: int) -> Tensor:
@@ -87,13 +136,7 @@ class _BlockFilter:
     def largest(self, threshold: Scalar, k: int) -> Tensor:
         """Positions (ascending) of the k largest entries among those at or above
         ``threshold`` (there must be at least k of them)."""
-        ops = self.ops
-        positions, magnitudes = self.at(threshold)
-        # The candidates reaching the k-th largest magnitude keep their ascending order; only
-        # a tie at that magnitude (more than k reach it) needs a top-k and a sort.
-        chosen = ops.nonzero(ops.greater_equal(magnitudes, ops.kth_largest(magnitudes, k)))
-        return ops.cond(ops.equal(ops.size(chosen), k), lambda: ops.gather(positions, chosen),
-                        lambda: ops.sort(ops.gather(positions, ops.topk_abs(magnitudes, k)))[0])
+        return largest_of(self.ops, *self.at(threshold), k)
 
 
 def sampled_threshold(ops: TensorOps, x: Tensor, k: int, sample_ratio: float,
@@ -117,10 +160,14 @@ def sampled_threshold(ops: TensorOps, x: Tensor, k: int, sample_ratio: float,
 
 
 def select_sampled(ops: TensorOps, x: Tensor, k: int, sample_ratio: float, offset: int,
-                   max_retries: int, retry_factor: float, block_max: Optional[Tensor] = None) -> Tensor:
+                   max_retries: int, retry_factor: float, block_max: Optional[Tensor] = None,
+                   candidates: Optional[Candidates] = None) -> Tensor:
     """DGC's selection: sampled threshold, lowered by ``retry_factor`` up to ``max_retries``
     times until at least k entries reach it, then exact top-k among those candidates.
     ``block_max``: max ``|x|`` per block of :func:`filter_block` entries, if already known.
+    ``candidates``: every entry of ``x`` reaching some bound, collected while ``x`` was made;
+    when they hold at least k entries the top-k is among them, and neither the sample nor the
+    block filter runs.
 
     Exactly k positions come back, and they are the true top-k: if the retries still find
     fewer than k, a guaranteed lower bound of the k-th largest entry becomes the threshold.
@@ -128,6 +175,11 @@ def select_sampled(ops: TensorOps, x: Tensor, k: int, sample_ratio: float, offse
     n = ops.numel(x)
     if k >= n:
         return ops.arange(n, like=x)
+    if candidates is not None:
+        return ops.cond(ops.size(candidates.positions) >= k,
+                        lambda: largest_of(ops, candidates.positions, candidates.magnitudes, k),
+                        lambda: select_sampled(ops, x, k, sample_ratio, offset, max_retries,
+                                               retry_factor, block_max))
     block = filter_block(k, n)
     candidates = _BlockFilter(ops, x, block, block_max)
     threshold = sampled_threshold(ops, x, k, sample_ratio, offset, block)

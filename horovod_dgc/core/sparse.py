@@ -21,18 +21,21 @@ from .memory import Accumulated
 from .method import CompressCall, Method, State, StateLayout, state_dtype
 from .nonfinite import nan_like, none_flagged, received_finite
 from .ops import Scalar, Tensor, TensorOps
-from .selection import filter_block, top_count
+from .selection import candidate_capacity, filter_block, predict_bound, top_count
 
 
 @dataclass(frozen=True)
 class Compressed:
     """One tensor's outgoing message and what it says, for statistics. ``state`` is the
-    memory after this step, to be kept only if every rank's gradient was finite."""
+    memory after this step, to be kept only if every rank's gradient was finite.
+    ``next_bound``: the next step's ``CompressCall.candidate_bound`` (0 after a skipped
+    step) for a method that ``collects_candidates``, else None."""
 
     message: Tensor
     state: State
     count: Scalar
     layout: wire.MessageLayout
+    next_bound: Optional[Scalar] = None
 
 
 class SparseMethod(Method):
@@ -42,6 +45,9 @@ class SparseMethod(Method):
     # Whether select() filters candidates by block maxima (filter_block), which the memory's
     # accumulation then computes in the same pass.
     filters_blocks: ClassVar[bool] = False
+    # Whether select() takes exactly the top-k and so can start from the candidates that the
+    # memory's pass collects at a bound known before it (selection.predict_bound).
+    collects_candidates: ClassVar[bool] = False
     config: SparseConfig
 
     def __init__(self, config: SparseConfig):
@@ -54,9 +60,11 @@ class SparseMethod(Method):
 
     @abstractmethod
     def select(self, ops: TensorOps, x: Tensor, k: int, call: CompressCall,
-               block_max: Optional[Tensor]) -> Tensor:
-        """Positions (int64, ascending) of the entries of ``x`` to send; ``block_max``: max ``|x|`` per
-        block of ``filter_block(k, numel)`` entries for a method that ``filters_blocks``."""
+               accumulated: Accumulated) -> Tensor:
+        """Positions (int64, ascending) of the entries of ``x`` to send; ``accumulated``: what
+        the memory's pass made of the gradient (``x`` itself, its block maxima over blocks of
+        ``filter_block(k, numel)`` entries for a method that ``filters_blocks``, candidates
+        for one that ``collects_candidates``)."""
 
     def capacity(self, k: int, numel: int) -> int:
         """Slots in the message for a target of k entries."""
@@ -89,8 +97,13 @@ class SparseMethod(Method):
         numel = ops.numel(grad)
         k = top_count(call.density, numel)
         block = filter_block(k, numel) if self.filters_blocks else 0
+        request = {}
+        if self.collects_candidates and block:
+            capacity = candidate_capacity(call.candidate_bound, k, numel)
+            if capacity:
+                request = {"bound": call.candidate_bound, "capacity": capacity}
         return self.memory.accumulate(ops, state, *self.prepare(ops, grad, call), spare=call.spare,
-                                      block=block), k
+                                      block=block, **request), k
 
     def compress(self, ops: TensorOps, state: State, grad: Tensor, call: CompressCall) -> Compressed:
         """Message for a flat gradient, and the memory after sending it."""
@@ -99,19 +112,24 @@ class SparseMethod(Method):
 
         def send():
             x = accumulated.x
-            positions = self.select(ops, x, k, call, accumulated.block_max)
+            positions = self.select(ops, x, k, call, accumulated)
             count = ops.size(positions)
             header = layout.header(call.rank, call.step, count, 0)
-            message, decoded = layout.encode(ops, header, positions, count, ops.gather(x, positions))
+            selected = ops.gather(x, positions)
+            message, decoded = layout.encode(ops, header, positions, count, selected)
             sent = ops.cast(ops.slice(decoded, 0, count), ops.dtype(x))
-            return self.memory.update(ops, accumulated.state, positions, sent), message, count
+            next_bound = 0.0
+            if self.collects_candidates:
+                next_bound = predict_bound(ops, ops.min_abs(selected), k, accumulated.candidates)
+            return self.memory.update(ops, accumulated.state, positions, sent), message, count, next_bound
 
         def skip():
             header = layout.header(call.rank, call.step, 0, wire.FLAG_NONFINITE)
-            return state, layout.empty(ops, header, like=grad), 0
+            return state, layout.empty(ops, header, like=grad), 0, 0.0
 
-        new_state, message, count = ops.cond(accumulated.finite, send, skip)
-        return Compressed(message=message, state=new_state, count=count, layout=layout)
+        new_state, message, count, next_bound = ops.cond(accumulated.finite, send, skip)
+        return Compressed(message=message, state=new_state, count=count, layout=layout,
+                          next_bound=next_bound if self.collects_candidates else None)
 
     def dense(self, ops: TensorOps, state: State, grad: Tensor, call: CompressCall) -> Tuple[Tensor, State]:
         """What to all-reduce for a tensor that is not compressed, and the new state."""

@@ -108,7 +108,7 @@ class SparseAllreduce(TwoStageMethod):
 
         def send() -> Tuple[State, Tensor]:
             x = accumulated.x
-            positions = self.inner.select(ops, x, k, call, accumulated.block_max)
+            positions = self.inner.select(ops, x, k, call, accumulated)
             starts = ops.searchsorted(positions, [j * region for j in range(world + 1)])
             messages, sent_positions, sent_values = [], [], []
             for j in range(world):

@@ -5,10 +5,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from .config import GatheredConfig
-from .memory import ResidualMemory
+from .memory import Accumulated, ResidualMemory
 from .ops import Tensor, TensorOps
 from .selection import select_exact
 from .method import CompressCall
@@ -32,5 +31,5 @@ class TopK(SparseMethod):
         return ResidualMemory()
 
     def select(self, ops: TensorOps, x: Tensor, k: int, call: CompressCall,
-               block_max: Optional[Tensor]) -> Tensor:
+               accumulated: Accumulated) -> Tensor:
         return select_exact(ops, x, k)

@@ -245,6 +245,9 @@ class TFOps(TensorOps):
     def topk_abs(self, x: tf.Tensor, k: int) -> tf.Tensor:
         return tf.cast(tf.math.top_k(tf.abs(x), k, sorted=False).indices, tf.int64)
 
+    def min_abs(self, x: tf.Tensor) -> tf.Tensor:
+        return tf.reduce_min(tf.abs(x))
+
     def kth_largest(self, x: tf.Tensor, k: int) -> tf.Tensor:
         return tf.reduce_min(tf.math.top_k(x, k, sorted=False).values)
 

@@ -78,6 +78,8 @@ class Engine:
         # Memories replaced at the last conclusion: storage for the next step's (see
         # CompressCall.spare). One more copy of the memories between steps, no page faults.
         self._spares: Dict[str, dict] = {}
+        # Each tensor's candidate bound for its next step (CompressCall.candidate_bound): speed only.
+        self._bounds: Dict[str, float] = {}
         self._open: Set[str] = set()
         self._step_finite = True
         self._steps: Dict[str, int] = {}
@@ -153,7 +155,8 @@ class Engine:
             spare = self._spares.pop(name, None)
         return CompressCall(name=name, rank=self.rank, world_size=self.world_size, step=step,
                             density=density, param=flat_param, loss_scale=loss_scale,
-                            weight_decay=self._weight_decays.get(name), spare=spare)
+                            weight_decay=self._weight_decays.get(name), spare=spare,
+                            candidate_bound=self._bounds.get(name))
 
     # -- keeping or dropping a step's memories --------------------------------------------------
     def _stage(self, name: str, state: dict) -> None:
@@ -199,6 +202,8 @@ class Engine:
         result = self.method.compress(self.ops, self._state(name, flat, True), flat,
                                       self._call(name, step, grad, param, scale))
         self._stage(name, result.state)
+        if result.next_bound is not None:
+            self._bounds[name] = float(result.next_bound)
         elapsed = time.perf_counter() - started
         self._record(step, ALLGATHER, result.layout.nbytes, grad,
                      elements_sent=int(result.count), elements_compressed=grad.numel(),

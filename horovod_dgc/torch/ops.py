@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 
-from ..core.ops import Scalar, TensorOps
+from ..core.ops import Candidates, Scalar, TensorOps
 from . import kernels
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -137,6 +137,9 @@ class TorchOps(TensorOps):
     def topk_abs(self, x: torch.Tensor, k: int) -> torch.Tensor:
         return torch.topk(x.abs(), k, sorted=False).indices
 
+    def min_abs(self, x: torch.Tensor) -> torch.Tensor:
+        return x.abs().amin()
+
     def kth_largest(self, x: torch.Tensor, k: int) -> torch.Tensor:
         return torch.topk(x, k, sorted=False).values.min()
 
@@ -208,13 +211,18 @@ class TorchOps(TensorOps):
     def momentum_accumulate(self, momentum: torch.Tensor, velocity: torch.Tensor,
                             grad: torch.Tensor, m: float, grad_scale: Scalar, nesterov: bool,
                             outs: Tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None),
-                            block: int = 0) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Any]:
+                            block: int = 0, bound: Optional[float] = None, capacity: int = 0
+                            ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Any,
+                                       Optional[Candidates]]:
         outs = (_usable(outs[0], momentum), _usable(outs[1], velocity))
         if isinstance(grad_scale, (int, float)) and kernels.supports_accumulate(
                 grad, momentum, velocity, *outs):
-            return kernels.momentum_correction(grad.reshape(-1), float(grad_scale), momentum, velocity,
-                                               m, nesterov, *outs, block)
-        return super().momentum_accumulate(momentum, velocity, grad, m, grad_scale, nesterov, outs, block)
+            *result, candidates = kernels.momentum_correction(
+                grad.reshape(-1), float(grad_scale), momentum, velocity, m, nesterov, *outs, block,
+                bound, capacity)
+            return (*result, None if candidates is None else Candidates(*candidates, bound))
+        return super().momentum_accumulate(momentum, velocity, grad, m, grad_scale, nesterov, outs,
+                                           block, bound, capacity)
 
     def sign_compress(self, x: torch.Tensor, scales: torch.Tensor, block: int,
                       length: int) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,7 @@ tested against.
 """
 from __future__ import annotations
 
+import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -119,10 +120,16 @@ def supports_accumulate(grad: torch.Tensor, *memories: Optional[torch.Tensor]) -
                     for t in tensors))
 
 
+Candidates = Tuple[torch.Tensor, torch.Tensor, int]
+
+
 def _accumulate(mode: int, grad: torch.Tensor, scale: float, m: float, scale_m: float,
                 a: torch.Tensor, a_out: torch.Tensor, b: Optional[torch.Tensor],
-                b_out: Optional[torch.Tensor], block: int, stat: Optional[str]) -> Tuple[Optional[torch.Tensor], bool]:
-    """Run the accumulate kernel over thread ranges: (per-block statistic, finite)."""
+                b_out: Optional[torch.Tensor], block: int, stat: Optional[str],
+                bound: Optional[float] = None,
+                capacity: int = 0) -> Tuple[Optional[torch.Tensor], bool, Optional[Candidates]]:
+    """Run the accumulate kernel over thread ranges: (per-block statistic, finite, candidates
+    of ``bound``: see :func:`momentum_correction`)."""
     n = grad.numel()
     if not supports_accumulate(grad, a, a_out, b, b_out):
         raise TypeError("accumulate takes contiguous CPU tensors of one length: a float32, float16 "
@@ -147,7 +154,15 @@ def _accumulate(mode: int, grad: torch.Tensor, scale: float, m: float, scale_m: 
             n_blocks, dtype=torch.float32 if stat == "max" else torch.float64)
     partials = []
     calls = []
-    for start, count in ranges:
+    collecting = bound is not None and stat == "max"
+    if bound is not None and not collecting:
+        raise ValueError("accumulate collects candidates only beside block maxima")
+    # Each range writes its candidates from its own first slot on: one range may hold them all.
+    slots = [min(capacity, count) if collecting else 0 for _, count in ranges]
+    firsts = [sum(slots[:r]) for r in range(len(ranges))]
+    positions = torch.empty(sum(slots), dtype=torch.int64)
+    magnitudes = torch.empty(sum(slots), dtype=torch.float32)
+    for r, (start, count) in enumerate(ranges):
         phase = start % block
         if stats is None:
             target = 0
@@ -161,12 +176,26 @@ def _accumulate(mode: int, grad: torch.Tensor, scale: float, m: float, scale_m: 
         calls.append((mode, kind, grad.data_ptr() + start * g_bytes, a.data_ptr() + offset,
                       a_out.data_ptr() + offset, b.data_ptr() + offset if b is not None else 0,
                       b_out.data_ptr() + offset if b_out is not None else 0, count, scale, m, scale_m,
-                      code, block, phase, target, n >= STREAM_MIN_NUMEL))
-    finite = all(_run(_streaming.accumulate, calls))
+                      code, block, phase, target, n >= STREAM_MIN_NUMEL,
+                      float(bound) if collecting else math.nan, start, slots[r],
+                      positions.data_ptr() + firsts[r] * 8 if slots[r] else 0,
+                      magnitudes.data_ptr() + firsts[r] * 4 if slots[r] else 0))
+    results = _run(_streaming.accumulate, calls)
     for first, partial in partials:
         # A range that starts inside a block: its partial sums join those of the range before.
         stats[first:first + partial.numel()] += partial
-    return stats, finite
+    finite = all(ok for ok, _ in results)
+    if not collecting:
+        return stats, finite, None
+    counts = [count for _, count in results]
+    total = sum(counts)
+    if total > capacity:
+        return stats, finite, (positions[:0], magnitudes[:0], total)
+    if len(ranges) == 1:
+        return stats, finite, (positions[:total], magnitudes[:total], total)
+    return stats, finite, (torch.cat([positions[at:at + c] for at, c in zip(firsts, counts)]),
+                           torch.cat([magnitudes[at:at + c] for at, c in zip(firsts, counts)]),
+                           total)
 
 
 def error_feedback(grad: torch.Tensor, scale: float, residual: torch.Tensor,
@@ -177,24 +206,29 @@ def error_feedback(grad: torch.Tensor, scale: float, residual: torch.Tensor,
     (the last one may be partial; None without ``stat`` or for block 0) and whether ``grad`` is
     finite."""
     out = torch.empty_like(residual) if out is None else out
-    stats, finite = _accumulate(_RESIDUAL, grad, scale, 0.0, 0.0, residual, out, None, None, block, stat)
+    stats, finite, _ = _accumulate(_RESIDUAL, grad, scale, 0.0, 0.0, residual, out, None, None, block, stat)
     return out, stats, finite
 
 
 def momentum_correction(grad: torch.Tensor, scale: float, momentum: torch.Tensor,
                         velocity: torch.Tensor, m: float, nesterov: bool,
                         momentum_out: Optional[torch.Tensor] = None,
-                        velocity_out: Optional[torch.Tensor] = None,
-                        block: int = 0) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], bool]:
+                        velocity_out: Optional[torch.Tensor] = None, block: int = 0,
+                        bound: Optional[float] = None, capacity: int = 0
+                        ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], bool,
+                                   Optional[Candidates]]:
     """DGC's ``u' = m * u + scale * g; v' = v + u'`` (Nesterov: ``u' = m * u + (scale * m) * g;
     v' = v + u' + scale * g``) in one pass: (u', v', max ``|v'|`` per block of ``block``
-    entries or None, whether ``grad`` is finite)."""
+    entries or None, whether ``grad`` is finite, candidates). With a ``bound`` (and a block),
+    the candidates are (int64 positions ascending, float32 ``|v'|``, count) of every entry with
+    ``|v'| >= bound``, or empty tensors beside the count when more than ``capacity`` reached
+    it; None without a bound. A bound needs a block (ValueError)."""
     momentum_out = torch.empty_like(momentum) if momentum_out is None else momentum_out
     velocity_out = torch.empty_like(velocity) if velocity_out is None else velocity_out
     mode = _NESTEROV if nesterov else _MOMENTUM
-    maxima, finite = _accumulate(mode, grad, scale, m, scale * m, momentum, momentum_out, velocity,
-                                 velocity_out, block, "max")
-    return momentum_out, velocity_out, maxima, finite
+    maxima, finite, candidates = _accumulate(mode, grad, scale, m, scale * m, momentum, momentum_out,
+                                             velocity, velocity_out, block, "max", bound, capacity)
+    return momentum_out, velocity_out, maxima, finite, candidates
 
 
 def supports_signs(*tensors: torch.Tensor) -> bool:

@@ -7,7 +7,10 @@
  *   nesterov:  u' = m * u + (s * m) * g;    v' = v + u' + s * g
  * with, over the new memory that selection reads (r' or v'), the largest |x| per block (DGC's
  * block filter) or the float64 sum of |x| per block (blocksign's scales), and whether every
- * gradient entry is finite. Torch runs each line as a separate pass with its own temporary,
+ * gradient entry is finite. With the block maxima it can also collect the candidates of a
+ * threshold known before the pass: the position and |x| of every entry with |x| >= bound,
+ * read from the chunk while it is still in the first-level cache (a chunk whose maximum is
+ * below the bound is skipped), so that selection need not read the memory again. Torch runs each line as a separate pass with its own temporary,
  * then reads the result again for the statistic and the gradient again for its finiteness.
  * The rounding is the composition's (core/ops.py): a product rounded, then added by one fused
  * multiply-add, so float32 results are bit-identical to it.
@@ -164,10 +167,34 @@ static void store(float *dst, const float *src, int64_t len, int stream)
  * the statistic of the range's k-th (possibly partial) block goes to stat_out[k]. Each chunk
  * is combined into buffers that stay in the first-level cache, its statistic read from there,
  * and the buffers then stored. */
+typedef struct {
+    uint32_t bound_bits; /* |x| >= bound as bit patterns with the sign cleared */
+    int64_t base;        /* position of the range's entry 0 in the whole tensor */
+    int64_t capacity;    /* entries the outputs hold; past it only the count goes on */
+    int64_t *positions;
+    float *magnitudes;
+    int64_t count;       /* entries that reached the bound, stored or not */
+} Candidates;
+
+static void collect(Candidates *c, const float *x, int64_t len, int64_t at)
+{
+    const uint32_t *bits = (const uint32_t *)x;
+    for (int64_t j = 0; j < len; ++j) {
+        uint32_t a = bits[j] & ABS_BITS;
+        if (a >= c->bound_bits) {
+            if (c->count < c->capacity) {
+                c->positions[c->count] = c->base + at + j;
+                c->magnitudes[c->count] = bits_float(a);
+            }
+            ++c->count;
+        }
+    }
+}
+
 static uint32_t accumulate_range(Combine combine, size_t grad_bytes, const Plan *p,
                                  const char *g, const float *a, float *a_out, const float *b,
                                  float *b_out, int64_t n, int stat, int64_t block, int64_t phase,
-                                 void *stat_out, int stream)
+                                 void *stat_out, int stream, Candidates *candidates)
 {
     float a_chunk[CHUNK], b_chunk[CHUNK];
     const float *selected = p->mode == MODE_RESIDUAL ? a_chunk : b_chunk;
@@ -182,6 +209,8 @@ static uint32_t accumulate_range(Combine combine, size_t grad_bytes, const Plan 
         if (stat == STAT_MAX) {
             uint32_t m = abs_max_bits(selected, len);
             block_max = m > block_max ? m : block_max;
+            if (candidates && m >= candidates->bound_bits)
+                collect(candidates, selected, len, i);
         } else if (stat == STAT_SUM) {
             block_sum += abs_sum(selected, len);
         }
@@ -211,18 +240,32 @@ static uint32_t accumulate_range(Combine combine, size_t grad_bytes, const Plan 
 static PyObject *accumulate(PyObject *self, PyObject *args)
 {
     int mode, grad_kind, stat, stream;
-    unsigned long long g, a, a_out, b, b_out, stat_out;
-    long long n, block, phase;
-    double scale, momentum, scale_m;
-    if (!PyArg_ParseTuple(args, "iiKKKKKLdddiLLKp", &mode, &grad_kind, &g, &a, &a_out, &b, &b_out,
-                          &n, &scale, &momentum, &scale_m, &stat, &block, &phase, &stat_out, &stream))
+    unsigned long long g, a, a_out, b, b_out, stat_out, positions, magnitudes;
+    long long n, block, phase, base, capacity;
+    double scale, momentum, scale_m, bound;
+    if (!PyArg_ParseTuple(args, "iiKKKKKLdddiLLKpdLLKK", &mode, &grad_kind, &g, &a, &a_out, &b,
+                          &b_out, &n, &scale, &momentum, &scale_m, &stat, &block, &phase, &stat_out,
+                          &stream, &bound, &base, &capacity, &positions, &magnitudes))
         return NULL;
+    /* A NaN bound is "collect nothing"; a bound is only taken with the block maxima. */
+    int collecting = !isnan(bound);
     if (mode < MODE_RESIDUAL || mode > MODE_NESTEROV || stat < STAT_NONE || stat > STAT_SUM
         || n < 0 || block < 1 || phase < 0 || phase >= block || (mode != MODE_RESIDUAL && (!b || !b_out))) {
         PyErr_Format(PyExc_ValueError, "accumulate: mode=%d, stat=%d, n=%lld, block=%lld, phase=%lld",
                      mode, stat, n, block, phase);
         return NULL;
     }
+    if (collecting && (stat != STAT_MAX || !(bound >= 0.0) || base < 0 || capacity < 0
+                       || (capacity > 0 && (!positions || !magnitudes)))) {
+        PyErr_Format(PyExc_ValueError, "accumulate: candidates need block maxima (stat 1, got %d), "
+                     "a bound of at least 0, base %lld and capacity %lld of at least 0",
+                     stat, base, capacity);
+        return NULL;
+    }
+    /* Compared in float32, the bound rounded to nearest, as torch compares a float32 tensor
+     * with a Python number. */
+    Candidates candidates = {float_bits((float)bound) & ABS_BITS, base, capacity,
+                             (int64_t *)(uintptr_t)positions, (float *)(uintptr_t)magnitudes, 0};
     Combine combine;
     size_t grad_bytes;
     switch (grad_kind) {
@@ -239,9 +282,10 @@ static PyObject *accumulate(PyObject *self, PyObject *args)
     bad = accumulate_range(combine, grad_bytes, &plan, (const char *)(uintptr_t)g,
                            (const float *)(uintptr_t)a, (float *)(uintptr_t)a_out,
                            (const float *)(uintptr_t)b, (float *)(uintptr_t)b_out, n, stat, block,
-                           phase, (void *)(uintptr_t)stat_out, stream);
+                           phase, (void *)(uintptr_t)stat_out, stream,
+                           collecting ? &candidates : NULL);
     Py_END_ALLOW_THREADS
-    return PyBool_FromLong(!bad);
+    return Py_BuildValue("(NL)", PyBool_FromLong(!bad), (long long)candidates.count);
 }
 
 /* Entries of one scale block at a time: the block of entry `at` is tracked by stepping a
@@ -436,11 +480,14 @@ static PyMethodDef methods[] = {
     {"zero", zero, METH_VARARGS, "zero(out, nbytes): memset(out, 0, nbytes)."},
     {"accumulate", accumulate, METH_VARARGS,
      "accumulate(mode, grad_kind, g, a, a_out, b, b_out, n, scale, momentum, scale_m, stat, block, "
-     "phase, stat_out, stream) -> finite: one range of the memory update (mode 0 residual, 1 momentum, "
-     "2 Nesterov; kind 0 float32, 1 float16, 2 bfloat16 gradient) and its per-block statistic "
-     "(stat 1: uint32 bits of max |x|, 2: float64 sum of |x|) of the range's blocks, the first "
-     "starting `phase` entries before the range; arguments after mode and kind are addresses, "
-     "counts and factors; stream: store the memories with non-temporal stores."},
+     "phase, stat_out, stream, bound, base, capacity, positions, magnitudes) -> (finite, count): one "
+     "range of the memory update (mode 0 residual, 1 momentum, 2 Nesterov; kind 0 float32, 1 float16, "
+     "2 bfloat16 gradient) and its per-block statistic (stat 1: uint32 bits of max |x|, 2: float64 "
+     "sum of |x|) of the range's blocks, the first starting `phase` entries before the range; "
+     "arguments after mode and kind are addresses, counts and factors; stream: store the memories "
+     "with non-temporal stores. With stat 1 and a bound that is not NaN, the int64 position "
+     "(plus base) and float32 |x| of the first `capacity` entries with |x| >= bound, in order, and "
+     "count, how many reached it (else count 0)."},
     {"sign_pack", sign_pack, METH_VARARGS,
      "sign_pack(x, valid, n, scales, block, first, packed, residual): signs of entries "
      "[first, first + n) of a zero-padded tensor of `valid` entries packed 8 per byte, and the "
