@@ -43,16 +43,18 @@ def assert_sends_the_largest(sent: torch.Tensor, p: torch.Tensor) -> None:
 
 def conservation_run(method, steps: int = 1000):
     """Sum of what was sent plus the residual, against the sum of gradients, over ``steps``;
-    each step's selection is checked against a sort of the accumulated gradient."""
+    each step's selection is checked against a sort of the accumulated gradient. Each step
+    gets the candidate bound its last step predicted, as in the adapters."""
     gen = torch.Generator().manual_seed(0)
     n = 4096
     state = method.init_state(ops, torch.zeros(n), True, 1)
     sent_total = torch.zeros(n, dtype=torch.float64)
     grad_total = torch.zeros(n, dtype=torch.float64)
+    bound = None
     for t in range(steps):
         grad = torch.randn(n, generator=gen) * (1.0 + (t % 7))
         p = state["residual"] + grad
-        sent, state = step(method, state, grad, t)
+        sent, state, bound = bounded_step(method, state, grad, t, candidate_bound=bound)
         assert_sends_the_largest(sent, p)
         sent_total += sent.double()
         grad_total += grad.double()

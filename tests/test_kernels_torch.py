@@ -192,9 +192,9 @@ def test_streaming_kernels_refuse_what_they_cannot_take():
 def test_torch_ops_use_the_composition_for_a_tensor_scale_and_float64():
     grad, memory = torch.randn(100), torch.randn(100)
     scale = torch.tensor(0.5)
-    total, _, finite = OPS.accumulate(memory, grad, scale)
+    total, _, finite, _ = OPS.accumulate(memory, grad, scale)
     assert torch.equal(total, memory + grad * scale) and bool(finite)
-    total, _, _ = OPS.accumulate(memory.double(), grad.double(), 0.5)
+    total, _, _, _ = OPS.accumulate(memory.double(), grad.double(), 0.5)
     assert total.dtype == torch.float64
 
 
@@ -299,17 +299,22 @@ def _naive_candidates(x: torch.Tensor, bound: float):
 @pytest.mark.parametrize("numel", [3001, 4097, kernels.PARALLEL_MIN_NUMEL * 2 + 77])
 @pytest.mark.parametrize("width", [1, 2, 3])
 @pytest.mark.parametrize("dtype", GRAD_DTYPES)
-def test_momentum_pass_collects_every_entry_at_the_bound(numel, width, dtype):
+@pytest.mark.parametrize("memory", ["momentum", "residual"])
+def test_the_memory_pass_collects_every_entry_at_the_bound(numel, width, dtype, memory):
     grad = _gradient(numel, dtype, 11)
-    momentum, velocity = _memory(numel, 5), _memory(numel, 6)
+    first, second = _memory(numel, 5), _memory(numel, 6)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(width)
-        u, v, maxima, finite, (positions, magnitudes, count) = kernels.momentum_correction(
-            grad, 1.0, momentum, velocity, 0.9, False, block=64, bound=5.0, capacity=numel)
+        if memory == "momentum":
+            _, x, _, _, (positions, magnitudes, count) = kernels.momentum_correction(
+                grad, 1.0, first, second, 0.9, False, block=64, bound=5.0, capacity=numel)
+        else:
+            x, _, _, (positions, magnitudes, count) = kernels.error_feedback(
+                grad, 1.0, first * 3, None, 64, "max", bound=5.0, capacity=numel)
     finally:
         torch.set_num_threads(threads)
-    expected_positions, expected_magnitudes = _naive_candidates(v, 5.0)
+    expected_positions, expected_magnitudes = _naive_candidates(x, 5.0)
     assert count == expected_positions.numel() > 0
     assert torch.equal(positions, expected_positions)  # ascending across the thread ranges
     assert torch.equal(magnitudes, expected_magnitudes)
@@ -344,3 +349,31 @@ def test_without_a_bound_no_candidates_and_a_bound_needs_the_block_maxima():
         kernels.momentum_correction(grad, 1.0, memory, memory, 0.9, False, bound=1.0, capacity=9)
     with pytest.raises(ValueError, match="a bound of at least 0"):
         kernels.momentum_correction(grad, 1.0, memory, memory, 0.9, False, block=64, bound=-1.0, capacity=9)
+
+
+def test_the_engine_hands_each_steps_candidate_bound_to_the_next(monkeypatch):
+    """Over 40 steps of one tensor, the sampled selection runs only in the first steps (while
+    the velocity still grows fast), and every step still sends the exact top-k of DGC's
+    velocity, computed here with dense tensors and a sort."""
+    import horovod_dgc.core.selection as selection
+    from horovod_dgc.core import DGC, DGCConfig
+    from horovod_dgc.torch.engine import Engine
+    sampled_at = []
+    sample = selection.sampled_threshold
+    monkeypatch.setattr(selection, "sampled_threshold",
+                        lambda *a, **kw: sampled_at.append(step) or sample(*a, **kw))
+    n, density = 100_000, 0.001
+    engine = Engine(DGC(DGCConfig(density=density, momentum=0.9, value_dtype="float32")), 1, 0)
+    gen = torch.Generator().manual_seed(3)
+    u, v = torch.zeros(n), torch.zeros(n)
+    for step in range(40):
+        grad = torch.randn(n, generator=gen)
+        u = 0.9 * u + grad
+        v = v + u
+        outgoing = engine.compress("w", grad.reshape(100, -1).clone(), None)  # 1-D would go dense
+        (update,) = engine.decompress(outgoing.message, [outgoing])
+        mask = update.reshape(-1) != 0
+        # The 100 largest |v|, up to exact ties (float32 sums do tie in 100,000 entries).
+        assert int(mask.sum()) == 100 and v[mask].abs().min() >= v[~mask].abs().max(), step
+        u, v = u.masked_fill(mask, 0.0), v.masked_fill(mask, 0.0)
+    assert sampled_at == list(range(len(sampled_at))) and len(sampled_at) <= 20, sampled_at

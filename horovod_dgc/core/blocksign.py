@@ -131,7 +131,7 @@ class BlockSign(TwoStageMethod):
         direction, factor, state = self._momentum_step(ops, state, grad, call.unscale)
         block = self._worker_block(n)
         # p = e + direction, with its block sums, in one pass; C(p) and e = p - C(p) in another.
-        p, sums, finite = ops.accumulate(state["residual"], direction, factor,
+        p, sums, finite, _ = ops.accumulate(state["residual"], direction, factor,
                                          reuse(call.spare, "residual"), block, "sum")
         shard = self.shard_length(n, world)
         scales = block_scales(ops, sums, block, n, world * shard)

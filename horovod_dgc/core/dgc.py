@@ -14,7 +14,7 @@ from .config import GatheredConfig
 from .memory import Accumulated, MomentumCorrectionMemory
 from .method import CompressCall
 from .ops import Scalar, Tensor, TensorOps
-from .selection import MAX_RETRIES, RETRY_FACTOR, SAMPLE_RATIO, select_sampled
+from .selection import MAX_RETRIES, RETRY_FACTOR, SAMPLE_RATIO, sampling_offset, select_sampled
 from .sparse import SparseMethod
 from .validation import (optional_positive, require_fraction, require_momentum, require_non_negative,
                          require_open_fraction, require_positive_int)
@@ -60,10 +60,6 @@ class DGCConfig(GatheredConfig):
         return self.momentum > 0.0 or self.weight_decay > 0.0
 
 
-# Knuth's multiplicative hash spreads successive steps over the sampling offsets.
-_OFFSET_MULTIPLIER = 2654435761
-
-
 class DGC(SparseMethod):
     method_id = 2
     filters_blocks = True
@@ -95,6 +91,6 @@ class DGC(SparseMethod):
     def select(self, ops: TensorOps, x: Tensor, k: int, call: CompressCall,
                accumulated: Accumulated) -> Tensor:
         cfg = self.config
-        offset = (call.step * _OFFSET_MULTIPLIER + tensor_id(call.name)) % 2 ** 31
-        return select_sampled(ops, x, k, cfg.sample_ratio, offset, cfg.max_retries, cfg.retry_factor,
+        return select_sampled(ops, x, k, cfg.sample_ratio, sampling_offset(call.step, tensor_id(call.name)),
+                              cfg.max_retries, cfg.retry_factor,
                               accumulated.block_max, accumulated.candidates)

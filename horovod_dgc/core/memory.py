@@ -58,10 +58,13 @@ class ResidualMemory:
     dense_state_names: Tuple[str, ...] = ()
 
     def accumulate(self, ops: TensorOps, state: State, grad: Tensor, grad_scale: Scalar = 1.0,
-                   spare: Optional[State] = None, block: int = 0) -> Accumulated:
-        residual, maxima, finite = ops.accumulate(state["residual"], grad, grad_scale,
-                                                  reuse(spare, "residual"), block, "max")
-        return Accumulated(residual, {"residual": residual}, finite, maxima)
+                   spare: Optional[State] = None, block: int = 0, bound: Optional[float] = None,
+                   capacity: int = 0) -> Accumulated:
+        """``p = e + grad_scale * g``; with a ``bound`` (and a block), also the candidates of
+        ``p`` at it (:meth:`TensorOps.candidates`, at most ``capacity`` entries)."""
+        residual, maxima, finite, candidates = ops.accumulate(
+            state["residual"], grad, grad_scale, reuse(spare, "residual"), block, "max", bound, capacity)
+        return Accumulated(residual, {"residual": residual}, finite, maxima, candidates)
 
     def update(self, ops: TensorOps, state: State, indices: Tensor, sent: Tensor) -> State:
         return {"residual": ops.scatter_sub(state["residual"], indices, sent)}
@@ -129,7 +132,7 @@ class LowPassMemory:
     def accumulate(self, ops: TensorOps, state: State, grad: Tensor, grad_scale: Scalar = 1.0,
                    spare: Optional[State] = None, block: int = 0) -> Accumulated:
         plain = self.beta == 1.0
-        p, maxima, finite = ops.accumulate(state["memory"], grad, grad_scale,
+        p, maxima, finite, _ = ops.accumulate(state["memory"], grad, grad_scale,
                                            reuse(spare, "memory") if plain else None, block, "max")
         if plain:
             return Accumulated(p, {"memory": p}, finite, maxima)

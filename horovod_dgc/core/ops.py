@@ -206,12 +206,16 @@ class TensorOps(ABC):
         return self.block_abs_max(x, block) if stat == "max" else self.block_abs_sum(x, block)
 
     def accumulate(self, memory: Tensor, grad: Tensor, grad_scale: Scalar = 1.0,
-                   out: Optional[Tensor] = None, block: int = 0,
-                   stat: Optional[str] = None) -> Tuple[Tensor, Optional[Tensor], Scalar]:
+                   out: Optional[Tensor] = None, block: int = 0, stat: Optional[str] = None,
+                   bound: Optional[float] = None, capacity: int = 0
+                   ) -> Tuple[Tensor, Optional[Tensor], Scalar, Optional[Candidates]]:
         """Error feedback's ``memory + grad * grad_scale`` (as :meth:`add`, ``out`` included),
-        its :meth:`block_stat`, and whether ``grad`` is finite."""
+        its :meth:`block_stat`, whether ``grad`` is finite, and with ``stat="max"`` the
+        :meth:`candidates` of the sum at ``bound`` (None without a bound)."""
         total = self.add(memory, grad, 1.0, grad_scale, out=out)
-        return total, self.block_stat(total, block, stat), self.all_finite(grad)
+        stats = self.block_stat(total, block, stat)
+        candidates = self.candidates(total, stats, block, bound, capacity) if stat == "max" else None
+        return total, stats, self.all_finite(grad), candidates
 
     def momentum_step(self, momentum: Tensor, grad: Tensor, m: float, grad_scale: Scalar,
                       nesterov: bool, out: Optional[Tensor] = None) -> Tensor:

@@ -101,6 +101,15 @@ def largest_of(ops: TensorOps, positions: Tensor, magnitudes: Tensor, k: int) ->
                     lambda: ops.sort(ops.gather(positions, ops.topk_abs(magnitudes, k)))[0])
 
 
+# Knuth's multiplicative hash spreads successive steps over the sampling offsets.
+_OFFSET_MULTIPLIER = 2654435761
+
+
+def sampling_offset(step: Any, tensor: int) -> Any:
+    """The sampling offset of a tensor's step (``tensor``: its wire id)."""
+    return (step * _OFFSET_MULTIPLIER + tensor) % 2 ** 31
+
+
 def select_exact(ops: TensorOps, x: Tensor, k: int) -> Tensor:
     """The k entries of largest magnitude, by a full exact top-k."""
     return ops.sort(ops.topk_abs(x, k))[0]

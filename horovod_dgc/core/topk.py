@@ -1,6 +1,7 @@
 """Top-k sparsification with error feedback (TopK-SGD), docs/algorithms.md#topk.
 
-``p = g + e; s = topk(p, k); e = p - s``: nothing is lost, only delayed.
+``p = g + e; s = topk(p, k); e = p - s``: nothing is lost, only delayed. The exact top-k is
+found as DGC's is (:func:`~.selection.select_sampled`), not by sorting the whole tensor.
 """
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from dataclasses import dataclass
 from .config import GatheredConfig
 from .memory import Accumulated, ResidualMemory
 from .ops import Tensor, TensorOps
-from .selection import select_exact
 from .method import CompressCall
+from .selection import MAX_RETRIES, RETRY_FACTOR, SAMPLE_RATIO, sampling_offset, select_sampled
 from .sparse import SparseMethod
+from .wire import tensor_id
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,8 @@ class TopKConfig(GatheredConfig):
 
 class TopK(SparseMethod):
     method_id = 1
+    filters_blocks = True
+    collects_candidates = True
 
     def __init__(self, config: TopKConfig = TopKConfig()):
         super().__init__(config)
@@ -32,4 +36,5 @@ class TopK(SparseMethod):
 
     def select(self, ops: TensorOps, x: Tensor, k: int, call: CompressCall,
                accumulated: Accumulated) -> Tensor:
-        return select_exact(ops, x, k)
+        return select_sampled(ops, x, k, SAMPLE_RATIO, sampling_offset(call.step, tensor_id(call.name)),
+                              MAX_RETRIES, RETRY_FACTOR, accumulated.block_max, accumulated.candidates)

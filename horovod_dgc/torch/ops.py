@@ -199,14 +199,16 @@ class TorchOps(TensorOps):
         return super().collect_at_least(x, blocks, block, threshold)
 
     def accumulate(self, memory: torch.Tensor, grad: torch.Tensor, grad_scale: Scalar = 1.0,
-                   out: Optional[torch.Tensor] = None, block: int = 0,
-                   stat: Optional[str] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor], Any]:
+                   out: Optional[torch.Tensor] = None, block: int = 0, stat: Optional[str] = None,
+                   bound: Optional[float] = None, capacity: int = 0
+                   ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Any, Optional[Candidates]]:
         out = _usable(out, memory)
         if isinstance(grad_scale, (int, float)) and kernels.supports_accumulate(grad, memory, out):
-            total, stats, finite = kernels.error_feedback(grad.reshape(-1), float(grad_scale), memory,
-                                                          out, block, stat)
-            return total, None if stats is None else stats.to(memory.dtype), finite
-        return super().accumulate(memory, grad, grad_scale, out, block, stat)
+            total, stats, finite, candidates = kernels.error_feedback(
+                grad.reshape(-1), float(grad_scale), memory, out, block, stat, bound, capacity)
+            return (total, None if stats is None else stats.to(memory.dtype), finite,
+                    None if candidates is None else Candidates(*candidates, bound))
+        return super().accumulate(memory, grad, grad_scale, out, block, stat, bound, capacity)
 
     def momentum_accumulate(self, momentum: torch.Tensor, velocity: torch.Tensor,
                             grad: torch.Tensor, m: float, grad_scale: Scalar, nesterov: bool,

@@ -199,15 +199,18 @@ def _accumulate(mode: int, grad: torch.Tensor, scale: float, m: float, scale_m: 
 
 
 def error_feedback(grad: torch.Tensor, scale: float, residual: torch.Tensor,
-                   out: Optional[torch.Tensor] = None, block: int = 0,
-                   stat: Optional[str] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor], bool]:
+                   out: Optional[torch.Tensor] = None, block: int = 0, stat: Optional[str] = None,
+                   bound: Optional[float] = None, capacity: int = 0
+                   ) -> Tuple[torch.Tensor, Optional[torch.Tensor], bool, Optional[Candidates]]:
     """``out = residual + scale * grad`` (a new tensor when ``out`` is None) in one pass, with
     its ``"max"`` (float32) or ``"sum"`` (float64) of ``|out|`` per block of ``block`` entries
-    (the last one may be partial; None without ``stat`` or for block 0) and whether ``grad`` is
-    finite."""
+    (the last one may be partial; None without ``stat`` or for block 0), whether ``grad`` is
+    finite, and the candidates of ``out`` at ``bound`` (with ``"max"`` only), as
+    :func:`momentum_correction`'s."""
     out = torch.empty_like(residual) if out is None else out
-    stats, finite, _ = _accumulate(_RESIDUAL, grad, scale, 0.0, 0.0, residual, out, None, None, block, stat)
-    return out, stats, finite
+    stats, finite, candidates = _accumulate(_RESIDUAL, grad, scale, 0.0, 0.0, residual, out, None,
+                                            None, block, stat, bound, capacity)
+    return out, stats, finite, candidates
 
 
 def momentum_correction(grad: torch.Tensor, scale: float, momentum: torch.Tensor,
