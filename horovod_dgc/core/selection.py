@@ -34,7 +34,7 @@ MIN_SAMPLED_SELECTIONS = 64
 # A bound known before the memory's pass lets the pass collect the candidates itself: every
 # entry reaching it, usable if there are between k and CANDIDATE_CAPACITY * k of them. The
 # bound is predicted from the tensor's last step (predict_bound): DGC's velocity piles up just
-# below its threshold (at density 0.001, 25k entries lie within 10% below the k-th largest),
+# below its threshold (at density 0.001, about 25k entries reach 0.9 times the k-th largest),
 # so the bound is placed where about TARGET_CANDIDATES * k entries were, from the last step's
 # count; a step without a count puts it at FIRST_MARGIN times the k-th largest, and never
 # below MIN_MARGIN times it.
