@@ -97,13 +97,11 @@ class SparseMethod(Method):
         numel = ops.numel(grad)
         k = top_count(call.density, numel)
         block = filter_block(k, numel) if self.filters_blocks else 0
-        request = {}
-        if self.collects_candidates and block:
-            capacity = candidate_capacity(call.candidate_bound, k, numel)
-            if capacity:
-                request = {"bound": call.candidate_bound, "capacity": capacity}
+        bound = call.candidate_bound if self.collects_candidates and block else None
+        capacity = candidate_capacity(bound, k, numel)
         return self.memory.accumulate(ops, state, *self.prepare(ops, grad, call), spare=call.spare,
-                                      block=block, **request), k
+                                      block=block, bound=bound if capacity else None,
+                                      capacity=capacity), k
 
     def compress(self, ops: TensorOps, state: State, grad: Tensor, call: CompressCall) -> Compressed:
         """Message for a flat gradient, and the memory after sending it."""
