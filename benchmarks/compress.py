@@ -8,9 +8,10 @@ One float32 gradient of ResNet-50's size (``torch.randn``, fixed seed) is timed 
   ``DGCConfig()``'s defaults and a sampling offset that changes every repetition), Gaussian-k;
 * full compress steps through the core (memory update, selection, message encoding), each
   from a zeroed memory, so that every method selects from the same gradient as above. DGC's
-  row is given the candidate bound its adapter would pass from the tensor's last step
-  (``CompressCall.candidate_bound``), predicted on another gradient drawn like this one; a
-  second row is a tensor's first step, without it.
+  and Top-k's rows are given the candidate bound their adapter would pass from the tensor's
+  last step (``CompressCall.candidate_bound``), predicted on another gradient drawn like this
+  one; a second row of each is a tensor's first step, without it. DGC's memory pass alone is
+  timed as the floor of its step.
 * message coding: DGC's encoding of its positions and values, every sparse method's decoding
   of 4 ranks' messages, written over a float32 gradient's memory (what the adapters do) and
   into a new tensor (what a 16-bit gradient needs), and every two-stage method's receiving

@@ -4,8 +4,12 @@ import math
 import pytest
 import torch
 
-from horovod_dgc.core.selection import (GAUSSIAN_HIGH, GAUSSIAN_LOW, block_size, select_exact,
-                                        select_gaussian, select_sampled, top_count)
+import horovod_dgc.core.selection as selection
+from horovod_dgc.core.ops import Candidates
+from horovod_dgc.core.selection import (CANDIDATE_CAPACITY, FIRST_MARGIN, GAUSSIAN_HIGH, GAUSSIAN_LOW,
+                                        MIN_MARGIN, TARGET_CANDIDATES, block_size, candidate_capacity,
+                                        predict_bound, select_exact, select_gaussian, select_sampled,
+                                        top_count)
 from horovod_dgc.torch.ops import TorchOps
 
 ops = TorchOps()
@@ -91,7 +95,6 @@ def test_dgc_selection_fallback_with_fewer_blocks_than_k():
 
 def _candidates_at(x: torch.Tensor, bound: float, capacity: int):
     """A naive stand-in for what the memory's pass collects: a mask, positions in order."""
-    from horovod_dgc.core.ops import Candidates
     positions = (x.abs() >= bound).nonzero().flatten()
     if positions.numel() > capacity:
         return Candidates(positions[:0], x[:0], positions.numel(), bound)
@@ -103,7 +106,6 @@ def test_dgc_selection_from_collected_candidates_is_the_exact_topk(bound_factor,
                                                                     monkeypatch):
     """Candidates enough (0.9 of the k-th largest), too few (1.2), too many for the capacity
     (0.3, or capacity k): always the naive top-k; the sample runs only when they cannot do."""
-    import horovod_dgc.core.selection as selection
     n, k = 50_000, 50
     sampled = []
     real = selection.sampled_threshold
@@ -123,7 +125,6 @@ def test_dgc_selection_from_collected_candidates_is_the_exact_topk(bound_factor,
 
 
 def test_candidate_capacity_and_none_where_candidates_cannot_help():
-    from horovod_dgc.core.selection import CANDIDATE_CAPACITY, candidate_capacity
     assert candidate_capacity(2.0, 10, 100_000) == CANDIDATE_CAPACITY * 10
     # No bound yet, a skipped step's 0, a non-finite one, and a density (warm-up's 25%) whose
     # candidates would be a large share of the tensor: the sampled selection runs.
@@ -132,9 +133,6 @@ def test_candidate_capacity_and_none_where_candidates_cannot_help():
 
 
 def test_predicted_bound_puts_the_target_count_between_it_and_the_threshold():
-    from horovod_dgc.core.ops import Candidates
-    from horovod_dgc.core.selection import (FIRST_MARGIN, MIN_MARGIN, TARGET_CANDIDATES,
-                                            predict_bound)
     k, threshold = 100, torch.tensor(10.0)
     # 901 entries reached 8.0, 100 of them at least the threshold 10: 801 entries per 2.0 of
     # magnitude, so TARGET_CANDIDATES * k entries reach 10 - 2.0 * 100 / 801.

@@ -347,6 +347,8 @@ def test_without_a_bound_no_candidates_and_a_bound_needs_the_block_maxima():
     assert kernels.momentum_correction(grad, 1.0, memory, memory, 0.9, False, block=64)[4] is None
     with pytest.raises(ValueError, match="beside block maxima"):
         kernels.momentum_correction(grad, 1.0, memory, memory, 0.9, False, bound=1.0, capacity=9)
+    with pytest.raises(ValueError, match="beside block maxima"):  # the composition, alike
+        TensorOps.accumulate(OPS, memory, grad, 1.0, None, 64, "sum", 1.0, 9)
     with pytest.raises(ValueError, match="a bound of at least 0"):
         kernels.momentum_correction(grad, 1.0, memory, memory, 0.9, False, block=64, bound=-1.0, capacity=9)
 

@@ -39,8 +39,9 @@ class CompressCall:
             gradient-size tensor costs several read passes in page faults on its first touch.
         candidate_bound: a magnitude predicted to lie a little below this step's k-th
             largest, from the tensor's last step (``Compressed.next_bound``), or None. Only for
-            speed: with it DGC's pass collects its selection's candidates
-            (``selection.predict_bound``); the selection is the exact top-k with or without it.
+            speed: with it the memory's pass of a method that ``collects_candidates`` (DGC,
+            Top-k) collects its selection's candidates (``selection.predict_bound``); the
+            selection is the exact top-k with or without it.
     """
 
     name: str

@@ -212,10 +212,11 @@ class TensorOps(ABC):
         """Error feedback's ``memory + grad * grad_scale`` (as :meth:`add`, ``out`` included),
         its :meth:`block_stat`, whether ``grad`` is finite, and with ``stat="max"`` the
         :meth:`candidates` of the sum at ``bound`` (None without a bound)."""
+        if bound is not None and stat != "max":
+            raise ValueError("accumulate collects candidates only beside block maxima")
         total = self.add(memory, grad, 1.0, grad_scale, out=out)
         stats = self.block_stat(total, block, stat)
-        candidates = self.candidates(total, stats, block, bound, capacity) if stat == "max" else None
-        return total, stats, self.all_finite(grad), candidates
+        return total, stats, self.all_finite(grad), self.candidates(total, stats, block, bound, capacity)
 
     def momentum_step(self, momentum: Tensor, grad: Tensor, m: float, grad_scale: Scalar,
                       nesterov: bool, out: Optional[Tensor] = None) -> Tensor:
