@@ -217,15 +217,59 @@ def test_unpack_fields_reads_back_what_bits_of_packed(width):
     values = torch.randint(0, 2 ** min(width, 62), (count,), generator=torch.Generator().manual_seed(width))
     bits = OPS.bits_of(values, width)
     packed = OPS.pack_bits(OPS.pad(bits, -(-bits.numel() // 8) * 8))
-    assert torch.equal(kernels.unpack_fields(packed, width, count), values)
     assert torch.equal(TensorOps.unpack_fields(OPS, packed, width, count), values)
+
+
+def naive_elias_fano_positions(lower, low_bits, upper, n_upper_bits, capacity, count, numel):
+    """The definition, one bit at a time: (positions, 0 from count on; consistent)."""
+    bit = lambda data, i: (int(data[i // 8]) >> (i % 8)) & 1
+    ones = [b for b in range(n_upper_bits) if bit(upper, b)]
+    positions = []
+    for i in range(min(count, capacity, len(ones))):
+        low = sum(bit(lower, i * low_bits + j) << j for j in range(low_bits))
+        positions.append(((ones[i] - i) << low_bits) + low)
+    consistent = len(ones) == count and all(p < numel for p in positions)
+    return positions + [0] * (capacity - len(positions)), consistent
+
+
+@pytest.mark.parametrize("low_bits,n_upper_bits,capacity,ones,count,numel", [
+    (9, 800, 100, 100, 100, 300 << 9),    # consistent, full
+    (9, 800, 100, 60, 60, 300 << 9),      # consistent, 60 of 100 slots
+    (3, 77, 20, 19, 19, 1 << 20),         # a partial last byte
+    (0, 64, 40, 40, 40, 64),              # no low bits
+    (9, 800, 100, 61, 60, 300 << 9),      # one set bit more than the count
+    (9, 800, 100, 59, 60, 300 << 9),      # one fewer
+    (9, 800, 100, 120, 120, 300 << 9),    # more than the capacity
+    (12, 800, 100, 100, 100, 5000),       # positions past the tensor
+])
+def test_elias_fano_positions_equal_the_definition_and_the_composition(
+        low_bits, n_upper_bits, capacity, ones, count, numel):
+    rng = torch.Generator().manual_seed(n_upper_bits + ones + count)
+    marks = torch.randperm(n_upper_bits, generator=rng)[:ones]
+    upper = torch.zeros(-(-n_upper_bits // 8), dtype=torch.uint8)
+    for b in marks.tolist():
+        upper[b // 8] |= 1 << (b % 8)
+    lower = _bytes(-(-capacity * low_bits // 8), ones)
+    expected, consistent = naive_elias_fano_positions(lower, low_bits, upper, n_upper_bits,
+                                                      capacity, count, numel)
+    positions, ok = kernels.elias_fano_positions(lower, low_bits, upper, n_upper_bits, capacity,
+                                                 count, numel)
+    reference, reference_ok = TensorOps.elias_fano_positions(OPS, lower, low_bits, upper, n_upper_bits,
+                                                             capacity, torch.tensor(count), numel)
+    assert bool(ok) == consistent == bool(reference_ok)
+    if consistent:
+        assert positions.tolist() == expected == reference.tolist()
 
 
 def test_bit_kernels_refuse_reading_past_the_bytes():
     with pytest.raises(TypeError, match="at least 17 bits"):
         kernels.set_bit_positions(torch.zeros(2, dtype=torch.uint8), 17)
     with pytest.raises(TypeError, match="at least 30 bits"):
-        kernels.unpack_fields(torch.zeros(3, dtype=torch.uint8), 10, 3)
+        kernels.elias_fano_positions(torch.zeros(3, dtype=torch.uint8), 10, torch.zeros(2, dtype=torch.uint8),
+                                     16, 3, 3, 1000)
+    with pytest.raises(TypeError, match="at least 17 bits"):
+        kernels.elias_fano_positions(torch.zeros(4, dtype=torch.uint8), 10, torch.zeros(2, dtype=torch.uint8),
+                                     17, 3, 3, 1000)
 
 
 # -- decoding sparse messages into a gradient-sized output (streaming.c) --------------------------
@@ -253,7 +297,7 @@ def test_pack_fields_equals_the_composition(width, count, n_bytes):
     values = torch.randint(0, 2 ** min(width, 62), (count,), generator=torch.Generator().manual_seed(width))
     expected = TensorOps.pack_fields(OPS, values, width, n_bytes)
     assert torch.equal(kernels.pack_fields(values, width, n_bytes), expected)
-    assert torch.equal(kernels.unpack_fields(expected, width, count), values)
+    assert torch.equal(TensorOps.unpack_fields(OPS, expected, width, count), values)
 
 
 def test_set_bits_equals_the_composition_and_refuses_a_position_outside():
@@ -379,3 +423,37 @@ def test_the_engine_hands_each_steps_candidate_bound_to_the_next(monkeypatch):
         assert int(mask.sum()) == 100 and v[mask].abs().min() >= v[~mask].abs().max(), step
         u, v = u.masked_fill(mask, 0.0), v.masked_fill(mask, 0.0)
     assert sampled_at == list(range(len(sampled_at))) and len(sampled_at) <= 20, sampled_at
+
+
+def test_scalecom_leaders_keep_their_bound_until_they_lead_again(monkeypatch):
+    """Two workers over 40 steps, each handing its stage 1's bound to its own next step, as
+    the engine does: every step sends the exact top-k of the leader's ``p = m + g`` (dense
+    tensors and a sort here), and the sample runs only in the first steps of each leader."""
+    import horovod_dgc.core.selection as selection
+    from horovod_dgc.core import CompressCall, ScaleCom, ScaleComConfig
+    from horovod_dgc.core.collectives import emulate
+    sampled_at = []
+    sample = selection.sampled_threshold
+    monkeypatch.setattr(selection, "sampled_threshold",
+                        lambda *a, **kw: sampled_at.append(step) or sample(*a, **kw))
+    n, density, world = 100_000, 0.001, 2
+    method = ScaleCom(ScaleComConfig(density=density))
+    gen = torch.Generator().manual_seed(5)
+    states = [method.init_state(OPS, torch.zeros(n), True, world) for _ in range(world)]
+    memories, bounds = [torch.zeros(n) for _ in range(world)], [None] * world
+    for step in range(40):
+        grads = [torch.randn(n, generator=gen) for _ in range(world)]
+        calls = [CompressCall("w", rank, world, step, density, candidate_bound=bounds[rank])
+                 for rank in range(world)]
+        firsts = [method.first(OPS, s, g, c) for s, g, c in zip(states, grads, calls)]
+        bounds = [handover.next_bound for _, _, handover in firsts]
+        received = emulate(OPS, method.FIRST, [m for m, _, _ in firsts], method.root(calls[0]))
+        seconds = [method.second(OPS, s, r, h) for (_, s, h), r in zip(firsts, received)]
+        states = [state for _, state in seconds]
+        finals = emulate(OPS, method.SECOND, [m for m, _ in seconds], method.root(calls[0]))
+        update, _ = method.finish(OPS, finals[0], firsts[0][2])
+        p = [m + g for m, g in zip(memories, grads)]
+        leader, mask = p[step % world], update != 0
+        assert int(mask.sum()) == 100 and leader[mask].abs().min() >= leader[~mask].abs().max(), step
+        memories = [q.masked_fill(mask, 0.0) for q in p]
+    assert len(sampled_at) <= 10 and max(sampled_at) < 20, sampled_at

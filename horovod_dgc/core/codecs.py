@@ -118,15 +118,8 @@ class EliasFano(IndexCoding):
         return [ops.pack_fields(low, l, lower[1]), ops.set_bits(marks, upper[1])]
 
     def decode(self, ops: TensorOps, parts: Sequence[Tensor], count: Scalar) -> Tuple[Tensor, Scalar]:
-        l = self.low_bits
-        set_bits = ops.set_bit_positions(parts[1], self.upper_bits)
-        consistent = ops.equal(ops.size(set_bits), count)
-        slots = ops.arange(self.capacity, like=set_bits)
-        high = ops.add(ops.fit(set_bits, self.capacity), slots, 1, -1)
-        low = ops.unpack_fields(parts[0], l, self.capacity)
-        positions = ops.add(high, low, 2 ** l, 1) if l else high
-        positions = ops.where(ops.greater_equal(slots, count), 0, positions)
-        return positions, ops.where(consistent, self._in_range(ops, positions), False)
+        return ops.elias_fano_positions(parts[0], self.low_bits, parts[1], self.upper_bits,
+                                        self.capacity, count, self.numel)
 
 
 @dataclass(frozen=True)

@@ -363,8 +363,24 @@ class TensorOps(ABC):
 
     def unpack_fields(self, packed: Tensor, width: int, count: int) -> Tensor:
         """The ``count`` non-negative ``width``-bit integers that :meth:`pack_bits` of
-        :meth:`bits_of` packed, as int64. A composition, as :meth:`set_bit_positions`."""
+        :meth:`bits_of` packed, as int64."""
         return self.from_bits(self.slice(self.unpack_bits(packed), 0, count * width), width)
+
+    def elias_fano_positions(self, lower: Tensor, low_bits: int, upper: Tensor, n_upper_bits: int,
+                             capacity: int, count: Scalar, numel: int) -> Tuple[Tensor, Scalar]:
+        """(``capacity`` int64 positions, 0 from ``count`` on; whether ``upper`` has exactly
+        ``count`` set bits and every position lies in ``[0, numel)``) of an Elias-Fano coding
+        (``codecs.EliasFano``): the i-th set bit b among the first ``n_upper_bits`` of ``upper``
+        and the i-th ``low_bits``-bit field of ``lower`` give ``((b - i) << low_bits) + field``.
+        A composition; an adapter may read the bytes once instead."""
+        set_bits = self.set_bit_positions(upper, n_upper_bits)
+        consistent = self.equal(self.size(set_bits), count)
+        slots = self.arange(capacity, like=set_bits)
+        high = self.add(self.fit(set_bits, capacity), slots, 1, -1)
+        if low_bits:
+            high = self.add(high, self.unpack_fields(lower, low_bits, capacity), 2 ** low_bits, 1)
+        positions = self.where(self.greater_equal(slots, count), 0, high)
+        return positions, self.where(consistent, self.all_within(positions, 0, numel - 1), False)
 
     @abstractmethod
     def bits_of(self, values: Tensor, width: int) -> Tensor:

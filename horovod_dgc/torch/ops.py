@@ -332,10 +332,13 @@ class TorchOps(TensorOps):
             return kernels.set_bit_positions(packed, n_bits)
         return super().set_bit_positions(packed, n_bits)
 
-    def unpack_fields(self, packed: torch.Tensor, width: int, count: int) -> torch.Tensor:
-        if packed.device.type == "cpu" and 0 < width < 64:
-            return kernels.unpack_fields(packed, width, count)
-        return super().unpack_fields(packed, width, count)
+    def elias_fano_positions(self, lower: torch.Tensor, low_bits: int, upper: torch.Tensor,
+                             n_upper_bits: int, capacity: int, count: Scalar,
+                             numel: int) -> Tuple[torch.Tensor, Any]:
+        if lower.device.type == "cpu" and upper.device.type == "cpu" and low_bits <= 56:
+            return kernels.elias_fano_positions(lower, low_bits, upper, n_upper_bits, capacity,
+                                                int(count), numel)
+        return super().elias_fano_positions(lower, low_bits, upper, n_upper_bits, capacity, count, numel)
 
     def bits_of(self, values: torch.Tensor, width: int) -> torch.Tensor:
         shifts = torch.arange(width, device=values.device)

@@ -291,13 +291,19 @@ def set_bit_positions(packed: torch.Tensor, n_bits: int) -> torch.Tensor:
     return out
 
 
-def unpack_fields(packed: torch.Tensor, width: int, count: int) -> torch.Tensor:
-    """The ``count`` unsigned ``width``-bit fields stored one after another in ``packed``
-    (lowest bit first), as int64; ``width`` from 1 to 63."""
-    packed = _check_packed(packed, width * count, "unpack_fields")
-    out = torch.empty(count, dtype=torch.int64)
-    _bits.unpack_fields(packed.data_ptr(), width, count, out.data_ptr())
-    return out
+def elias_fano_positions(lower: torch.Tensor, low_bits: int, upper: torch.Tensor,
+                         n_upper_bits: int, capacity: int, count: int,
+                         numel: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(``capacity`` int64 positions, 0 from ``count`` on; whether they agree with ``count``
+    and lie below ``numel``, a 0-d bool tensor) of an Elias-Fano coding (codecs.EliasFano):
+    the i-th set bit b of ``upper`` and the i-th ``low_bits``-bit field of ``lower`` give
+    ``((b - i) << low_bits) + field``; ``low_bits`` up to 56. One pass over the bytes."""
+    upper = _check_packed(upper, n_upper_bits, "elias_fano_positions")
+    lower = _check_packed(lower, low_bits * min(count, capacity), "elias_fano_positions")
+    out = torch.empty(capacity, dtype=torch.int64)
+    found, in_range = _bits.elias_fano_positions(lower.data_ptr(), low_bits, upper.data_ptr(),
+                                                 n_upper_bits, capacity, count, numel, out.data_ptr())
+    return out, torch.tensor(found == count and in_range)
 
 
 def scatter_add(out: torch.Tensor, index: torch.Tensor, values: Optional[torch.Tensor],

@@ -5,6 +5,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 static int64_t count_range(const uint8_t *packed, int64_t n_bits)
 {
@@ -30,19 +31,64 @@ static void positions_range(const uint8_t *packed, int64_t n_bits, int64_t *out)
     }
 }
 
-static void fields_range(const uint8_t *packed, int64_t width, int64_t count, int64_t *out)
+/* The unsigned `width`-bit field that starts at bit `bit`, lowest bit first. */
+static uint64_t field_at(const uint8_t *packed, int64_t width, int64_t bit)
 {
-    for (int64_t i = 0; i < count; ++i) {
-        uint64_t value = 0;
-        int64_t bit = i * width;
-        for (int64_t taken = 0; taken < width;) {
-            int64_t shift = bit & 7, take = 8 - shift < width - taken ? 8 - shift : width - taken;
-            value |= (uint64_t)((packed[bit >> 3] >> shift) & ((1u << take) - 1u)) << taken;
-            taken += take;
-            bit += take;
-        }
-        out[i] = (int64_t)value;
+    uint64_t value = 0;
+    for (int64_t taken = 0; taken < width;) {
+        int64_t shift = bit & 7, take = 8 - shift < width - taken ? 8 - shift : width - taken;
+        value |= (uint64_t)((packed[bit >> 3] >> shift) & ((1u << take) - 1u)) << taken;
+        taken += take;
+        bit += take;
     }
+    return value;
+}
+
+/* Elias-Fano positions (codecs.EliasFano): the i-th set bit b of `upper` and the i-th
+ * `low_bits`-bit field of `lower` give position ((b - i) << low_bits) + field. Writes `capacity`
+ * positions, 0 from `count` on; returns how many bits of the first n_upper_bits are set (all
+ * of them are counted, also past `capacity`) and sets *in_range to whether every position
+ * written before `count` is below `numel`. */
+static int64_t elias_fano_range(const uint8_t *lower, int64_t low_bits, const uint8_t *upper,
+                                int64_t n_upper_bits, int64_t capacity, int64_t count,
+                                int64_t numel, int64_t *out, int *in_range)
+{
+    int64_t wanted = count < capacity ? count : capacity, found = 0;
+    int64_t lower_bytes = (wanted * low_bits + 7) / 8;  /* what the caller checked is there */
+    uint64_t low_mask = (1ull << low_bits) - 1ull;      /* low_bits <= 56: one load suffices */
+    *in_range = 1;
+    for (int64_t i = 0; i * 8 < n_upper_bits; ++i) {
+        uint32_t byte = upper[i];
+        if (i * 8 + 8 > n_upper_bits)
+            byte &= (1u << (n_upper_bits - i * 8)) - 1u;
+        if (found >= wanted) {
+            found += __builtin_popcount(byte);
+            continue;
+        }
+        while (byte) {
+            if (found < wanted) {
+                int64_t high = i * 8 + __builtin_ctz(byte) - found;
+                int64_t bit = found * low_bits, low = 0;
+                if ((bit >> 3) + 8 <= lower_bytes) {  /* one unaligned load holds the field */
+                    uint64_t word;
+                    memcpy(&word, lower + (bit >> 3), 8);
+                    low = (int64_t)((word >> (bit & 7)) & low_mask);
+                } else if (low_bits) {
+                    low = (int64_t)field_at(lower, low_bits, bit);
+                }
+                int64_t position = (high << low_bits) + low;
+                if (position >= numel)
+                    *in_range = 0;
+                out[found] = position;
+            }
+            ++found;
+            byte &= byte - 1u;
+        }
+    }
+    /* Fewer set bits than `count`: the message is inconsistent; its missing slots read 0. */
+    for (int64_t i = found < wanted ? found : wanted; i < capacity; ++i)
+        out[i] = 0;
+    return found;
 }
 
 /* The lowest `width` bits of each value, one field after another, ORed into zeroed bytes. */
@@ -140,20 +186,26 @@ static PyObject *set_bit_positions(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-static PyObject *unpack_fields(PyObject *self, PyObject *args)
+static PyObject *elias_fano_positions(PyObject *self, PyObject *args)
 {
-    unsigned long long packed, out;
-    long long width, count;
-    if (!PyArg_ParseTuple(args, "KLLK", &packed, &width, &count, &out))
+    unsigned long long lower, upper, out;
+    long long low_bits, n_upper_bits, capacity, count, numel;
+    if (!PyArg_ParseTuple(args, "KLKLLLLK", &lower, &low_bits, &upper, &n_upper_bits, &capacity,
+                          &count, &numel, &out))
         return NULL;
-    if (width < 1 || width > 63 || count < 0) {
-        PyErr_Format(PyExc_ValueError, "unpack_fields: width=%lld, count=%lld", width, count);
+    if (low_bits < 0 || low_bits > 56 || n_upper_bits < 0 || capacity < 0 || count < 0) {
+        PyErr_Format(PyExc_ValueError, "elias_fano_positions: low_bits=%lld, n_upper_bits=%lld, "
+                     "capacity=%lld, count=%lld", low_bits, n_upper_bits, capacity, count);
         return NULL;
     }
+    int64_t found;
+    int in_range;
     Py_BEGIN_ALLOW_THREADS
-    fields_range((const uint8_t *)(uintptr_t)packed, width, count, (int64_t *)(uintptr_t)out);
+    found = elias_fano_range((const uint8_t *)(uintptr_t)lower, low_bits,
+                             (const uint8_t *)(uintptr_t)upper, n_upper_bits, capacity, count, numel,
+                             (int64_t *)(uintptr_t)out, &in_range);
     Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
+    return Py_BuildValue("(LO)", (long long)found, in_range ? Py_True : Py_False);
 }
 
 static PyMethodDef methods[] = {
@@ -168,9 +220,10 @@ static PyMethodDef methods[] = {
     {"set_bit_positions", set_bit_positions, METH_VARARGS,
      "set_bit_positions(packed, n_bits, out): the int64 positions of the set bits among the first "
      "n_bits, ascending (out has room for count_set_bits of them)."},
-    {"unpack_fields", unpack_fields, METH_VARARGS,
-     "unpack_fields(packed, width, count, out): out[i] = the unsigned width-bit field at bit "
-     "i * width, lowest bit first, as int64."},
+    {"elias_fano_positions", elias_fano_positions, METH_VARARGS,
+     "elias_fano_positions(lower, low_bits, upper, n_upper_bits, capacity, count, numel, out) -> "
+     "(set bits, in range): the capacity int64 positions of an Elias-Fano coding, 0 from count "
+     "on, and whether those before count are below numel."},
     {NULL, NULL, 0, NULL},
 };
 
