@@ -147,6 +147,7 @@ class CompressStep:
         self.candidate_bound = candidate_bound
         self.state = method.init_state(ops, grad, compressed=True, world_size=1)
         self.spare = None
+        self.next_bound: Optional[Any] = None  # the last step's prediction for the next one
 
     def kept_its_memory(self) -> bool:
         """Whether the memory every step starts from is still all zeros."""
@@ -157,10 +158,11 @@ class CompressStep:
                             density=self.density, spare=self.spare,
                             candidate_bound=self.candidate_bound)
         if self.method.family == "two-stage":
-            message, state, _ = self.method.first(self.ops, self.state, self.grad, call)
+            message, state, handover = self.method.first(self.ops, self.state, self.grad, call)
+            self.next_bound = handover.next_bound
         else:
             compressed = self.method.compress(self.ops, self.state, self.grad, call)
-            message, state = compressed, compressed.state
+            message, state, self.next_bound = compressed, compressed.state, compressed.next_bound
         self.spare = state
         return message
 
@@ -184,14 +186,15 @@ def compress_case(ops: TorchOps, name: str, method: Method, x: torch.Tensor,
 
 def predicted_bound(ops: TorchOps, method: Method, numel: int, density: float) -> Optional[float]:
     """The candidate bound a step of ``method`` predicts for the next one, as the adapters
-    pass it on (``Compressed.next_bound``): its second step on a gradient drawn like the
-    benchmark's but not it, from a zeroed memory each time (the first step has no count to
-    predict from)."""
+    pass it on (``Compressed.next_bound``, ``StageHandover.next_bound``): its second step on
+    a gradient drawn like the benchmark's but not it, from a zeroed memory each time (the
+    first step has no count to predict from)."""
     step = CompressStep(ops, method, torch.randn(numel, generator=torch.Generator().manual_seed(SEED + 1)),
                         density)
-    step.candidate_bound = step(0).next_bound
-    bound = step(1).next_bound
-    return None if bound is None else float(bound)
+    step(0)
+    step.candidate_bound = step.next_bound
+    step(1)
+    return None if step.next_bound is None else float(step.next_bound)
 
 
 def dgc_pass_case(ops: TorchOps, x: torch.Tensor, density: float) -> Case:

@@ -130,14 +130,17 @@ class LowPassMemory:
         self.beta = beta
 
     def accumulate(self, ops: TensorOps, state: State, grad: Tensor, grad_scale: Scalar = 1.0,
-                   spare: Optional[State] = None, block: int = 0) -> Accumulated:
+                   spare: Optional[State] = None, block: int = 0, bound: Optional[float] = None,
+                   capacity: int = 0) -> Accumulated:
+        """As :class:`ResidualMemory`'s, candidates of ``p`` included."""
         plain = self.beta == 1.0
-        p, maxima, finite, _ = ops.accumulate(state["memory"], grad, grad_scale,
-                                           reuse(spare, "memory") if plain else None, block, "max")
+        p, maxima, finite, candidates = ops.accumulate(
+            state["memory"], grad, grad_scale, reuse(spare, "memory") if plain else None, block,
+            "max", bound, capacity)
         if plain:
-            return Accumulated(p, {"memory": p}, finite, maxima)
+            return Accumulated(p, {"memory": p}, finite, maxima, candidates)
         memory = ops.add(state["memory"], grad, 1.0, grad_scale * self.beta, out=reuse(spare, "memory"))
-        return Accumulated(p, {"memory": memory}, finite, maxima)
+        return Accumulated(p, {"memory": memory}, finite, maxima, candidates)
 
     def update(self, ops: TensorOps, state: State, indices: Tensor, sent: Tensor) -> State:
         if self.beta != 1.0:

@@ -38,10 +38,11 @@ class CompressCall:
             whose storage the new memories may take, by name; None: new tensors. A fresh
             gradient-size tensor costs several read passes in page faults on its first touch.
         candidate_bound: a magnitude predicted to lie a little below this step's k-th
-            largest, from the tensor's last step (``Compressed.next_bound``), or None. Only for
-            speed: with it the memory's pass of a method that ``collects_candidates`` (DGC,
-            Top-k) collects its selection's candidates (``selection.predict_bound``); the
-            selection is the exact top-k with or without it.
+            largest, from the tensor's last step (``Compressed.next_bound``; ScaleCom's
+            ``StageHandover.next_bound``, from the rank's last step as leader), or None. Only
+            for speed: with it the memory's pass of a method that ``collects_candidates`` (DGC,
+            Top-k, ScaleCom's exact leader selection) collects its selection's candidates
+            (``selection.predict_bound``); the selection is the exact top-k with or without it.
     """
 
     name: str

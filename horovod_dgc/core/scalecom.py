@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Tuple
 
 from . import wire
 from .codecs import value_coding
 from .collectives import ALLREDUCE, BROADCAST
 from .config import SparseConfig
-from .memory import LowPassMemory
+from .memory import Accumulated, LowPassMemory
 from .method import CompressCall, State, StateLayout, state_dtype
 from .nonfinite import flag, nan_like, settle
 from .ops import Scalar, Tensor, TensorOps
-from .selection import (MAX_RETRIES, RETRY_FACTOR, SAMPLE_RATIO, filter_block, select_exact,
-                        select_sampled, top_count)
+from .selection import (MAX_RETRIES, RETRY_FACTOR, SAMPLE_RATIO, candidate_capacity, filter_block,
+                        predict_bound, select_exact, select_sampled, top_count)
 from .twostage import StageHandover, TwoStageMethod
 from .validation import require_choice, require_fraction, require_positive_int
 
@@ -89,17 +89,23 @@ class ScaleCom(TwoStageMethod):
         values = wire.DTYPE_BYTES[self.config.value_dtype] * indices.capacity
         return (BROADCAST, indices.nbytes), (ALLREDUCE, values)
 
+    @property
+    def collects_candidates(self) -> bool:
+        """Whether the leader takes the exact top-k, and so can start from the candidates that
+        the memory's pass collects at a bound known before it (``selection.predict_bound``)."""
+        return self.config.leader_selection == "exact"
+
     def leader_block(self, k: int, numel: int) -> int:
         """Block length whose maxima the leader's selection filters by (0: none)."""
-        return filter_block(k, numel) if self.config.leader_selection == "exact" else 0
+        return filter_block(k, numel) if self.collects_candidates else 0
 
     def leader_indices(self, ops: TensorOps, p: Tensor, k: int, call: CompressCall,
-                       block_max: Optional[Tensor] = None) -> Tensor:
-        """The leader's choice, ascending: exact top-k (``block_max``: max ``|p|`` per block of
-        :meth:`leader_block` entries, if known), or the top of each chunk."""
-        if self.config.leader_selection == "exact":
+                       accumulated: Accumulated) -> Tensor:
+        """The leader's choice, ascending: exact top-k (from ``accumulated``'s block maxima
+        and candidates, when it has them), or the top of each chunk."""
+        if self.collects_candidates:
             return select_sampled(ops, p, k, SAMPLE_RATIO, call.step, MAX_RETRIES, RETRY_FACTOR,
-                                  block_max)
+                                  accumulated.block_max, accumulated.candidates)
         n = ops.numel(p)
         chunks = min(self.config.chunks, k)
         # Near-equal slices that are never empty (ceil-sized slices can run out before the last).
@@ -113,27 +119,40 @@ class ScaleCom(TwoStageMethod):
 
     def first(self, ops: TensorOps, state: State, grad: Tensor,
               call: CompressCall) -> Tuple[Tensor, State, StageHandover]:
+        """The leader's positions; every other rank sends zeros. The candidate bound a rank
+        predicts when it leads is kept for the next time it leads (``world_size`` steps on,
+        with a memory that has grown as long as this one had)."""
         n = ops.numel(grad)
         layout = self.index_layout(call.name, n, call.density)
-        # Every rank computes the block maxima: the leader is known only at run time in a graph,
-        # and a fused accumulation takes them without reading the memory again.
+        k = layout.capacity
+        block = self.leader_block(k, n)
+        bound = call.candidate_bound if block else None
+        capacity = candidate_capacity(bound, k, n)
+        # Every rank computes the block maxima (and candidates): the leader is known only at run
+        # time in a graph, and a fused accumulation takes them without reading the memory again.
         accumulated = self.memory.accumulate(ops, state, grad, call.unscale, spare=call.spare,
-                                             block=self.leader_block(layout.capacity, n))
+                                             block=block, bound=bound if capacity else None,
+                                             capacity=capacity)
         p, state, finite = accumulated.x, accumulated.state, accumulated.finite
+        kept_bound = bound if bound is not None else 0.0
 
-        def leader_message() -> Tensor:
-            def chosen() -> Tensor:
-                positions = self.leader_indices(ops, p, layout.capacity, call, accumulated.block_max)
-                header = layout.header(call.rank, call.step, layout.capacity, 0)
-                return layout.encode(ops, header, positions, layout.capacity)[0]
+        def leader_message() -> Tuple[Tensor, Scalar]:
+            def chosen() -> Tuple[Tensor, Scalar]:
+                positions = self.leader_indices(ops, p, k, call, accumulated)
+                header = layout.header(call.rank, call.step, k, 0)
+                next_bound = (predict_bound(ops, ops.min_abs(ops.gather(p, positions)), k,
+                                            accumulated.candidates)
+                              if self.collects_candidates else kept_bound)
+                return layout.encode(ops, header, positions, k)[0], next_bound
 
             header = layout.header(call.rank, call.step, 0, flag(ops, False))
-            return ops.cond(finite, chosen, lambda: layout.empty(ops, header, like=grad))
+            return ops.cond(finite, chosen, lambda: (layout.empty(ops, header, like=grad), 0.0))
 
         # ops.cond: in a TensorFlow graph the step, hence the leader, is known only at run time.
-        message = ops.cond(call.rank == self.root(call), leader_message,
-                           lambda: ops.zeros(layout.nbytes, "uint8", like=grad))
-        handover = StageHandover(call, n, ops.dtype(grad), {"p": p, "layout": layout, "finite": finite})
+        message, next_bound = ops.cond(call.rank == self.root(call), leader_message,
+                                       lambda: (ops.zeros(layout.nbytes, "uint8", like=grad), kept_bound))
+        handover = StageHandover(call, n, ops.dtype(grad), {"p": p, "layout": layout, "finite": finite},
+                                 next_bound if self.collects_candidates else None)
         return message, state, handover
 
     def second(self, ops: TensorOps, state: State, received: Tensor,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, List, Sequence, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 from .collectives import emulate
 from .method import CompressCall, Method, State
@@ -26,12 +26,15 @@ from .ops import Scalar, Tensor, TensorOps
 
 @dataclass
 class StageHandover:
-    """What stage 1 of one tensor hands over to stage 2 and ``finish``, on one worker."""
+    """What stage 1 of one tensor hands over to stage 2 and ``finish``, on one worker.
+    ``next_bound``: the tensor's next ``CompressCall.candidate_bound`` for a method that
+    ``collects_candidates``, else None."""
 
     call: CompressCall
     numel: int
     dtype: str
     data: Dict[str, Any] = field(default_factory=dict)
+    next_bound: Optional[Scalar] = None
 
 
 class TwoStageMethod(Method):

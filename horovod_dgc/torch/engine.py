@@ -20,7 +20,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -158,6 +158,10 @@ class Engine:
                             weight_decay=self._weight_decays.get(name), spare=spare,
                             candidate_bound=self._bounds.get(name))
 
+    def _keep_bound(self, name: str, next_bound: Optional[Any]) -> None:
+        if next_bound is not None:
+            self._bounds[name] = float(next_bound)
+
     # -- keeping or dropping a step's memories --------------------------------------------------
     def _stage(self, name: str, state: dict) -> None:
         with self._lock:
@@ -202,8 +206,7 @@ class Engine:
         result = self.method.compress(self.ops, self._state(name, flat, True), flat,
                                       self._call(name, step, grad, param, scale))
         self._stage(name, result.state)
-        if result.next_bound is not None:
-            self._bounds[name] = float(result.next_bound)
+        self._keep_bound(name, result.next_bound)
         elapsed = time.perf_counter() - started
         self._record(step, ALLGATHER, result.layout.nbytes, grad,
                      elements_sent=int(result.count), elements_compressed=grad.numel(),
@@ -248,6 +251,7 @@ class Engine:
         message, state, handover = self.method.first(self.ops, self._state(name, flat, True), flat,
                                                     self._call(name, step, grad, param, scale))
         self._stage(name, state)
+        self._keep_bound(name, handover.next_bound)
         self._record(step, self.method.FIRST, message.numel() * message.element_size(), grad,
                      elements_sent=round(grad.numel() * handover.call.density),
                      elements_compressed=grad.numel(), selection_time_s=time.perf_counter() - started)
