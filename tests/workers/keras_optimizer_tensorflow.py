@@ -6,6 +6,7 @@ variables' names. DGC under an SGD with momentum of its own is refused on the fi
 The model has a layer that gets no gradient, placed just before a layer of the same shapes
 (pairing gradients by order and shape would give that layer the unused one's memories).
 """
+import argparse
 import os
 
 os.environ["TF_USE_LEGACY_KERAS"] = "1"  # before TensorFlow is imported
@@ -59,9 +60,12 @@ def train(method: str, named: bool, momentum: float = 0.0) -> tuple:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--methods", default=",".join(METHODS))
+    methods = parser.parse_args().methods.split(",")
     hvd.init()
     tf.config.threading.set_intra_op_parallelism_threads(1)
-    for method in METHODS:
+    for method in methods:
         named, _ = train(method, named=True)
         unnamed, compression = train(method, named=False)
         assert np.array_equal(named, unnamed), f"{method}: unnamed compressor trains differently"

@@ -1,4 +1,4 @@
-"""20 steps of ScaleCom, blocksign and the sparse all-reduce (DGC, Top-k, Gaussian-k with
+"""12 steps of ScaleCom, blocksign and the sparse all-reduce (DGC, Top-k, Gaussian-k with
 ``aggregation="sparse_allreduce"``) on fixed per-rank gradients through a Horovod path;
 every rank checks each step's applied update against the in-process N-worker simulation
 of the core, and that all ranks end with the same parameters.
@@ -15,7 +15,7 @@ from horovod_dgc.core.twostage import simulate_step
 from horovod_dgc.core.method import CompressCall
 from horovod_dgc.torch.ops import TorchOps
 
-STEPS = 20
+STEPS = 12  # three turns of ScaleCom's leader round 4 workers
 SPARSE_ALLREDUCE = dict(aggregation="sparse_allreduce", density=0.01)
 KINDS = {"scalecom": ("scalecom", dict(density=0.01)),
          "blocksign": ("blocksign", dict(block_size=None)),
