@@ -457,3 +457,45 @@ def test_scalecom_leaders_keep_their_bound_until_they_lead_again(monkeypatch):
         assert int(mask.sum()) == 100 and leader[mask].abs().min() >= leader[~mask].abs().max(), step
         memories = [q.masked_fill(mask, 0.0) for q in p]
     assert len(sampled_at) <= 10 and max(sampled_at) < 20, sampled_at
+
+
+def _messages(n: int, counts, capacity: int, seed: int):
+    """Ascending positions (0 past each count) and values (0 past it), as decoded messages."""
+    gen, messages = torch.Generator().manual_seed(seed), []
+    for count in counts:
+        positions = torch.zeros(capacity, dtype=torch.int64)
+        positions[:count] = torch.randperm(n, generator=gen)[:count].sort().values
+        values = torch.zeros(capacity)
+        values[:count] = torch.randn(count, generator=gen)
+        messages.append((positions, values, count))
+    return messages
+
+
+@pytest.mark.parametrize("n,counts", [(10, [3, 0, 10]), (5000, [40, 40, 17, 0]),
+                                      (3 * kernels.PARALLEL_MIN_NUMEL + 5, [900, 1000, 1000])])
+def test_sum_sparse_is_the_average_a_loop_over_messages_writes(n, counts):
+    messages = _messages(n, counts, max(counts), n)
+    expected = [0.0] * n  # the definition: message after message, scale * value added at its position
+    for positions, values, count in messages:
+        for p, v in zip(positions[:count].tolist(), values[:count].tolist()):
+            expected[p] = float(torch.tensor(expected[p], dtype=torch.float32)
+                                + torch.tensor(v, dtype=torch.float32) * torch.tensor(1 / 3, dtype=torch.float32))
+    threads = torch.get_num_threads()
+    try:
+        for width in (1, 2, 3):
+            torch.set_num_threads(width)
+            out = kernels.sum_sparse(torch.full((n,), 7.0), messages, 1 / 3)
+            assert out.tolist() == expected
+            assert torch.equal(TensorOps.sum_sparse(OPS, torch.full((n,), 7.0), messages, 1 / 3), out)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_sum_sparse_leaves_unsorted_or_outside_positions_to_the_scatter():
+    out = torch.full((10,), 7.0)
+    unsorted = [(torch.tensor([4, 2]), torch.ones(2), 2)]
+    assert kernels.sum_sparse(out, unsorted, 1.0) is None and bool((out == 7.0).all())
+    assert kernels.sum_sparse(out, [(torch.tensor([2, 10]), torch.ones(2), 2)], 1.0) is None
+    assert OPS.sum_sparse(out, unsorted, 1.0).tolist() == [0, 0, 1, 0, 1, 0, 0, 0, 0, 0]
+    with pytest.raises(ValueError, match="a count of 3 for 2 positions"):
+        kernels.sum_sparse(out, [(torch.tensor([2, 4]), torch.ones(2), 3)], 1.0)

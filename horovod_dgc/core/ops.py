@@ -58,6 +58,11 @@ class TensorOps(ABC):
     def zeroed(self, x: Tensor) -> Tensor:
         """Zeros shaped like ``x``, written over ``x`` where the framework allows."""
 
+    def scratch(self, n: int, dtype: str, like: Tensor) -> Tensor:
+        """A new tensor of ``n`` elements that the caller overwrites entirely: zeros here, left
+        unwritten where the framework allows."""
+        return self.zeros(n, dtype, like)
+
     @abstractmethod
     def constant(self, values: Sequence[Any], dtype: str, like: Tensor) -> Tensor:
         """A small 1-D tensor of ``values`` (Python ints or 0-d integer tensors) on the
@@ -313,6 +318,19 @@ class TensorOps(ABC):
     @abstractmethod
     def scatter_add(self, out: Tensor, indices: Tensor, values: Tensor) -> Tensor:
         """``out[indices] += values``; repeated indices are summed (may overwrite ``out``)."""
+
+    def sum_sparse(self, out: Tensor, messages: Sequence[Tuple[Tensor, Tensor, Scalar]],
+                   scale: float) -> Tensor:
+        """``out``'s zeros plus, message after message, ``scale * values`` at ``positions``
+        (each message: int64 positions ascending, values, and its count; the slots past the
+        count are padding, position 0 and value 0), written over ``out`` where the framework
+        allows: the average of N ranks' sparse messages. A composition; an adapter may write
+        ``out`` once instead of zeroing it and then scattering into it."""
+        out = self.zeroed(out)
+        for positions, values, _ in messages:
+            # Scaled before the sum: sparse products instead of a pass over the dense sum.
+            out = self.scatter_add(out, positions, self.scale(self.copy(values), scale))
+        return out
 
     @abstractmethod
     def pad(self, x: Tensor, length: int) -> Tensor:

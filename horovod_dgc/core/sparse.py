@@ -148,16 +148,15 @@ class SparseMethod(Method):
         expected = [(layout, rank) for rank in range(world_size) for layout in layouts]
         received = wire.receive(ops, gathered, expected, step)
         outs = list(outs) if outs is not None else [None] * len(layouts)
-        sums = [ops.zeros(layout.numel, state_dtype(dtype), like=gathered) if out is None
-                else ops.zeroed(out) for layout, dtype, out in zip(layouts, out_dtypes, outs)]
-        decoded = [layouts[i % len(layouts)].decode(ops, parts, ops.gather(received.counts, i),
-                                                    ops.dtype(sums[i % len(layouts)]))
+        sums = [ops.scratch(layout.numel, state_dtype(dtype), like=gathered) if out is None else out
+                for layout, dtype, out in zip(layouts, out_dtypes, outs)]
+        counts = [ops.gather(received.counts, i) for i in range(len(received.parts))]
+        decoded = [layouts[i % len(layouts)].decode(ops, parts, counts[i], ops.dtype(sums[i % len(layouts)]))
                    for i, parts in enumerate(received.parts)]
         positions = wire.checked_positions(ops, [(p, ok) for p, _, ok in decoded], expected, step)
-        for i, (where, (_, values, _)) in enumerate(zip(positions, decoded)):
-            t = i % len(layouts)
-            # Scaled before the sum: N sparse products instead of a pass over the dense sum.
-            sums[t] = ops.scatter_add(sums[t], where, ops.scale(ops.copy(values), 1.0 / world_size))
+        messages = list(zip(positions, [values for _, values, _ in decoded], counts))
+        sums = [ops.sum_sparse(s, messages[t::len(layouts)], 1.0 / world_size)
+                for t, s in enumerate(sums)]
         averaged = [ops.cast(s, dtype) for s, dtype in zip(sums, out_dtypes)]
         names = [layout.name for layout in layouts]
         finite = received_finite(ops, self.config.nonfinite, received.flags, names, step)

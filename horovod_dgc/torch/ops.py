@@ -60,6 +60,9 @@ class TorchOps(TensorOps):
             return kernels.zero(x)
         return x.zero_()
 
+    def scratch(self, n: int, dtype: str, like: torch.Tensor) -> torch.Tensor:
+        return torch.empty(n, dtype=DTYPES[dtype], device=like.device)
+
     def constant(self, values: Sequence[Any], dtype: str, like: torch.Tensor) -> torch.Tensor:
         return torch.tensor([int(v) for v in values], dtype=DTYPES[dtype], device=like.device)
 
@@ -284,6 +287,14 @@ class TorchOps(TensorOps):
         if _scatters(out, values):
             return kernels.scatter_add(out, indices, values)
         return out.index_add_(0, indices, values)
+
+    def sum_sparse(self, out: torch.Tensor, messages: Sequence[Tuple[torch.Tensor, torch.Tensor, Scalar]],
+                   scale: float) -> torch.Tensor:
+        if _scatters(out) and all(_scatters(out, values) for _, values, _ in messages):
+            summed = kernels.sum_sparse(out, messages, scale)
+            if summed is not None:
+                return summed
+        return super().sum_sparse(out, messages, scale)
 
     def pad(self, x: torch.Tensor, length: int) -> torch.Tensor:
         if x.numel() == length:

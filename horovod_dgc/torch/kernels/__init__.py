@@ -8,6 +8,7 @@ tested against.
 from __future__ import annotations
 
 import math
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -123,6 +124,19 @@ def supports_accumulate(grad: torch.Tensor, *memories: Optional[torch.Tensor]) -
 Candidates = Tuple[torch.Tensor, torch.Tensor, int]
 
 
+_slots = threading.local()
+
+
+def _candidate_slots(n: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """This thread's storage for ``n`` candidates (positions, magnitudes), kept between calls:
+    a new allocation of a few MB each step cost the accumulation up to a read pass in page
+    faults (and the TLB shootdowns of freeing pages that both kernel threads touched)."""
+    held = getattr(_slots, "storage", None)
+    if held is None or held[0].numel() < n:
+        held = _slots.storage = (torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.float32))
+    return held[0][:n], held[1][:n]
+
+
 def _accumulate(mode: int, grad: torch.Tensor, scale: float, m: float, scale_m: float,
                 a: torch.Tensor, a_out: torch.Tensor, b: Optional[torch.Tensor],
                 b_out: Optional[torch.Tensor], block: int, stat: Optional[str],
@@ -160,8 +174,7 @@ def _accumulate(mode: int, grad: torch.Tensor, scale: float, m: float, scale_m: 
     # Each range writes its candidates from its own first slot on: one range may hold them all.
     slots = [min(capacity, count) if collecting else 0 for _, count in ranges]
     firsts = [sum(slots[:r]) for r in range(len(ranges))]
-    positions = torch.empty(sum(slots), dtype=torch.int64)
-    magnitudes = torch.empty(sum(slots), dtype=torch.float32)
+    positions, magnitudes = _candidate_slots(sum(slots))
     for r, (start, count) in enumerate(ranges):
         phase = start % block
         if stats is None:
@@ -191,8 +204,7 @@ def _accumulate(mode: int, grad: torch.Tensor, scale: float, m: float, scale_m: 
     total = sum(counts)
     if total > capacity:
         return stats, finite, (positions[:0], magnitudes[:0], total)
-    if len(ranges) == 1:
-        return stats, finite, (positions[:total], magnitudes[:total], total)
+    # Copied out of the slots, which the thread's next call writes again.
     return stats, finite, (torch.cat([positions[at:at + c] for at, c in zip(firsts, counts)]),
                            torch.cat([magnitudes[at:at + c] for at, c in zip(firsts, counts)]),
                            total)
@@ -321,6 +333,37 @@ def scatter_add(out: torch.Tensor, index: torch.Tensor, values: Optional[torch.T
         raise ValueError(f"scatter_add: {index.numel()} indices for {values.numel()} values")
     _streaming.scatter_add(out.data_ptr(), out.numel(), index.data_ptr(), values.data_ptr(),
                            index.numel(), alpha)
+    return out
+
+
+# sum_sparse's thread ranges start on multiples of its chunk (streaming.c's CHUNK entries).
+_SUM_SPARSE_UNIT = 1024
+
+
+def sum_sparse(out: torch.Tensor, messages: Sequence[Tuple[torch.Tensor, torch.Tensor, int]],
+               scale: float) -> Optional[torch.Tensor]:
+    """``out`` (flat float32 CPU) overwritten with the sum over ``messages``, in their order,
+    of ``scale * values[i]`` at ``positions[i]`` for ``i < count`` (int64 positions, float32
+    values; the slots past ``count`` are padding and not read), writing ``out`` once. None,
+    and ``out`` untouched, when some message's counted positions are not ascending inside
+    ``out`` (the caller then scatters them one message after another)."""
+    _check(out, "sum_sparse")
+    n, kept, table = out.numel(), [], []
+    for positions, values, count in messages:
+        positions = positions.to(torch.int64).contiguous()
+        values = values.to(torch.float32).contiguous()
+        count = int(count)
+        if count > min(positions.numel(), values.numel()):
+            raise ValueError(f"sum_sparse: a count of {count} for {positions.numel()} positions "
+                             f"and {values.numel()} values")
+        head = positions[:count]
+        if count and not (int(head[0]) >= 0 and int(head[-1]) < n and bool((head[1:] >= head[:-1]).all())):
+            return None
+        kept += [positions, values]
+        table += [positions.data_ptr(), values.data_ptr(), count]
+    words = torch.tensor(table, dtype=torch.int64)
+    _run(_streaming.sum_sparse, [(out.data_ptr(), start, count, words.data_ptr(), len(messages), scale)
+                                 for start, count in _ranges(n, _SUM_SPARSE_UNIT, torch.get_num_threads())])
     return out
 
 

@@ -19,7 +19,8 @@
  *   the residual x - scale_b * sign(x) over x's first `valid` entries, in one pass.
  * sign_decode: scale_b * sign written to (or added to) a float32 array.
  *
- * scatter_add and zero: what decoding N sparse messages does to a gradient-sized output.
+ * scatter_add and zero: what decoding N sparse messages does to a gradient-sized output;
+ * sum_sparse: both at once, for messages whose positions are sorted.
  *
  * Gradients may be float32, float16 or bfloat16; memories are float32. Every call covers one
  * range and runs with the GIL released, so the adapter runs one call per thread. */
@@ -27,6 +28,7 @@
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -458,6 +460,86 @@ static PyObject *scatter_add(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* One message of sum_sparse: `count` entries, positions non-decreasing. */
+typedef struct {
+    const int64_t *positions;
+    const float *values;
+    int64_t count;
+} Message;
+
+/* Index of the first of `count` non-decreasing positions that is >= `at`. */
+static int64_t first_at_least(const int64_t *positions, int64_t count, int64_t at)
+{
+    int64_t low = 0, high = count;
+    while (low < high) {
+        int64_t mid = low + (high - low) / 2;
+        if (positions[mid] < at)
+            low = mid + 1;
+        else
+            high = mid;
+    }
+    return low;
+}
+
+/* out[start, start + len) = for each message in order, += scale * value at its position, over
+ * zeros: each chunk is summed in a buffer that stays in the first-level cache and stored
+ * once (non-temporal where aligned), so the output is written in one pass and the entries are
+ * added where they are cached instead of at random places in memory. Returns 0, or -1 when
+ * a cursor array cannot be allocated. */
+static int sum_sparse_range(float *out, int64_t start, int64_t len, const Message *messages,
+                            int64_t n_messages, float scale)
+{
+    int64_t *cursor = malloc((size_t)(n_messages > 0 ? n_messages : 1) * sizeof(int64_t));
+    if (!cursor)
+        return -1;
+    for (int64_t m = 0; m < n_messages; ++m)
+        cursor[m] = first_at_least(messages[m].positions, messages[m].count, start);
+    float buffer[CHUNK];
+    for (int64_t at = start; at < start + len; at += CHUNK) {
+        int64_t n = start + len - at < CHUNK ? start + len - at : CHUNK;
+        memset(buffer, 0, (size_t)n * sizeof(float));
+        for (int64_t m = 0; m < n_messages; ++m) {
+            const Message *msg = &messages[m];
+            int64_t i = cursor[m];
+            for (; i < msg->count && msg->positions[i] < at + n; ++i)
+                buffer[msg->positions[i] - at] += scale * msg->values[i];
+            cursor[m] = i;
+        }
+        store(out + at, buffer, n, 1);
+    }
+#if defined(__SSE2__)
+    _mm_sfence();
+#endif
+    free(cursor);
+    return 0;
+}
+
+static PyObject *sum_sparse(PyObject *self, PyObject *args)
+{
+    unsigned long long out, table;
+    long long start, len, n_messages;
+    float scale;
+    if (!PyArg_ParseTuple(args, "KLLKLf", &out, &start, &len, &table, &n_messages, &scale))
+        return NULL;
+    const int64_t *words = (const int64_t *)(uintptr_t)table;
+    Message *messages = malloc((size_t)(n_messages > 0 ? n_messages : 1) * sizeof(Message));
+    if (!messages)
+        return PyErr_NoMemory();
+    for (long long m = 0; m < n_messages; ++m) {
+        messages[m].positions = (const int64_t *)(uintptr_t)words[3 * m];
+        messages[m].values = (const float *)(uintptr_t)words[3 * m + 1];
+        messages[m].count = words[3 * m + 2];
+    }
+    int failed;
+    Py_BEGIN_ALLOW_THREADS
+    failed = sum_sparse_range((float *)(uintptr_t)out, start, len, messages, n_messages, scale);
+    Py_END_ALLOW_THREADS
+    free(messages);
+    if (failed)
+        return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 /* memset, which writes large ranges with non-temporal stores: zeroing a gradient-sized
  * output costs one pass of memory traffic, not a read and a write. */
 static PyObject *zero(PyObject *self, PyObject *args)
@@ -473,6 +555,10 @@ static PyObject *zero(PyObject *self, PyObject *args)
 }
 
 static PyMethodDef methods[] = {
+    {"sum_sparse", sum_sparse, METH_VARARGS,
+     "sum_sparse(out, start, len, table, n_messages, scale): out[start:start+len] = the sum over "
+     "messages, in order, of scale * values at positions (table: per message the int64 words "
+     "positions pointer, float32 values pointer, count; positions in range and non-decreasing)."},
     {"scatter_add", scatter_add, METH_VARARGS,
      "scatter_add(out, numel, index, values, count, alpha): out[index[i]] += alpha * values[i] "
      "(alpha 1 or -1; 0: out[index[i]] = 0) for float32 out and values and int64 indices, in "
