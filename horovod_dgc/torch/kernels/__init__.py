@@ -359,7 +359,7 @@ def sum_sparse(out: torch.Tensor, messages: Sequence[Tuple[torch.Tensor, torch.T
         head = positions[:count]
         if count and not (int(head[0]) >= 0 and int(head[-1]) < n and bool((head[1:] >= head[:-1]).all())):
             return None
-        kept += [positions, values]
+        kept += [positions, values]  # the converted tensors live until the kernel has run
         table += [positions.data_ptr(), values.data_ptr(), count]
     words = torch.tensor(table, dtype=torch.int64)
     _run(_streaming.sum_sparse, [(out.data_ptr(), start, count, words.data_ptr(), len(messages), scale)
