@@ -65,7 +65,7 @@ cluster-scaling: setup
 ## rendezvous + 4 worker containers, unshaped and at 100 Mbit/s, checks and removes everything.
 ## COMPOSE=v1|v2 picks the compose command; KILL_WORKER=R kills worker R mid-run (must fail).
 compose-test: setup
-	$(PYTHON) benchmarks/docker/compose_test.py $(if $(COMPOSE),--compose $(COMPOSE)) \
+	$(PYTHON) -m benchmarks.docker.compose_test $(if $(COMPOSE),--compose $(COMPOSE)) \
 		$(if $(KILL_WORKER),--kill-worker $(KILL_WORKER))
 
 ## Horovod's own example scripts with only their compression line changed, 2 workers, dgc and

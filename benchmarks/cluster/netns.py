@@ -21,7 +21,7 @@ through a switch. Rates use the ``tbf`` qdisc; a delay needs ``netem`` (one-way 
 shaped link, so two per host-to-host path), which not every kernel has.
 
 ``NetnsCluster`` is a context manager: leaving it, also through an exception, Ctrl-C or
-SIGTERM (see :func:`stop_on_sigterm`), stops every process left in its namespaces and deletes
+SIGTERM (see ``benchmarks/interrupts.py``), stops every process left in its namespaces and deletes
 them, which removes every link, and removes its ``/etc/netns`` entries.
 """
 from __future__ import annotations
@@ -278,12 +278,3 @@ class NetnsCluster:
         if ns not in self._created:
             raise ValueError(f"{ns} is not a namespace of this cluster")
         return ["ip", "netns", "exec", ns, *command]
-
-
-def stop_on_sigterm() -> None:
-    """Turn SIGTERM into KeyboardInterrupt, so ``with NetnsCluster(...)`` cleans up on it
-    exactly as on Ctrl-C."""
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, interrupt)

@@ -28,9 +28,10 @@ import time
 from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
+from ..interrupts import interrupt_on_signals
 from .job import ROOT, ClusterJob
 from .netns import (ClusterError, LinkShape, NetnsCluster, netns_names, parse_link,
-                    require_root_and_tools, stop_on_sigterm)
+                    require_root_and_tools)
 
 BENCH = ROOT / "benchmarks" / "cluster" / "step.py"
 QUICK_HOSTS = 2
@@ -111,7 +112,7 @@ def in_namespaces(tool: str, work: Callable[[], None]) -> Tuple[Optional[int], b
     except ClusterError as error:
         print(f"{tool}: ERROR: {error}", file=sys.stderr)
         return 1, False
-    stop_on_sigterm()
+    interrupt_on_signals()
     before = set(netns_names())
     failed = None
     try:

@@ -1,6 +1,6 @@
 """``make compose-test``: the Docker Compose cluster, run for real.
 
-    python benchmarks/docker/compose_test.py [--compose auto|v1|v2] [--steps 3]
+    python -m benchmarks.docker.compose_test [--compose auto|v1|v2] [--steps 3]
         [--warmup-steps 1] [--kill-worker RANK [--kill-after-s 5]]
 
 As root, it
@@ -54,6 +54,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+from ..interrupts import interrupt_on_signals
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = ROOT / "benchmarks" / "docker"
@@ -751,13 +753,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-def stop_on_sigterm() -> None:
-    """SIGTERM cleans up like Ctrl-C."""
-    def handler(signum, frame):
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, handler)
-
-
 @contextmanager
 def uninterrupted() -> Iterator[None]:
     """Clean-up that a second Ctrl-C or SIGTERM cannot cut short."""
@@ -801,7 +796,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("compose-test: ERROR: installing and running the Docker engine needs root: run "
               "it as root (sudo make compose-test).", file=sys.stderr)
         return 1
-    stop_on_sigterm()
+    interrupt_on_signals()
     started = time.monotonic()
     project = f"hdgc{os.getpid()}"
     work = WORK / project
