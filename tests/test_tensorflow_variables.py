@@ -14,7 +14,13 @@ import tensorflow as tf
 from horovod_dgc.tensorflow import Compression
 from horovod_dgc.tensorflow.compression import collective_name
 
-hvd.init()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def horovod():
+    # Not at import: a module collected after this one that loads torch's libraries (as
+    # test_codecs.py does) leaves an import-time hvd.init() uninitialized.
+    hvd.init()
 
 
 def trace_step(compression, variables, used):
