@@ -3,7 +3,7 @@ VENV   := .venv
 PYTHON := $(VENV)/bin/python
 NP     ?= 2
 
-.PHONY: setup test test-slow demo imagenet-demo bench-compress bench-convergence cluster-bench cluster-scaling traffic-model compose-test horovod-examples clean-venv
+.PHONY: setup test test-slow demo imagenet-demo bench-compress bench-trace-tf bench-convergence cluster-bench cluster-scaling traffic-model compose-test horovod-examples clean-venv
 
 setup:
 	@bash scripts/setup_env.sh
@@ -36,6 +36,10 @@ imagenet-demo: setup
 ## Time the selection of one ResNet-50-sized gradient with each method.
 bench-compress: setup
 	$(PYTHON) -m benchmarks.compress
+
+## Ops and seconds one compressed tensor adds to a TensorFlow graph (the first step's tracing).
+bench-trace-tf: setup
+	$(PYTHON) -m benchmarks.trace_tf
 
 ## Dense vs every method, 4 workers, MNIST-1D: curves (PNG) and final accuracies (Markdown).
 bench-convergence: setup

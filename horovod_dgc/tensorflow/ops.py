@@ -9,7 +9,8 @@ modified, a new tensor is returned. Control flow is plain Python when executing 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+import weakref
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -61,17 +62,91 @@ class _UntypedChoice:
 
 def _convert_choice(value: _UntypedChoice, dtype=None, name=None, as_ref=False) -> tf.Tensor:
     dtype = dtype or tf.float32
-    return tf.where(value.pred, tf.constant(value.a, dtype), tf.constant(value.b, dtype))
+    return tf.where(value.pred, _constant(value.a, dtype), _constant(value.b, dtype))
 
 
 tf.register_tensor_conversion_function(_UntypedChoice, _convert_choice)
+
+
+# Per graph: (dtype, repr(value)) -> a weak reference to the constant (a strong one would
+# keep the graph, a finished trace, alive).
+_CONSTANTS: "weakref.WeakKeyDictionary[tf.Graph, Dict[Tuple[tf.DType, str], weakref.ref]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def _constant(value: Any, dtype: tf.DType) -> tf.Tensor:
+    """``value`` (a Python number, or a tuple of them) as a constant of ``dtype``: in a graph,
+    one op per graph, value and dtype, however often it is asked for. Every compressed
+    tensor's exchange is traced into the training step, and a third of its ops were repeated
+    constants (shapes, axes, zeros, thresholds)."""
+    if tf.executing_eagerly():
+        return tf.convert_to_tensor(value, dtype)
+    graph = tf.compat.v1.get_default_graph()
+    constants = _CONSTANTS.setdefault(graph, {})
+    key = (dtype, repr(value))  # repr tells -0.0 from 0.0 and 1 from True
+    known = constants.get(key)
+    tensor = None if known is None else known()
+    if tensor is None:
+        # Built inside a control-dependency block, it would carry the block's dependencies
+        # to every later use.
+        with graph.control_dependencies(None):
+            tensor = tf.convert_to_tensor(value, dtype)
+        constants[key] = weakref.ref(tensor)
+    return tensor
 
 
 def _tensor(value: Any, dtype: tf.DType) -> tf.Tensor:
     """``value`` (tensor, Python number or untyped choice) as a tensor of ``dtype``."""
     if isinstance(value, tf.Tensor):
         return value if value.dtype == dtype else tf.cast(value, dtype)
+    if isinstance(value, _PYTHON_NUMBERS):
+        return _constant(value, dtype)
     return tf.convert_to_tensor(value, dtype)
+
+
+def _shape(*dims: int) -> tf.Tensor:
+    """A static shape, axis or start as an int32 constant."""
+    return _constant(dims, tf.int32)
+
+
+def _zero(dtype: tf.DType) -> tf.Tensor:
+    return _constant(False if dtype == tf.bool else 0, dtype)
+
+
+def _axis(axis: int) -> tf.Tensor:
+    return _constant(axis, tf.int32)
+
+
+def _flat(x: tf.Tensor) -> tf.Tensor:
+    return tf.reshape(x, _shape(-1))
+
+
+def _rows(x: tf.Tensor, width: int) -> tf.Tensor:
+    """``x`` as rows of ``width`` elements."""
+    return tf.reshape(x, _shape(-1, width))
+
+
+def _column(x: tf.Tensor) -> tf.Tensor:
+    """``x[:, None]``."""
+    return tf.expand_dims(x, _axis(1))
+
+
+def _head(x: tf.Tensor, n: int) -> tf.Tensor:
+    """The first ``n`` elements of 1-D ``x`` (at least ``n`` of them)."""
+    return tf.slice(x, _shape(0), _shape(n))
+
+
+def _concat(parts: Sequence[tf.Tensor]) -> tf.Tensor:
+    return tf.concat(list(parts), _axis(0))
+
+
+def _gather(x: tf.Tensor, indices: tf.Tensor) -> tf.Tensor:
+    return tf.gather(x, indices, axis=_axis(0))
+
+
+def _iota(n: Any, dtype: tf.DType = tf.int64) -> tf.Tensor:
+    """``0, 1, ..., n - 1`` (``n``: a Python int or a 0-d tensor)."""
+    return tf.range(_constant(0, dtype), _tensor(n, dtype), _constant(1, dtype))
 
 
 def _pair(a: Any, b: Any) -> Tuple[tf.Tensor, tf.Tensor]:
@@ -147,30 +222,38 @@ class TFOps(TensorOps):
         return _tensor(x, DTYPES[dtype])
 
     def zeros(self, n: int, dtype: str, like: tf.Tensor) -> tf.Tensor:
-        return tf.zeros([n], DTYPES[dtype])
+        target = DTYPES[dtype]
+        return tf.fill(_shape(n), _zero(target))
 
     def zeroed(self, x: tf.Tensor) -> tf.Tensor:
         return tf.zeros_like(x)
 
     def constant(self, values: Sequence[Any], dtype: str, like: tf.Tensor) -> tf.Tensor:
+        """The Python ints as one constant, each distinct other value (a tensor) converted
+        once (a header's step counter repeats in every message's bounds)."""
         target = DTYPES[dtype]
         if all(isinstance(v, int) for v in values):
-            return tf.constant(list(values), target)
-        return tf.stack([_tensor(v, target) for v in values])
+            return _constant(tuple(values), target)
+        dynamic = list({id(v): v for v in values if not isinstance(v, int)}.values())
+        where = {id(v): len(values) + i for i, v in enumerate(dynamic)}
+        pool = _concat([_constant(tuple(v if isinstance(v, int) else 0 for v in values), target),
+                        tf.stack([_tensor(v, target) for v in dynamic])])
+        return _gather(pool, _constant(tuple(where.get(id(v), i) for i, v in enumerate(values)),
+                                       tf.int32))
 
     def ones(self, n: Any, dtype: str, like: tf.Tensor) -> tf.Tensor:
-        return tf.ones(tf.reshape(tf.cast(n, tf.int32), [1]), DTYPES[dtype])
+        return tf.fill(tf.expand_dims(_tensor(n, tf.int32), _axis(0)), _constant(1, DTYPES[dtype]))
 
     def copy(self, x: tf.Tensor) -> tf.Tensor:
         return tf.identity(x)
 
     def concat(self, parts: Sequence[tf.Tensor]) -> tf.Tensor:
-        return tf.concat(list(parts), 0)
+        return _concat(parts)
 
     def slice(self, x: tf.Tensor, start: Any, length: Any) -> tf.Tensor:
         if isinstance(start, int) and isinstance(length, int):
-            return tf.slice(x, [start], [length])
-        bounds = [tf.reshape(tf.cast(v, tf.int64), [1]) for v in (start, length)]
+            return tf.slice(x, _shape(start), _shape(length))
+        bounds = [tf.expand_dims(_tensor(v, tf.int64), _axis(0)) for v in (start, length)]
         return tf.slice(x, *bounds)
 
     # -- elementwise arithmetic and reductions ------------------------------------------------
@@ -213,7 +296,8 @@ class TFOps(TensorOps):
         return x * y
 
     def sum(self, x: tf.Tensor) -> tf.Tensor:
-        return tf.reduce_sum(_at_least_float32(x))
+        x = _at_least_float32(x)
+        return tf.reduce_sum(x, _constant(tuple(range(x.shape.rank)), tf.int32))
 
     def dot(self, x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
         return tf.tensordot(_at_least_float32(x), _at_least_float32(y), 1)
@@ -246,60 +330,62 @@ class TFOps(TensorOps):
         return tf.cast(tf.math.top_k(tf.abs(x), k, sorted=False).indices, tf.int64)
 
     def min_abs(self, x: tf.Tensor) -> tf.Tensor:
-        return tf.reduce_min(tf.abs(x))
+        return tf.reduce_min(tf.abs(x), _axis(0))
 
     def kth_largest(self, x: tf.Tensor, k: int) -> tf.Tensor:
-        return tf.reduce_min(tf.math.top_k(x, k, sorted=False).values)
+        return tf.reduce_min(tf.math.top_k(x, k, sorted=False).values, _axis(0))
 
     def strided_sample(self, x: tf.Tensor, offset: Any, stride: int, block: int = 1) -> tf.Tensor:
         """Blocks ``offset::stride`` of ``x``. An offset known only at run time (the step
         counter's, in a graph) gives the ``whole blocks // stride`` blocks every offset has,
         so the sample's length stays static."""
         whole = self.numel(x) // block
-        rows = tf.reshape(x[:whole * block], [whole, block])
+        rows = _rows(_head(x, whole * block), block)
         if isinstance(offset, tf.Tensor) and tf.executing_eagerly():
             offset = int(offset)
         if isinstance(offset, int):
-            return tf.reshape(rows[offset::stride], [-1])
+            return _flat(rows[offset::stride])
         count = whole // stride
-        picked = tf.gather(rows, tf.cast(offset, tf.int64) + stride * tf.range(count, dtype=tf.int64))
-        return tf.reshape(picked, [-1])
+        picked = _gather(rows, _tensor(offset, tf.int64) + _constant(stride, tf.int64) * _iota(count))
+        return _flat(picked)
 
     def block_abs_max(self, x: tf.Tensor, block: int) -> tf.Tensor:
         n = self.numel(x)
         whole = n // block
         # max(max, -min) reads x twice but builds no full-size |x|.
-        rows = tf.reshape(x[:whole * block], [whole, block])
-        maxima = tf.maximum(tf.reduce_max(rows, 1), -tf.reduce_min(rows, 1))
+        rows = _rows(_head(x, whole * block), block)
+        maxima = tf.maximum(tf.reduce_max(rows, _axis(1)), -tf.reduce_min(rows, _axis(1)))
         if whole * block == n:
             return maxima
-        tail = x[whole * block:]
-        last = tf.maximum(tf.reduce_max(tail), -tf.reduce_min(tail))
-        return tf.concat([maxima, last[None]], 0)
+        tail = tf.slice(x, _shape(whole * block), _shape(n - whole * block))
+        last = tf.maximum(tf.reduce_max(tail, _axis(0), keepdims=True),
+                          -tf.reduce_min(tail, _axis(0), keepdims=True))
+        return _concat([maxima, last])
 
     def block_abs_sum(self, x: tf.Tensor, block: int) -> tf.Tensor:
         n = self.numel(x)
         whole = n // block
         magnitudes = tf.cast(tf.abs(x), tf.float64)
-        sums = tf.reduce_sum(tf.reshape(magnitudes[:whole * block], [whole, block]), 1)
+        sums = tf.reduce_sum(_rows(_head(magnitudes, whole * block), block), _axis(1))
         if whole * block != n:
-            sums = tf.concat([sums, tf.reduce_sum(magnitudes[whole * block:])[None]], 0)
+            tail = tf.slice(magnitudes, _shape(whole * block), _shape(n - whole * block))
+            sums = _concat([sums, tf.reduce_sum(tail, _axis(0), keepdims=True)])
         return tf.cast(sums, x.dtype)
 
     def repeat_blocks(self, values: tf.Tensor, block: int, n: int) -> tf.Tensor:
-        return tf.repeat(values, block)[:n]
+        return _head(tf.repeat(values, block), n)
 
     def gather_blocks(self, x: tf.Tensor, blocks: tf.Tensor, block: int) -> tf.Tensor:
         n = self.numel(x)
-        offsets = tf.range(block, dtype=tf.int64)
-        positions = tf.reshape(blocks[:, None] * block + offsets[None, :], [-1])
+        offsets = _constant(tuple(range(block)), tf.int64)
+        positions = _flat(_column(blocks * _constant(block, tf.int64)) + offsets)
         if n % block == 0:
-            return tf.gather(x, positions)
-        values = tf.gather(x, tf.minimum(positions, n - 1))
-        return tf.where(positions < n, values, tf.constant(float("nan"), x.dtype))
+            return _gather(x, positions)
+        values = _gather(x, tf.minimum(positions, _constant(n - 1, tf.int64)))
+        return tf.where(positions < _constant(n, tf.int64), values, _constant(float("nan"), x.dtype))
 
     def nonzero(self, mask: tf.Tensor) -> tf.Tensor:
-        return tf.reshape(tf.where(mask), [-1])
+        return _flat(tf.where(mask))
 
     def searchsorted(self, ascending: tf.Tensor, bounds: Sequence[int]) -> tf.Tensor:
         found = tf.searchsorted(ascending, tf.constant(bounds, ascending.dtype), side="left")
@@ -312,73 +398,73 @@ class TFOps(TensorOps):
         return tf.size(x, out_type=tf.int64)
 
     def gather(self, x: tf.Tensor, indices: tf.Tensor) -> tf.Tensor:
-        return tf.gather(x, indices)
+        return _gather(x, indices)
 
     def scatter_sub(self, out: tf.Tensor, indices: tf.Tensor, values: tf.Tensor) -> tf.Tensor:
-        return tf.tensor_scatter_nd_sub(out, indices[:, None], values)
+        return tf.tensor_scatter_nd_sub(out, _column(indices), values)
 
     def scatter_zero(self, out: tf.Tensor, indices: tf.Tensor) -> tf.Tensor:
-        return tf.tensor_scatter_nd_update(out, indices[:, None], tf.zeros_like(indices, out.dtype))
+        return tf.tensor_scatter_nd_update(out, _column(indices), tf.zeros_like(indices, out.dtype))
 
     def scatter_add(self, out: tf.Tensor, indices: tf.Tensor, values: tf.Tensor) -> tf.Tensor:
-        return tf.tensor_scatter_nd_add(out, indices[:, None], values)
+        return tf.tensor_scatter_nd_add(out, _column(indices), values)
 
     def pad(self, x: tf.Tensor, length: int) -> tf.Tensor:
         if x.shape[0] == length:
             return x
-        padded = tf.concat([x, tf.zeros(length - tf.shape(x)[:1], x.dtype)], 0)
-        return tf.reshape(padded, [length])
+        if x.shape[0] is not None:
+            return _concat([x, self.zeros(length - x.shape[0], dtype_name(x.dtype), x)])
+        short = _constant(length, tf.int64) - tf.size(x, out_type=tf.int64)
+        padded = _concat([x, tf.fill(tf.expand_dims(short, _axis(0)), _zero(x.dtype))])
+        return tf.reshape(padded, _shape(length))
 
     # -- bytes on the wire --------------------------------------------------------------------
     def to_bytes(self, x: tf.Tensor) -> tf.Tensor:
         if x.dtype == tf.uint8:
             return x
-        return tf.reshape(tf.bitcast(x, tf.uint8), [-1])
+        return _flat(tf.bitcast(x, tf.uint8))
 
     def from_bytes(self, data: tf.Tensor, dtype: str) -> tf.Tensor:
         target = DTYPES[dtype]
         if target == tf.uint8:
             return data
-        return tf.bitcast(tf.reshape(data, [-1, target.size]), target)
+        return tf.bitcast(_rows(data, target.size), target)
 
     def pack_signs(self, x: tf.Tensor) -> tf.Tensor:
-        bits = tf.cast(tf.reshape(x, [-1, 8]) >= 0, tf.uint8)
-        shifts = tf.constant(_BIT_SHIFTS, tf.uint8)
-        return tf.reduce_sum(tf.bitwise.left_shift(bits, shifts), 1)
+        bits = tf.cast(_rows(x, 8) >= _constant(0, x.dtype), tf.uint8)
+        return tf.reduce_sum(tf.bitwise.left_shift(bits, _constant(_BIT_SHIFTS, tf.uint8)), _axis(1))
 
     def unpack_signs(self, packed: tf.Tensor, dtype: str) -> tf.Tensor:
-        shifts = tf.constant(_BIT_SHIFTS, tf.uint8)
-        bits = tf.bitwise.bitwise_and(tf.bitwise.right_shift(packed[:, None], shifts), 1)
-        return tf.cast(tf.reshape(bits, [-1]), DTYPES[dtype]) * 2 - 1
+        target = DTYPES[dtype]
+        signs = tf.cast(_flat(_bits_of_bytes(packed)), target)
+        return signs * _constant(2, target) - _constant(1, target)
 
     def pack_bits(self, bits: tf.Tensor) -> tf.Tensor:
-        shifts = tf.constant(_BIT_SHIFTS, tf.uint8)
-        bytes_ = tf.reshape(tf.cast(bits, tf.uint8), [-1, 8])
-        return tf.reduce_sum(tf.bitwise.left_shift(bytes_, shifts), 1)
+        bytes_ = _rows(tf.cast(bits, tf.uint8), 8)
+        return tf.reduce_sum(tf.bitwise.left_shift(bytes_, _constant(_BIT_SHIFTS, tf.uint8)), _axis(1))
 
     def unpack_bits(self, packed: tf.Tensor) -> tf.Tensor:
-        shifts = tf.constant(_BIT_SHIFTS, tf.uint8)
-        bits = tf.bitwise.bitwise_and(tf.bitwise.right_shift(packed[:, None], shifts), 1)
-        return tf.cast(tf.reshape(bits, [-1]), tf.bool)
+        return tf.cast(_flat(_bits_of_bytes(packed)), tf.bool)
 
     def bits_of(self, values: tf.Tensor, width: int) -> tf.Tensor:
-        shifts = tf.range(width, dtype=tf.int64)
-        bits = tf.bitwise.bitwise_and(tf.bitwise.right_shift(tf.cast(values, tf.int64)[:, None], shifts), 1)
-        return tf.cast(tf.reshape(bits, [-1]), tf.bool)
+        shifts = _constant(tuple(range(width)), tf.int64)
+        bits = tf.bitwise.bitwise_and(tf.bitwise.right_shift(_column(_tensor(values, tf.int64)), shifts),
+                                      _constant(1, tf.int64))
+        return tf.cast(_flat(bits), tf.bool)
 
     def from_bits(self, bits: tf.Tensor, width: int) -> tf.Tensor:
         if width == 0:
-            return tf.zeros([0], tf.int64)
-        shifts = tf.range(width, dtype=tf.int64)
-        words = tf.bitwise.left_shift(tf.reshape(tf.cast(bits, tf.int64), [-1, width]), shifts)
-        return tf.reduce_sum(words, 1)
+            return self.zeros(0, "int64", bits)
+        shifts = _constant(tuple(range(width)), tf.int64)
+        words = tf.bitwise.left_shift(_rows(tf.cast(bits, tf.int64), width), shifts)
+        return tf.reduce_sum(words, _axis(1))
 
     def sort(self, x: tf.Tensor) -> Tuple[tf.Tensor, tf.Tensor]:
         order = tf.argsort(x, stable=True)
-        return tf.gather(x, order), tf.cast(order, tf.int64)
+        return _gather(x, order), tf.cast(order, tf.int64)
 
     def arange(self, n: Scalar, like: tf.Tensor) -> tf.Tensor:
-        return tf.range(tf.cast(n, tf.int64), dtype=tf.int64)
+        return _iota(n)
 
     def floordiv(self, x: tf.Tensor, divisor: int) -> tf.Tensor:
         return tf.math.floordiv(x, tf.cast(divisor, x.dtype))
@@ -390,14 +476,18 @@ class TFOps(TensorOps):
         """Not ``tf.reshape(data, [length])``: Horovod's collectives are stateless ops to
         TensorFlow, and Grappler's shape inference takes such a reshape, even in a branch not
         taken, as a fact about the collective's output and folds the size check away."""
-        padding = tf.zeros(tf.maximum(length - tf.size(data), 0)[None], data.dtype)
-        return tf.reshape(tf.concat([data[:length], padding], 0), [length])
+        size = tf.size(data)
+        limit = _constant(length, tf.int32)
+        head = tf.slice(data, _shape(0), tf.expand_dims(tf.minimum(size, limit), _axis(0)))
+        short = tf.expand_dims(tf.maximum(limit - size, _constant(0, tf.int32)), _axis(0))
+        return tf.reshape(_concat([head, tf.fill(short, _zero(data.dtype))]), _shape(length))
 
     def equal(self, a: Scalar, b: Scalar) -> tf.Tensor:
         return tf.equal(_tensor(a, tf.int64), _tensor(b, tf.int64))
 
     def all_within(self, x: tf.Tensor, low: Any, high: Any) -> tf.Tensor:
-        return tf.reduce_all(tf.logical_and(x >= _tensor(low, x.dtype), x <= _tensor(high, x.dtype)))
+        within = tf.logical_and(x >= _tensor(low, x.dtype), x <= _tensor(high, x.dtype))
+        return tf.reduce_all(within, _constant(tuple(range(x.shape.rank)), tf.int32))
 
     def check(self, pred: Scalar, error: Exception) -> None:
         if isinstance(pred, bool) or tf.executing_eagerly():
@@ -461,6 +551,12 @@ class TFOps(TensorOps):
             return branch
 
         return tf.cond(pred, normalised(true_fn), normalised(false_fn))
+
+
+def _bits_of_bytes(packed: tf.Tensor) -> tf.Tensor:
+    """Each byte's 8 bits, lowest first, as rows of uint8 0 or 1."""
+    shifted = tf.bitwise.right_shift(_column(packed), _constant(_BIT_SHIFTS, tf.uint8))
+    return tf.bitwise.bitwise_and(shifted, _constant(1, tf.uint8))
 
 
 def _at_least_float32(x: tf.Tensor) -> tf.Tensor:
