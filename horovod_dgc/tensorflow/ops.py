@@ -126,6 +126,16 @@ def _rows(x: tf.Tensor, width: int) -> tf.Tensor:
     return tf.reshape(x, _shape(-1, width))
 
 
+def _vector(x: tf.Tensor) -> tf.Tensor:
+    """A 0-d tensor as a 1-element 1-D one (a run-time shape, start or size)."""
+    return tf.expand_dims(x, _axis(0))
+
+
+def _all_axes(x: tf.Tensor) -> tf.Tensor:
+    """Every axis of ``x``, for a reduction to one value."""
+    return _constant(tuple(range(x.shape.rank)), tf.int32)
+
+
 def _column(x: tf.Tensor) -> tf.Tensor:
     """``x[:, None]``."""
     return tf.expand_dims(x, _axis(1))
@@ -242,7 +252,7 @@ class TFOps(TensorOps):
                                        tf.int32))
 
     def ones(self, n: Any, dtype: str, like: tf.Tensor) -> tf.Tensor:
-        return tf.fill(tf.expand_dims(_tensor(n, tf.int32), _axis(0)), _constant(1, DTYPES[dtype]))
+        return tf.fill(_vector(_tensor(n, tf.int32)), _constant(1, DTYPES[dtype]))
 
     def copy(self, x: tf.Tensor) -> tf.Tensor:
         return tf.identity(x)
@@ -253,7 +263,7 @@ class TFOps(TensorOps):
     def slice(self, x: tf.Tensor, start: Any, length: Any) -> tf.Tensor:
         if isinstance(start, int) and isinstance(length, int):
             return tf.slice(x, _shape(start), _shape(length))
-        bounds = [tf.expand_dims(_tensor(v, tf.int64), _axis(0)) for v in (start, length)]
+        bounds = [_vector(_tensor(v, tf.int64)) for v in (start, length)]
         return tf.slice(x, *bounds)
 
     # -- elementwise arithmetic and reductions ------------------------------------------------
@@ -297,7 +307,7 @@ class TFOps(TensorOps):
 
     def sum(self, x: tf.Tensor) -> tf.Tensor:
         x = _at_least_float32(x)
-        return tf.reduce_sum(x, _constant(tuple(range(x.shape.rank)), tf.int32))
+        return tf.reduce_sum(x, _all_axes(x))
 
     def dot(self, x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
         return tf.tensordot(_at_least_float32(x), _at_least_float32(y), 1)
@@ -415,7 +425,7 @@ class TFOps(TensorOps):
         if x.shape[0] is not None:
             return _concat([x, self.zeros(length - x.shape[0], dtype_name(x.dtype), x)])
         short = _constant(length, tf.int64) - tf.size(x, out_type=tf.int64)
-        padded = _concat([x, tf.fill(tf.expand_dims(short, _axis(0)), _zero(x.dtype))])
+        padded = _concat([x, tf.fill(_vector(short), _zero(x.dtype))])
         return tf.reshape(padded, _shape(length))
 
     # -- bytes on the wire --------------------------------------------------------------------
@@ -478,8 +488,8 @@ class TFOps(TensorOps):
         taken, as a fact about the collective's output and folds the size check away."""
         size = tf.size(data)
         limit = _constant(length, tf.int32)
-        head = tf.slice(data, _shape(0), tf.expand_dims(tf.minimum(size, limit), _axis(0)))
-        short = tf.expand_dims(tf.maximum(limit - size, _constant(0, tf.int32)), _axis(0))
+        head = tf.slice(data, _shape(0), _vector(tf.minimum(size, limit)))
+        short = _vector(tf.maximum(limit - size, _constant(0, tf.int32)))
         return tf.reshape(_concat([head, tf.fill(short, _zero(data.dtype))]), _shape(length))
 
     def equal(self, a: Scalar, b: Scalar) -> tf.Tensor:
@@ -487,7 +497,7 @@ class TFOps(TensorOps):
 
     def all_within(self, x: tf.Tensor, low: Any, high: Any) -> tf.Tensor:
         within = tf.logical_and(x >= _tensor(low, x.dtype), x <= _tensor(high, x.dtype))
-        return tf.reduce_all(within, _constant(tuple(range(x.shape.rank)), tf.int32))
+        return tf.reduce_all(within, _all_axes(within))
 
     def check(self, pred: Scalar, error: Exception) -> None:
         if isinstance(pred, bool) or tf.executing_eagerly():
