@@ -33,9 +33,16 @@ def _run(cmd: List[str], timeout_s: float) -> str:
     return proc.stdout
 
 
-def horovodrun(script: str, np: int, args: Sequence[str] = (), timeout_s: float = 300) -> str:
-    """Run tests/workers/<script> on ``np`` local ranks with Gloo; return the output."""
-    cmd = [str(BIN / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}", "--gloo",
+# Two names of this machine that Horovod takes for two hosts (both are local, so no SSH).
+TWO_HOSTS = ("localhost", "127.0.0.1")
+
+
+def horovodrun(script: str, np: int, args: Sequence[str] = (), timeout_s: float = 300,
+               hosts: Sequence[str] = ("localhost",)) -> str:
+    """Run tests/workers/<script> on ``np`` local ranks with Gloo, spread evenly over
+    ``hosts`` (e.g. :data:`TWO_HOSTS`: Horovod sees two hosts); return the output."""
+    slots = ",".join(f"{host}:{np // len(hosts)}" for host in hosts)
+    cmd = [str(BIN / "horovodrun"), "-np", str(np), "-H", slots, "--gloo",
            sys.executable, str(WORKERS / script), *args]
     return _run(cmd, timeout_s)
 

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from conftest import horovodrun
+from conftest import TWO_HOSTS, horovodrun
 
 
 # On 2 workers both paths are also compared step by step with each other (paths_torch.py).
@@ -106,3 +106,16 @@ def test_compressors_find_the_parameter_names_of_the_stock_optimizer():
     for method in ("dgc", "topk", "gaussiank", "scalecom", "blocksign"):
         assert out.count(f"{method} names found ok") == 2, out
     assert out.count("misuse ok") == 2, out
+
+
+@pytest.mark.parametrize("runs", [
+    # make test: every kind once, each path twice (every collective kind between hosts).
+    "topk/stock,scalecom/own,blocksign/stock,dgc-sar/own",
+    pytest.param("topk/own,scalecom/stock,blocksign/own,dgc-sar/stock", marks=pytest.mark.slow)])
+def test_hierarchical_compresses_host_averages_between_hosts(runs):
+    """2 hosts x 2 workers: each step's gradient equals a naive reference (topk) or the
+    simulation of 2 workers fed the host averages; a host's workers keep equal memories."""
+    out = horovodrun("hierarchy_torch.py", 4, ["--runs", runs], hosts=TWO_HOSTS)
+    for run in runs.split(","):
+        kind, path = run.split("/")
+        assert out.count(f"{kind} {path} hierarchical ok") == 4, out

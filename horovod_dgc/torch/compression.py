@@ -27,11 +27,13 @@ from horovod.torch.compression import Compressor
 
 from ..core.collectives import ALLGATHER, Transport, join, split
 from ..core.controls import CompressorControls
+from ..core.hosts import Hosts
 from ..core.method import Method
 from ..core.methods import METHODS, MethodSpec, spec_of
 from ..core.twostage import StageHandover
 from .collectives import HOROVOD
 from .engine import DenseUpdate, Engine, OutgoingMessage
+from .hierarchy import HostReduction, HostReductions, HostTransport, find_hosts
 
 NamedParameters = Iterable[Tuple[str, torch.nn.Parameter]]
 # What one tensor brings to an exchange: its name, gradient and parameter.
@@ -59,6 +61,7 @@ class MethodCompressor(CompressorControls, Compressor):
         self._engine: Optional[Engine] = None
         self._optimizer_checked = False
         self.transport: Transport = HOROVOD
+        self._host_reductions: Optional[HostReductions] = None
         if named_parameters is not None:
             self.bind(named_parameters)
 
@@ -84,9 +87,23 @@ class MethodCompressor(CompressorControls, Compressor):
     def use_transport(self, transport: Transport) -> None:
         """Run this compressor's collectives through ``transport`` (Horovod's by default;
         :func:`horovod_dgc.torch.ddp.register` gives it ``torch.distributed``'s)."""
+        if self.hierarchical and not isinstance(transport, HostTransport):
+            raise ValueError("a compressor built with hierarchical=True exchanges through "
+                             "Horovod's process sets; build it without for a DDP hook")
         self.transport = transport
         if self._engine is not None:
             self._engine.join(transport.size(), transport.rank())
+
+    def exchange_between_hosts(self, hosts: Hosts) -> None:
+        """Average each compressed gradient densely inside the host first and run the method
+        between hosts only (see :mod:`horovod_dgc.torch.hierarchy`); only before training."""
+        self._host_reductions = HostReductions(hosts)
+        self.use_transport(HostTransport(hosts))
+
+    @property
+    def hierarchical(self) -> bool:
+        """Whether the method runs between hosts only (:meth:`exchange_between_hosts`)."""
+        return self._host_reductions is not None
 
     @property
     def engine(self) -> Engine:
@@ -144,9 +161,7 @@ class MethodCompressor(CompressorControls, Compressor):
             return update.tensor, update
         exchange = self.launch(name, [(name, tensor, param)])
         # float32 whatever the gradient's dtype: Horovod all-reduces no bfloat16.
-        placeholder = tensor.new_zeros(1, dtype=torch.float32)
-        self.engine.record_placeholder(exchange.step, placeholder.element_size())
-        return placeholder, exchange
+        return tensor.new_zeros(1, dtype=torch.float32), exchange
 
     def decompress(self, tensor: torch.Tensor, ctx) -> torch.Tensor:
         if not self._optimizer_checked:
@@ -155,21 +170,40 @@ class MethodCompressor(CompressorControls, Compressor):
             return tensor
         if isinstance(ctx, DenseUpdate):
             return self.engine.dense_received(ctx, tensor)
-        return self.finish(ctx)[0]
+        averaged = self.finish(ctx)[0]
+        self.engine.record_placeholder(ctx.step, tensor.element_size())
+        return averaged
 
-    # -- the family's exchange: one tensor (stock path) or a bucket (fused path) -------------
+    # -- an exchange: one tensor (stock path) or a bucket (fused path) -----------------------
     def launch(self, label: str, entries: Sequence[Entry]):
         """Start exchanging the compressed tensors ``entries`` through collectives named
         after ``label`` (identical on every rank); returns the exchange for :meth:`finish`."""
-        raise NotImplementedError
+        if self.hierarchical:
+            return self._host_reductions.launch(label, entries)
+        return self._launch(label, entries)
 
     def finish(self, exchange) -> List[torch.Tensor]:
         """The averaged gradients of an exchange's tensors, shaped like them."""
+        if not isinstance(exchange, HostReduction):
+            return self._finish(exchange)
+        if exchange.exchange is None:
+            self._host_reductions.start_exchanges(self._launch)
+        return [averaged.to(dtype) for averaged, dtype
+                in zip(self._finish(exchange.exchange), exchange.dtypes)]
+
+    def _launch(self, label: str, entries: Sequence[Entry]):
+        """The family's exchange of ``entries`` through ``self.transport``."""
+        raise NotImplementedError
+
+    def _finish(self, exchange) -> List[torch.Tensor]:
         raise NotImplementedError
 
     def abandon_exchanges(self) -> None:
         """Forget the exchanges of a step interrupted by an elastic reset, and the memories
         that step computed."""
+        if self.hierarchical:
+            self._host_reductions.forget()
+            self.transport.forget()
         self.engine.abandon_step()
 
     # -- guarding against momentum applied twice -------------------------------------------------
@@ -204,13 +238,13 @@ class SparseCompressor(MethodCompressor):
     """The sparse family (DGC, Top-k, Gaussian-k): one allgather of every tensor's (index,
     value) message, named after the parameter or the bucket."""
 
-    def launch(self, label: str, entries: Sequence[Entry]) -> SparseExchange:
+    def _launch(self, label: str, entries: Sequence[Entry]) -> SparseExchange:
         outgoing = [self.engine.compress(name, grad, param) for name, grad, param in entries]
         transport = self.transport
         message = join(self.engine.ops, ALLGATHER, [o.message for o in outgoing], transport.size())
         return SparseExchange(transport.launch(ALLGATHER, message, label), outgoing)
 
-    def finish(self, exchange: SparseExchange) -> List[torch.Tensor]:
+    def _finish(self, exchange: SparseExchange) -> List[torch.Tensor]:
         return self.engine.decompress(self.transport.wait(exchange.handle), exchange.outgoing)
 
 
@@ -245,7 +279,7 @@ class TwoStageCompressor(MethodCompressor):
         super().__init__(method, named_parameters)
         self._in_flight: Dict[str, TwoStageExchange] = {}
 
-    def launch(self, label: str, entries: Sequence[Entry]) -> TwoStageExchange:
+    def _launch(self, label: str, entries: Sequence[Entry]) -> TwoStageExchange:
         messages, handovers = [], []
         for name, grad, param in entries:
             message, handover = self.engine.first(name, grad, param)
@@ -282,7 +316,7 @@ class TwoStageCompressor(MethodCompressor):
                 method.SECOND, join(ops, method.SECOND, messages, transport.size()),
                 f"2.{exchange.label}", method.root(exchange.handovers[0].call))
 
-    def finish(self, exchange: TwoStageExchange) -> List[torch.Tensor]:
+    def _finish(self, exchange: TwoStageExchange) -> List[torch.Tensor]:
         if exchange.second is None:
             self.launch_second_stages()
         with self._lock:
@@ -370,13 +404,20 @@ def _workers() -> Optional[int]:
 
 
 def _factory(spec: MethodSpec) -> Callable[..., MethodCompressor]:
-    def factory(named_parameters: Optional[NamedParameters] = None, **options) -> MethodCompressor:
-        method = spec.build(_workers(), **options)
-        return COMPRESSORS[method.family](method, named_parameters)
+    def factory(named_parameters: Optional[NamedParameters] = None, hierarchical: bool = False,
+                **options) -> MethodCompressor:
+        hosts = find_hosts() if hierarchical else None
+        method = spec.build(_workers() if hosts is None else hosts.count, **options)
+        compressor = COMPRESSORS[method.family](method, named_parameters)
+        if hosts is not None:
+            compressor.exchange_between_hosts(hosts)
+        return compressor
 
     factory.__name__ = spec.name
     factory.__doc__ = (f"{spec.summary[0].upper()}{spec.summary[1:]}; options: "
-                       f":class:`~{spec.config.__module__}.{spec.config.__name__}`.")
+                       f":class:`~{spec.config.__module__}.{spec.config.__name__}`. "
+                       f"``hierarchical=True``: average densely inside each host and compress "
+                       f"between hosts only (:mod:`horovod_dgc.core.hosts`).")
     return factory
 
 

@@ -51,6 +51,10 @@ class CompressorStateHandler(StateHandler):
     """Commits, restores and synchronizes a compressor's memories (see the module doc)."""
 
     def __init__(self, compressor: MethodCompressor):
+        if compressor.hierarchical:
+            raise ValueError("elastic training changes the hosts, while a compressor built with "
+                             "hierarchical=True keeps the process sets it was built with: "
+                             "build it without hierarchical for elastic jobs")
         super().__init__(compressor)
         self._committed: Optional[dict] = None
 

@@ -69,10 +69,15 @@ def second_synchronize_sends_nothing() -> None:
         optimizer.step()
 
 
+def hierarchical_on_one_host() -> None:
+    expect_error(lambda: hdgc.Compression.dgc(hierarchical=True), "every worker runs on one host")
+
+
 if __name__ == "__main__":
     hvd.init()
     double_momentum()
     own_path_moves_momentum()
     weight_decay_per_param_group()
     second_synchronize_sends_nothing()
+    hierarchical_on_one_host()
     print(f"rank {hvd.rank()} misuse ok", flush=True)
