@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import horovodrun
+from conftest import TWO_HOSTS, horovodrun
 
 MODES = ("eager", "function")
 
@@ -78,3 +78,13 @@ def test_a_run_saved_on_2_workers_resumes_on_3_with_the_memories_redistributed(t
                      timeout_s=600)
     for method in ("dgc", "blocksign"):
         assert out.count(f"{method} resumed on 3 from 2 ok") == 3, out
+
+
+@pytest.mark.parametrize("kinds", ["topk,scalecom", pytest.param("dgc-sar", marks=pytest.mark.slow)])
+def test_hierarchical_compresses_host_averages_between_hosts(kinds):
+    """2 hosts x 2 workers in tf.function: each step's gradient and the memories equal a
+    naive reference (topk) or the simulation of 2 workers fed the host averages."""
+    out = horovodrun("hierarchy_tensorflow.py", 4, ["--kinds", kinds], timeout_s=600,
+                     hosts=TWO_HOSTS)
+    for kind in kinds.split(","):
+        assert out.count(f"{kind} hierarchical ok") == 4, out

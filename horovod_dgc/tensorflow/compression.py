@@ -43,11 +43,13 @@ from horovod.tensorflow.compression import Compressor
 
 from ..core.collectives import ALLGATHER
 from ..core.controls import CompressorControls
+from ..core.hosts import Hosts
 from ..core.method import Method
 from ..core.methods import METHODS, MethodSpec, spec_of
 from ..core.wire import tensor_id
 from .collectives import PREFIX, run
 from .engine import DenseUpdate, Engine
+from .hierarchy import BetweenHosts, find_hosts, host_average
 from .twostage import TwoStageEngine
 # Each rank all-reduces 1.0: Horovod's average is 1.0 only with op=hvd.Average.
 _PLACEHOLDER_VALUE = 1.0
@@ -182,6 +184,8 @@ class MethodCompressor(CompressorControls, Compressor):
         self._engine: Optional[Engine] = None
         self._loss_scale: Optional[Callable[[], Any]] = None
         self._optimizer_checked = False
+        self.hosts: Optional[Hosts] = None
+        self.collective: Callable[..., tf.Tensor] = run
         if variables is not None:
             self.bind(variables)
 
@@ -202,6 +206,19 @@ class MethodCompressor(CompressorControls, Compressor):
         self._variables = list(zip(names, variables))
         self._names = {_identity(v): name for name, v in self._variables}
 
+    def exchange_between_hosts(self, hosts: Hosts) -> None:
+        """Average each compressed gradient densely inside the host first and run the method
+        between hosts only (see :mod:`horovod_dgc.core.hosts`); only before training."""
+        if self._engine is not None:
+            raise ValueError("exchange_between_hosts() must come before the first step")
+        self.hosts = hosts
+        self.collective = BetweenHosts(hosts)
+
+    @property
+    def hierarchical(self) -> bool:
+        """Whether the method runs between hosts only (:meth:`exchange_between_hosts`)."""
+        return self.hosts is not None
+
     @property
     def bound(self) -> bool:
         """Whether the variables are known."""
@@ -214,8 +231,9 @@ class MethodCompressor(CompressorControls, Compressor):
             if not self._variables:
                 raise self._variables_needed()
             specs = [tf.TensorSpec(v.shape, v.dtype, name) for name, v in self._variables]
-            self._engine = self.engine_class(self.method, specs, world_size=hvd.size(),
-                                             rank=hvd.rank())
+            world_size, rank = ((hvd.size(), hvd.rank()) if self.hosts is None
+                                else (self.hosts.count, self.hosts.index))
+            self._engine = self.engine_class(self.method, specs, world_size=world_size, rank=rank)
             if self._loss_scale is not None:
                 self._engine.use_loss_scale(self._loss_scale)
         return self._engine
@@ -331,6 +349,8 @@ class MethodCompressor(CompressorControls, Compressor):
             update = engine.dense(name, tensor, variable)
             return update.tensor, update
         collective = collective_name(name, occurrence)
+        if self.hosts is not None:
+            tensor = host_average(self.hosts, tensor, collective)
         step, finish = self.start_exchange(name, tensor, variable, collective)
         # Horovod's collectives are stateless ops to TensorFlow: Grappler would run the
         # all-reduce of a constant while optimizing the graph. The step counter is no constant.
@@ -366,7 +386,7 @@ class SparseCompressor(MethodCompressor):
     def start_exchange(self, name: str, tensor: tf.Tensor, variable: Any,
                        collective: str) -> Tuple[tf.Tensor, Callable[[], tf.Tensor]]:
         message = self.engine.compress(name, tensor, variable)
-        gathered = run(ALLGATHER, message.message, collective)
+        gathered = self.collective(ALLGATHER, message.message, collective)
         return message.step, lambda: self.engine.decompress(gathered, message)
 
 
@@ -379,7 +399,7 @@ class TwoStageCompressor(MethodCompressor):
 
     def start_exchange(self, name: str, tensor: tf.Tensor, variable: Any,
                        collective: str) -> Tuple[tf.Tensor, Callable[[], tf.Tensor]]:
-        update, step = self.engine.exchange(name, tensor, variable, run, collective)
+        update, step = self.engine.exchange(name, tensor, variable, self.collective, collective)
         return step, lambda: update
 
 
@@ -391,23 +411,33 @@ _TRACED: Dict[Tuple[str, str, str], MethodCompressor] = {}
 
 
 def _factory(spec: MethodSpec) -> Callable[..., MethodCompressor]:
-    def factory(variables: Optional[Iterable[Any]] = None, **options) -> MethodCompressor:
-        workers = hvd.size() if hvd.is_initialized() else None
+    def build(variables: Optional[Iterable[Any]], hierarchical: bool, options) -> MethodCompressor:
+        hosts = find_hosts() if hierarchical else None
+        workers = hosts.count if hosts else hvd.size() if hvd.is_initialized() else None
+        method = spec.build(workers, **options)
+        compressor = COMPRESSORS[method.family](method, variables)
+        if hosts is not None:
+            compressor.exchange_between_hosts(hosts)
+        return compressor
+
+    def factory(variables: Optional[Iterable[Any]] = None, hierarchical: bool = False,
+                **options) -> MethodCompressor:
         if variables is not None or tf.executing_eagerly():
-            method = spec.build(workers, **options)
-            return COMPRESSORS[method.family](method, variables)
+            return build(variables, hierarchical, options)
         # Built inside a tf.function (Horovod's TensorFlow 2 example does): each trace of the
         # function would build new memories, which tf.function refuses after its first trace.
         # The traces of one function share one compressor instead.
-        key = (tf.compat.v1.get_default_graph().name, spec.name, repr(sorted(options.items())))
+        key = (tf.compat.v1.get_default_graph().name, spec.name,
+               repr(sorted({**options, "hierarchical": hierarchical}.items())))
         if key not in _TRACED:
-            method = spec.build(workers, **options)
-            _TRACED[key] = COMPRESSORS[method.family](method)
+            _TRACED[key] = build(None, hierarchical, options)
         return _TRACED[key]
 
     factory.__name__ = spec.name
     factory.__doc__ = (f"{spec.summary[0].upper()}{spec.summary[1:]}; options: "
-                       f":class:`~{spec.config.__module__}.{spec.config.__name__}`.")
+                       f":class:`~{spec.config.__module__}.{spec.config.__name__}`. "
+                       f"``hierarchical=True``: average densely inside each host and compress "
+                       f"between hosts only (:mod:`horovod_dgc.core.hosts`).")
     return factory
 
 
