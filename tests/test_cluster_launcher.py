@@ -35,8 +35,21 @@ def test_rendezvous_plan_sizes_each_hosts_scopes():
     assert all(s.local_size == 1 and s.cross_size == 3 and s.cross_rank == s.rank for s in plan)
 
 
+def test_workers_per_host_place_consecutive_ranks_on_one_host():
+    env = WorkerSettings.from_env({**ENV, "HOROVOD_DGC_RANK": "3",
+                                   "HOROVOD_DGC_LOCAL_SIZE": "2"}).horovod_env()
+    assert (env["HOROVOD_LOCAL_RANK"], env["HOROVOD_LOCAL_SIZE"]) == ("1", "2")
+    assert (env["HOROVOD_CROSS_RANK"], env["HOROVOD_CROSS_SIZE"]) == ("1", "2")
+    assert env["HOROVOD_HOSTNAME"] == "host1"
+    plan = slot_plan(4, local_size=2)
+    assert [(s.hostname, s.local_rank, s.cross_rank) for s in plan] == [
+        ("host0", 0, 0), ("host0", 1, 0), ("host1", 0, 1), ("host1", 1, 1)]
+    assert all(s.local_size == 2 and s.cross_size == 2 for s in plan)
+
+
 @pytest.mark.parametrize("change, message", [
     ({"HOROVOD_DGC_RANK": "4"}, "HOROVOD_DGC_RANK must be in 0..3"),
+    ({"HOROVOD_DGC_LOCAL_SIZE": "3"}, "HOROVOD_DGC_LOCAL_SIZE must be >= 1 and divide"),
     ({"HOROVOD_DGC_RANK": "x"}, "HOROVOD_DGC_RANK must be an integer"),
     ({"HOROVOD_DGC_SIZE": ""}, "HOROVOD_DGC_SIZE is not set"),
     ({"HOROVOD_DGC_RENDEZVOUS_PORT": "70000"}, "HOROVOD_DGC_RENDEZVOUS_PORT must be in"),

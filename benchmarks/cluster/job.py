@@ -1,5 +1,5 @@
 """Run one job on a :class:`~.netns.NetnsCluster`: the rendezvous server in the bridge's
-namespace, one worker per host, all through ``python -m horovod_dgc.cluster`` (the entrypoint
+namespace, ``workers_per_host`` workers on every host, all through ``python -m horovod_dgc.cluster`` (the entrypoint
 a Docker Compose cluster runs too), supervised until every worker has finished.
 
 The first worker that fails ends the job: the others and the rendezvous server are stopped and
@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Dict, List, Mapping, Optional, Sequence
+from typing import IO, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .netns import HOST_IFACE, ClusterError, NetnsCluster
 
@@ -72,15 +72,19 @@ class ClusterJob:
         timeout_s: wall-clock limit of the whole job.
         echo_rank0: also copy rank 0's output to this process's stdout.
         env: extra environment variables for the workers (e.g. ``HOROVOD_CYCLE_TIME``).
+        workers_per_host: ranks ``h * workers_per_host`` onwards run on host ``h``.
     """
 
     def __init__(self, cluster: NetnsCluster, command: Sequence[str], log_dir: Path,
                  timeout_s: float, echo_rank0: bool = True,
-                 env: Optional[Mapping[str, str]] = None):
+                 env: Optional[Mapping[str, str]] = None, workers_per_host: int = 1):
         if not command:
             raise ValueError("no worker command")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if workers_per_host < 1:
+            raise ValueError(f"workers_per_host must be >= 1, got {workers_per_host}")
+        self.workers_per_host = workers_per_host
         self.cluster, self.command, self.log_dir = cluster, list(command), Path(log_dir)
         self.timeout_s, self.echo_rank0 = timeout_s, echo_rank0
         self.worker_env = dict(env or {})
@@ -91,7 +95,8 @@ class ClusterJob:
         pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
         return {**os.environ, "PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1",
                 "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3",
-                "HOROVOD_DGC_SIZE": str(self.cluster.hosts),
+                "HOROVOD_DGC_SIZE": str(self.cluster.hosts * self.workers_per_host),
+                "HOROVOD_DGC_LOCAL_SIZE": str(self.workers_per_host),
                 "HOROVOD_DGC_RENDEZVOUS_ADDR": self.cluster.rendezvous_addr, **extra}
 
     def _start(self, label: str, ns: str, mode_args: List[str], env: Dict[str, str],
@@ -125,10 +130,16 @@ class ClusterJob:
                                    self._env({**self.worker_env, "HOROVOD_DGC_RANK": str(rank),
                                               "HOROVOD_DGC_IFACE": HOST_IFACE}),
                                    echo=self.echo_rank0 and rank == 0)
-                       for rank, ns in enumerate(self.cluster.host_ns)]
+                       for rank, ns in self._placement()]
             self._supervise(rendezvous, workers)
         finally:
             self._stop_all()
+
+    def _placement(self) -> List[Tuple[int, str]]:
+        """(rank, namespace) of every worker."""
+        per_host = self.workers_per_host
+        return [(host * per_host + local, ns) for host, ns in enumerate(self.cluster.host_ns)
+                for local in range(per_host)]
 
     def _supervise(self, rendezvous: _Process, workers: List[_Process]) -> None:
         started = time.monotonic()

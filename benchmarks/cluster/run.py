@@ -51,7 +51,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n")[0],
         epilog="Other flags go to benchmarks/cluster/step.py (see its --help).")
-    p.add_argument("--hosts", type=int, default=4, help="namespaces, one worker each")
+    p.add_argument("--hosts", type=int, default=4, help="namespaces")
+    p.add_argument("--workers-per-host", type=int, default=1,
+                   help="workers in each namespace (their traffic inside it never reaches "
+                        "the link)")
     p.add_argument("--links", default="unshaped,1gbit,100mbit",
                    help="comma-separated: unshaped, 100mbit, 1gbit, <R>mbit, <R>gbit, "
                         "optionally +<D>ms of delay per direction (needs netem)")
@@ -71,6 +74,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
             p.error(f"{flag} is set by this script for each launch")
     if not args.cycle_time_ms > 0:
         p.error("--cycle-time-ms must be > 0")
+    if args.workers_per_host < 1:
+        p.error("--workers-per-host must be >= 1")
     if args.quick:
         args.hosts, args.links = QUICK_HOSTS, QUICK_LINKS
         args.bench_flags = QUICK_BENCH_FLAGS + args.bench_flags
@@ -89,18 +94,19 @@ def bench_command(args: argparse.Namespace, link_name: str, records: Path) -> Li
 
 
 def launch(cluster: NetnsCluster, link: LinkShape, command: List[str], logs: Path, timeout_s: float,
-           cycle_time_ms: float) -> None:
+           cycle_time_ms: float, workers_per_host: int = 1) -> None:
     """Shape ``cluster``'s links as ``link`` and run ``command`` once on every host."""
     cluster.shape(link)
-    ClusterJob(cluster, command, logs, timeout_s,
-               env={"HOROVOD_CYCLE_TIME": f"{cycle_time_ms:g}"}).run()
+    ClusterJob(cluster, command, logs, timeout_s, env={"HOROVOD_CYCLE_TIME": f"{cycle_time_ms:g}"},
+               workers_per_host=workers_per_host).run()
 
 
 def run_links(args: argparse.Namespace, records: Path) -> None:
     with NetnsCluster(args.hosts, args.prefix) as cluster:
         for link in args.links:
             launch(cluster, link, bench_command(args, link.name, records),
-                   args.out / "logs" / link.name, args.timeout_s, args.cycle_time_ms)
+                   args.out / "logs" / link.name, args.timeout_s, args.cycle_time_ms,
+                   args.workers_per_host)
 
 
 def in_namespaces(tool: str, work: Callable[[], None]) -> Tuple[Optional[int], bool]:
@@ -131,7 +137,8 @@ def in_namespaces(tool: str, work: Callable[[], None]) -> Tuple[Optional[int], b
 
 
 def header(args: argparse.Namespace, first: dict, wall_s: float, load: tuple) -> str:
-    return (f"# Cluster benchmark\n\n{args.hosts} hosts (network namespaces), one worker each; "
+    workers = "one worker" if args.workers_per_host == 1 else f"{args.workers_per_host} workers"
+    return (f"# Cluster benchmark\n\n{args.hosts} hosts (network namespaces), {workers} each; "
             f"model {first['model']}, batch {first['batch_size']} of "
             f"{first['image_size']}x{first['image_size']} per worker, {first['warmup_steps']}+"
             f"{first['steps']} steps per method, HOROVOD_CYCLE_TIME={args.cycle_time_ms:g} ms. "

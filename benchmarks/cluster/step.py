@@ -1,8 +1,8 @@
 """Training-step benchmark on a cluster: step time, images/s and bytes on the wire per method.
 
-Run on every host of a cluster, one worker per host (``python -m horovod_dgc.cluster worker --
-python benchmarks/cluster/step.py``; ``python -m benchmarks.cluster.run`` does it on network
-namespaces, ``benchmarks/docker/docker-compose.yml`` on containers)::
+Run by every worker of a cluster, one or more per host (``python -m horovod_dgc.cluster
+worker -- python benchmarks/cluster/step.py``; ``python -m benchmarks.cluster.run`` does it
+on network namespaces, ``benchmarks/docker/docker-compose.yml`` on containers)::
 
     python benchmarks/cluster/step.py [--methods dense,dgc,...] [--model resnet50|tiny]
         [--batch-size 32] [--image-size 32] [--warmup-steps 2] [--steps 5]
@@ -16,6 +16,8 @@ ResNet-50's 25,557,032 parameters) for ``--warmup-steps`` untimed steps, then
 * ``dense``, ``fp16``: the stock ``hvd.DistributedOptimizer`` with Horovod's own compression;
 * ``dgc``, ``topk``, ``gaussiank``, ``scalecom``, ``blocksign``: ``horovod_dgc.torch``'s own
   ``DistributedOptimizer`` (fused buckets) with each method's default settings;
+* ``dgc-sar``, ``dgc-hier``: dgc with ``aggregation="sparse_allreduce"``, or with
+  ``hierarchical=True`` (averaged inside each host, compressed between hosts only);
 * ``dgc-ddp``: dgc as a PyTorch DDP communication hook (``horovod_dgc.torch.ddp``, DDP's
   default buckets) over Gloo, on a process group set up beside Horovod;
 * ``powersgd``: the outside reference, PyTorch DDP over Gloo with the PowerSGD communication
@@ -24,7 +26,8 @@ ResNet-50's 25,557,032 parameters) for ``--warmup-steps`` untimed steps, then
 Per method, rank 0 prints and (``--out``) appends one JSON line: the median over the timed
 steps of the slowest worker's step time, images/s of the whole cluster, and the bytes each
 worker sent per step, read from its interface's ``tx_bytes`` counter (the interface Gloo
-uses, ``HOROVOD_GLOO_IFACE``) before and after the timed steps, next to what the library
+uses, ``HOROVOD_GLOO_IFACE``) before and after the timed steps (with several workers on a
+host: the host's bytes divided among them; traffic inside a host never reaches the link), next to what the library
 says it should be: the bytes handed to the collectives (Horovod's, or torch.distributed's for
 ``dgc-ddp``) and the bytes they send on the network, per worker per step (``stats()`` for
 our methods; for Horovod's own the
@@ -69,7 +72,8 @@ POWERSGD_START_ITER = 2  # PowerSGD's smallest start with error feedback; earlie
 TORCH_DIST_TIMEOUT_S = 120
 SPARSE_METHODS = ("dgc", "topk", "gaussiank", "scalecom", "blocksign")
 # Our methods with other than their default options: (method, options, setting label).
-VARIANTS = {"dgc-sar": ("dgc", {"aggregation": "sparse_allreduce"}, "sparse all-reduce")}
+VARIANTS = {"dgc-sar": ("dgc", {"aggregation": "sparse_allreduce"}, "sparse all-reduce"),
+            "dgc-hier": ("dgc", {"hierarchical": True}, "between hosts only")}
 METHODS = ("dense", "fp16", *SPARSE_METHODS, *VARIANTS, "dgc-ddp", "powersgd")
 
 Step = Callable[[], None]
@@ -130,6 +134,7 @@ class Record:
     estimated_bytes_per_step: Optional[float]
     idle_bytes_per_s: float
     step_s: Tuple[float, ...]
+    workers_per_host: int = 1
 
 
 class TinyNet(nn.Module):
@@ -239,11 +244,21 @@ def estimate(method: str, model: nn.Module, compression: object, timed_steps: in
     the library models them; (None, None) where it has no model (PowerSGD)."""
     if compression is not None:
         stats = compression.stats()
-        return stats.bytes_sent / timed_steps, stats.network_bytes / timed_steps
+        # A hierarchical compressor's statistics are its host's, shared by its workers.
+        shared_by = hvd.local_size() if getattr(compression, "hierarchical", False) else 1
+        return (stats.bytes_sent / timed_steps / shared_by,
+                stats.network_bytes / timed_steps / shared_by)
     if method not in ("dense", "fp16"):
         return None, None
     handed = sum(p.numel() for p in model.parameters()) * (4 if method == "dense" else 2)
     return float(handed), network_bytes(ALLREDUCE, handed, hvd.size())
+
+
+def per_worker_of_hosts(value: float, name: str) -> List[float]:
+    """A host-wide reading (the interface's counter) of every host, divided among the host's
+    workers: one entry per host, from its local rank 0."""
+    readings = hvd.allgather_object((hvd.local_rank(), value), name=name)
+    return [v / hvd.local_size() for local_rank, v in readings if local_rank == 0]
 
 
 def idle_bytes_per_s(iface: str, seconds: float = IDLE_S) -> float:
@@ -312,13 +327,12 @@ def bench_method(method: str, args: argparse.Namespace) -> Record:
     optimizer_label, setting, warmup = trained.optimizer_label, trained.setting, trained.warmup_steps
     params = sum(p.numel() for p in model.parameters())
     handed, estimated = estimate(method, model, compression, args.steps)
-    idle = statistics.mean(hvd.allgather_object(idle_bytes_per_s(args.iface),
-                                                name=f"cluster_step.idle.{method}"))
+    idle = statistics.mean(per_worker_of_hosts(idle_bytes_per_s(args.iface),
+                                               f"cluster_step.idle.{method}"))
     all_seconds = hvd.allgather_object(seconds, name=f"cluster_step.seconds.{method}")
-    all_sent = hvd.allgather_object(sent, name=f"cluster_step.sent.{method}")
     slowest = [max(per_rank[i] for per_rank in all_seconds) for i in range(args.steps)]
     median_s = statistics.median(slowest)
-    per_step = [s / args.steps for s in all_sent]
+    per_step = [s / args.steps for s in per_worker_of_hosts(sent, f"cluster_step.sent.{method}")]
     return Record(link=args.link, method=method, optimizer=optimizer_label, setting=setting,
                   workers=hvd.size(), model=args.model, params=params,
                   batch_size=args.batch_size, image_size=args.image_size, warmup_steps=warmup,
@@ -327,13 +341,13 @@ def bench_method(method: str, args: argparse.Namespace) -> Record:
                   tx_bytes_per_step=statistics.mean(per_step), tx_bytes_per_step_max=max(per_step),
                   handed_bytes_per_step=handed, estimated_bytes_per_step=estimated,
                   idle_bytes_per_s=idle,
-                  step_s=tuple(slowest))
+                  step_s=tuple(slowest), workers_per_host=hvd.local_size())
 
 
 def main(argv: Optional[List[str]] = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    hvd.init()
+    hvd.init(process_sets="dynamic")  # dgc-hier adds its hosts' process sets
     if hvd.rank() == 0:
         print(f"cluster step: {hvd.size()} workers, link {args.link}, model {args.model}, "
               f"batch {args.batch_size} of {args.image_size}x{args.image_size} images per worker, "

@@ -1,4 +1,5 @@
-"""Launch Horovod on a cluster of hosts without SSH or ``horovodrun``: one worker per host.
+"""Launch Horovod on a cluster of hosts without SSH or ``horovodrun``: one or more workers per
+host.
 
 Every host runs the same entrypoint, configured by environment variables only, so the same
 command serves a Docker Compose service, a network-namespace test cluster
@@ -12,7 +13,7 @@ command serves a Docker Compose service, a network-namespace test cluster
 ``rendezvous`` serves Horovod's Gloo rendezvous (the HTTP key-value store ``horovodrun``
 runs inside its driver) on a fixed port until it is stopped. ``worker`` waits until that
 server answers, sets the ``HOROVOD_*`` variables ``horovodrun --gloo`` would set for this
-host's single slot, and replaces itself with the command (same process id).
+worker's slot, and replaces itself with the command (same process id).
 
 The worker first checks that the host name resolves to an address of the interface, and
 stops with an error naming both otherwise: Horovod 0.28.1 binds the Gloo connections of its
@@ -26,8 +27,10 @@ Environment variables (one source of truth: :mod:`horovod_dgc.cluster.settings`)
 ==============================  =========  ==============================================
 variable                        used by    meaning
 ==============================  =========  ==============================================
-``HOROVOD_DGC_SIZE``            both       number of workers (hosts), required
-``HOROVOD_DGC_RANK``            worker     this host's rank, 0 .. size-1, required
+``HOROVOD_DGC_SIZE``            both       number of workers, required
+``HOROVOD_DGC_RANK``            worker     this worker's rank, 0 .. size-1, required
+``HOROVOD_DGC_LOCAL_SIZE``      both       workers per host (default 1): ranks
+                                           ``h * LOCAL_SIZE`` onwards run on host ``h``
 ``HOROVOD_DGC_RENDEZVOUS_ADDR`` both       worker: address of the rendezvous server,
                                            required; rendezvous: address to listen on
                                            (default ``0.0.0.0``, every interface)
@@ -40,9 +43,9 @@ variable                        used by    meaning
                                            before giving up with an error (default 60)
 ==============================  =========  ==============================================
 
-The worker sets ``HOROVOD_RANK``/``SIZE`` from these, ``HOROVOD_LOCAL_RANK=0``,
-``HOROVOD_LOCAL_SIZE=1``, ``HOROVOD_CROSS_RANK=rank``, ``HOROVOD_CROSS_SIZE=size``,
-``HOROVOD_HOSTNAME=host<rank>``, ``HOROVOD_CONTROLLER=gloo``, ``HOROVOD_CPU_OPERATIONS=gloo``,
+The worker sets ``HOROVOD_RANK``/``SIZE`` from these, ``HOROVOD_LOCAL_RANK``/``SIZE`` (its
+place on its host), ``HOROVOD_CROSS_RANK``/``SIZE`` (its host's, and the number of hosts),
+``HOROVOD_HOSTNAME=host<host>``, ``HOROVOD_CONTROLLER=gloo``, ``HOROVOD_CPU_OPERATIONS=gloo``,
 ``HOROVOD_GLOO_RENDEZVOUS_ADDR``/``PORT`` and ``HOROVOD_GLOO_IFACE``.
 """
 from .settings import RendezvousSettings, WorkerSettings, host_label

@@ -1,4 +1,4 @@
-"""Horovod's Gloo rendezvous server on a fixed address and port, for one worker per host."""
+"""Horovod's Gloo rendezvous server on a fixed address and port."""
 from __future__ import annotations
 
 import signal
@@ -11,10 +11,12 @@ from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPSer
 from .settings import RendezvousSettings, host_label
 
 
-def slot_plan(size: int) -> List[SlotInfo]:
-    """One slot per host: rank r runs alone on ``host_label(r)``."""
-    return [SlotInfo(hostname=host_label(rank), rank=rank, local_rank=0, cross_rank=rank,
-                     size=size, local_size=1, cross_size=size) for rank in range(size)]
+def slot_plan(size: int, local_size: int = 1) -> List[SlotInfo]:
+    """``local_size`` slots per host: rank r runs on ``host_label(r // local_size)``."""
+    return [SlotInfo(hostname=host_label(rank // local_size), rank=rank,
+                     local_rank=rank % local_size, cross_rank=rank // local_size, size=size,
+                     local_size=local_size, cross_size=size // local_size)
+            for rank in range(size)]
 
 
 def _stop_on_sigterm(signum, frame) -> None:
@@ -29,7 +31,7 @@ def serve(settings: RendezvousSettings) -> None:
     except OSError as error:
         raise SystemExit(f"rendezvous: cannot listen on {settings.listen_addr}:{settings.port}: "
                          f"{error.strerror}") from None
-    server.init(slot_plan(settings.size))
+    server.init(slot_plan(settings.size, settings.local_size))
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     print(f"rendezvous: serving {settings.size} workers on {settings.listen_addr}:{settings.port}",
           file=sys.stderr, flush=True)

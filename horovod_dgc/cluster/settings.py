@@ -7,6 +7,7 @@ from typing import Mapping
 
 SIZE = "HOROVOD_DGC_SIZE"
 RANK = "HOROVOD_DGC_RANK"
+LOCAL_SIZE = "HOROVOD_DGC_LOCAL_SIZE"
 RENDEZVOUS_ADDR = "HOROVOD_DGC_RENDEZVOUS_ADDR"
 RENDEZVOUS_PORT = "HOROVOD_DGC_RENDEZVOUS_PORT"
 IFACE = "HOROVOD_DGC_IFACE"
@@ -18,10 +19,10 @@ DEFAULT_IFACE = "eth0"
 DEFAULT_TIMEOUT_S = 60.0
 
 
-def host_label(rank: int) -> str:
-    """The ``HOROVOD_HOSTNAME`` of the host of ``rank`` (one worker per host); the rendezvous
-    server sizes each host's local scope under the same label."""
-    return f"host{rank}"
+def host_label(host: int) -> str:
+    """The ``HOROVOD_HOSTNAME`` of host ``host`` (0-based); the rendezvous server sizes each
+    host's local scope under the same label."""
+    return f"host{host}"
 
 
 def _required(environ: Mapping[str, str], name: str) -> str:
@@ -43,9 +44,15 @@ def _check_port(port: int) -> None:
         raise ValueError(f"{RENDEZVOUS_PORT} must be in 1..65535, got {port}")
 
 
-def _check_size(size: int) -> None:
+def _check_size(size: int, local_size: int) -> None:
     if size < 1:
         raise ValueError(f"{SIZE} must be >= 1, got {size}")
+    if local_size < 1 or size % local_size:
+        raise ValueError(f"{LOCAL_SIZE} must be >= 1 and divide {SIZE}={size}, got {local_size}")
+
+
+def _local_size(environ: Mapping[str, str]) -> int:
+    return _integer(LOCAL_SIZE, environ.get(LOCAL_SIZE) or "1")
 
 
 @dataclass(frozen=True)
@@ -53,17 +60,19 @@ class RendezvousSettings:
     """Where the rendezvous server listens, and for how many workers.
 
     Attributes:
-        size: number of workers (one per host).
+        size: number of workers.
         listen_addr: IPv4 address to bind (``0.0.0.0``: every interface).
         port: TCP port.
+        local_size: workers per host (ranks ``h * local_size`` onwards run on host ``h``).
     """
 
     size: int
     listen_addr: str = DEFAULT_LISTEN_ADDR
     port: int = DEFAULT_RENDEZVOUS_PORT
+    local_size: int = 1
 
     def __post_init__(self) -> None:
-        _check_size(self.size)
+        _check_size(self.size, self.local_size)
         _check_port(self.port)
         ipaddress.IPv4Address(self.listen_addr)
 
@@ -72,7 +81,8 @@ class RendezvousSettings:
         return cls(size=_integer(SIZE, _required(environ, SIZE)),
                    listen_addr=environ.get(RENDEZVOUS_ADDR) or DEFAULT_LISTEN_ADDR,
                    port=_integer(RENDEZVOUS_PORT,
-                                 environ.get(RENDEZVOUS_PORT) or str(DEFAULT_RENDEZVOUS_PORT)))
+                                 environ.get(RENDEZVOUS_PORT) or str(DEFAULT_RENDEZVOUS_PORT)),
+                   local_size=_local_size(environ))
 
 
 @dataclass(frozen=True)
@@ -86,6 +96,7 @@ class WorkerSettings:
         port: the rendezvous server's TCP port.
         iface: the network interface Gloo binds to.
         timeout_s: how long to wait for the rendezvous server.
+        local_size: workers per host (ranks ``h * local_size`` onwards run on host ``h``).
     """
 
     rank: int
@@ -94,9 +105,10 @@ class WorkerSettings:
     port: int = DEFAULT_RENDEZVOUS_PORT
     iface: str = DEFAULT_IFACE
     timeout_s: float = DEFAULT_TIMEOUT_S
+    local_size: int = 1
 
     def __post_init__(self) -> None:
-        _check_size(self.size)
+        _check_size(self.size, self.local_size)
         if not 0 <= self.rank < self.size:
             raise ValueError(f"{RANK} must be in 0..{self.size - 1} ({SIZE}={self.size}), "
                              f"got {self.rank}")
@@ -121,18 +133,19 @@ class WorkerSettings:
                    port=_integer(RENDEZVOUS_PORT,
                                  environ.get(RENDEZVOUS_PORT) or str(DEFAULT_RENDEZVOUS_PORT)),
                    iface=environ.get(IFACE) or DEFAULT_IFACE,
-                   timeout_s=timeout_s)
+                   timeout_s=timeout_s, local_size=_local_size(environ))
 
     def horovod_env(self) -> dict:
-        """The variables ``horovodrun --gloo`` sets for this host's single slot."""
+        """The variables ``horovodrun --gloo`` sets for this worker's slot."""
+        host, local_rank = divmod(self.rank, self.local_size)
         return {
             "HOROVOD_RANK": str(self.rank),
             "HOROVOD_SIZE": str(self.size),
-            "HOROVOD_LOCAL_RANK": "0",
-            "HOROVOD_LOCAL_SIZE": "1",
-            "HOROVOD_CROSS_RANK": str(self.rank),
-            "HOROVOD_CROSS_SIZE": str(self.size),
-            "HOROVOD_HOSTNAME": host_label(self.rank),
+            "HOROVOD_LOCAL_RANK": str(local_rank),
+            "HOROVOD_LOCAL_SIZE": str(self.local_size),
+            "HOROVOD_CROSS_RANK": str(host),
+            "HOROVOD_CROSS_SIZE": str(self.size // self.local_size),
+            "HOROVOD_HOSTNAME": host_label(host),
             "HOROVOD_CONTROLLER": "gloo",
             "HOROVOD_CPU_OPERATIONS": "gloo",
             "HOROVOD_GLOO_RENDEZVOUS_ADDR": self.rendezvous_addr,
