@@ -108,7 +108,7 @@ def test_compressors_find_the_parameter_names_of_the_stock_optimizer():
     assert out.count("misuse ok") == 2, out
 
 
-# Slow, and out of make test, while an intermittent hang is open: in about 1 run in 7 on this
+# Slow, and out of make test, while an intermittent hang is open: in 3 runs of 28 on this
 # machine every rank but one times out in Horovod's background loop (a Gloo recv, 30 s), the
 # job having passed its first steps; the cause is not found.
 @pytest.mark.slow
