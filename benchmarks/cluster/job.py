@@ -1,6 +1,7 @@
 """Run one job on a :class:`~.netns.NetnsCluster`: the rendezvous server in the bridge's
-namespace, ``workers_per_host`` workers on every host, all through ``python -m horovod_dgc.cluster`` (the entrypoint
-a Docker Compose cluster runs too), supervised until every worker has finished.
+namespace, ``workers_per_host`` workers on every host, all through ``python -m
+horovod_dgc.cluster`` (the entrypoint a Docker Compose cluster runs too), supervised until
+every worker has finished.
 
 The first worker that fails ends the job: the others and the rendezvous server are stopped and
 :class:`~.netns.ClusterError` names the failed rank, how it ended and the end of its log.

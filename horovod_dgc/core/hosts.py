@@ -30,7 +30,6 @@ class Hosts:
         leaders: Horovod process set of the lowest rank of every host.
         index: this host's place among the hosts, 0-based (the order of their leaders).
         count: the number of hosts.
-        leader: the global rank of this host's leader.
         rank: this worker's global rank.
         leader_ranks: every host's leader, by host index (a broadcast's root is a global rank).
     """
@@ -39,9 +38,13 @@ class Hosts:
     leaders: Any
     index: int
     count: int
-    leader: int
     rank: int
     leader_ranks: Tuple[int, ...]
+
+    @property
+    def leader(self) -> int:
+        """The global rank of this host's leader."""
+        return self.leader_ranks[self.index]
 
     @property
     def is_leader(self) -> bool:
@@ -100,7 +103,7 @@ def _add_process_sets(members: List[List[int]], rank: int,
                          f"same ranks yourself") from error
     index = next(i for i, m in enumerate(members) if rank in m)
     return Hosts(local=local_sets[index], leaders=leaders, index=index, count=len(members),
-                 leader=members[index][0], rank=rank, leader_ranks=tuple(m[0] for m in members))
+                 rank=rank, leader_ranks=tuple(m[0] for m in members))
 
 
 def received_numel(kind: str, message_numel: int, hosts: int) -> int:

@@ -72,7 +72,7 @@ class DenseUpdate:
     loss_scale: Any = 1.0
 
 # Horovod's collectives take no bfloat16: such dense tensors travel as float32.
-_REDUCIBLE = {tf.bfloat16: tf.float32}
+REDUCIBLE = {tf.bfloat16: tf.float32}
 
 
 class Engine:
@@ -304,7 +304,7 @@ class Engine:
         old, scale = self._read_state(name), self._current_loss_scale()
         update, state = self.method.dense(self.ops, old, flat,
                                           self._call(name, step, self.density, param, scale))
-        update = tf.cast(update, _REDUCIBLE.get(grad.dtype, grad.dtype)) * tf.cast(scale, update.dtype)
+        update = tf.cast(update, REDUCIBLE.get(grad.dtype, grad.dtype)) * tf.cast(scale, update.dtype)
         nbytes = flat.shape.num_elements() * update.dtype.size
         self._record([(ALLREDUCE, nbytes)], flat.shape.num_elements() * grad.dtype.size)
         return DenseUpdate(name, tf.reshape(update, grad.shape), grad.dtype, step, old, state, scale)

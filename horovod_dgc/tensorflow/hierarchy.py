@@ -14,9 +14,7 @@ import tensorflow as tf
 
 from ..core.hosts import Hosts, hosts_of, received_numel
 from .collectives import PREFIX, run
-
-# Horovod's collectives take no bfloat16: such gradients are averaged in float32.
-_REDUCIBLE = {tf.bfloat16: tf.float32}
+from .engine import REDUCIBLE
 
 
 def find_hosts() -> Hosts:
@@ -34,7 +32,7 @@ def find_hosts() -> Hosts:
 def host_average(hosts: Hosts, grad: tf.Tensor, name: str) -> tf.Tensor:
     """``grad`` averaged over the workers of this host (a bfloat16 gradient in float32, the
     average then rounded back to bfloat16)."""
-    wide = tf.cast(grad, _REDUCIBLE.get(grad.dtype, grad.dtype))
+    wide = tf.cast(grad, REDUCIBLE.get(grad.dtype, grad.dtype))
     average = hvd.allreduce(wide, op=hvd.Average, name=f"{PREFIX}in_host.{name}",
                             ignore_name_scope=True, process_set=hosts.local)
     return tf.cast(average, grad.dtype)

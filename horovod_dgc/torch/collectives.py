@@ -1,6 +1,8 @@
 """Horovod collectives by kind (the kinds of core/collectives.py), named uniquely."""
 from __future__ import annotations
 
+from typing import Any
+
 import horovod.torch as hvd
 import torch
 
@@ -9,17 +11,19 @@ from ..core.collectives import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST
 PREFIX = "horovod_dgc."
 
 
-def launch(kind: str, message: torch.Tensor, name: str, root: int = 0) -> int:
-    """Start collective ``kind`` on ``message`` under the unique name ``PREFIX + name``."""
+def launch(kind: str, message: torch.Tensor, name: str, root: int = 0,
+           process_set: Any = hvd.global_process_set) -> int:
+    """Start collective ``kind`` on ``message`` under the unique name ``PREFIX + name``,
+    among ``process_set`` (``root``: a broadcast's sender, a global rank)."""
     name = PREFIX + name
     if kind == BROADCAST:
-        return hvd.broadcast_async(message, root_rank=root, name=name)
+        return hvd.broadcast_async(message, root_rank=root, name=name, process_set=process_set)
     if kind == ALLREDUCE:
-        return hvd.allreduce_async(message, op=hvd.Average, name=name)
+        return hvd.allreduce_async(message, op=hvd.Average, name=name, process_set=process_set)
     if kind == ALLTOALL:
-        return hvd.alltoall_async(message, name=name)
+        return hvd.alltoall_async(message, name=name, process_set=process_set)
     if kind == ALLGATHER:
-        return hvd.allgather_async(message, name=name)
+        return hvd.allgather_async(message, name=name, process_set=process_set)
     raise ValueError(f"unknown collective {kind!r}")
 
 

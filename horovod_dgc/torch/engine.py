@@ -61,7 +61,7 @@ class DenseUpdate:
     loss_scale: float = 1.0
 
 # Horovod's collectives take no bfloat16: such dense tensors travel as float32.
-_REDUCIBLE = {torch.bfloat16: torch.float32}
+REDUCIBLE = {torch.bfloat16: torch.float32}
 
 
 class Engine:
@@ -224,7 +224,7 @@ class Engine:
         self._stage(name, state)
         if scale != 1.0:
             update = update * scale
-        update = update.to(_REDUCIBLE.get(grad.dtype, grad.dtype)).reshape(grad.shape)
+        update = update.to(REDUCIBLE.get(grad.dtype, grad.dtype)).reshape(grad.shape)
         if update.data_ptr() == grad.data_ptr():
             update = update.clone()
         self._record(step, ALLREDUCE, update.numel() * update.element_size(), grad)

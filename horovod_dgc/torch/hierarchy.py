@@ -17,12 +17,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import horovod.torch as hvd
 import torch
 
-from ..core.collectives import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST
 from ..core.hosts import Hosts, hosts_of, received_numel
-from .collectives import PREFIX, wait
-
-# Horovod's collectives take no bfloat16: such gradients are averaged in float32.
-_REDUCIBLE = {torch.bfloat16: torch.float32}
+from .collectives import PREFIX, launch, wait
+from .engine import REDUCIBLE
 
 
 def find_hosts() -> Hosts:
@@ -67,8 +64,8 @@ class HostTransport:
         hosts = self.hosts
         between = None
         if hosts.is_leader:
-            between = _launch(kind, message, f"{PREFIX}hosts.{name}", hosts.leaders,
-                              root=hosts.leader_ranks[root])
+            between = launch(kind, message, f"hosts.{name}", root=hosts.leader_ranks[root],
+                             process_set=hosts.leaders)
         exchange = _Exchange(kind, message, name, between)
         with self._lock:
             self._not_handed_over.append(exchange)
@@ -99,18 +96,6 @@ class HostTransport:
         """Drop exchanges not handed over (a step abandoned by an elastic reset)."""
         with self._lock:
             self._not_handed_over.clear()
-
-
-def _launch(kind: str, message: torch.Tensor, name: str, process_set, root: int) -> int:
-    if kind == BROADCAST:
-        return hvd.broadcast_async(message, root_rank=root, name=name, process_set=process_set)
-    if kind == ALLREDUCE:
-        return hvd.allreduce_async(message, op=hvd.Average, name=name, process_set=process_set)
-    if kind == ALLTOALL:
-        return hvd.alltoall_async(message, name=name, process_set=process_set)
-    if kind == ALLGATHER:
-        return hvd.allgather_async(message, name=name, process_set=process_set)
-    raise ValueError(f"unknown collective {kind!r}")
 
 
 # What one tensor brings to an exchange: its name, gradient and parameter.
@@ -146,7 +131,7 @@ class HostReductions:
         """Start averaging ``entries``' gradients among the workers of this host."""
         averages = []
         for name, grad, _ in entries:
-            tensor = grad.detach().to(_REDUCIBLE.get(grad.dtype, grad.dtype), copy=True)
+            tensor = grad.detach().to(REDUCIBLE.get(grad.dtype, grad.dtype), copy=True)
             averages.append((hvd.allreduce_async_(tensor, op=hvd.Average,
                                                   name=f"{PREFIX}in_host.{name}",
                                                   process_set=self.hosts.local), tensor))

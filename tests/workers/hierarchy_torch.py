@@ -19,7 +19,7 @@ import torch
 
 import horovod_dgc.torch as hdgc
 from horovod_dgc.core.selection import top_count
-from twostage_torch import simulation
+from twostage_torch import check_same_parameters_on_every_rank, simulation
 
 STEPS = 6
 DENSITY = 0.01
@@ -110,9 +110,7 @@ def run(kind: str, path: str, hosts) -> None:
                                        msg=lambda m: f"{kind}/{path} {name} step {step}: {m}")
         with optimizer.skip_synchronize():
             optimizer.step()
-    flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
-    for other in hvd.allgather_object(flat, name=f"params.{kind}.{path}"):
-        assert torch.equal(other, flat), "ranks hold different parameters"
+    check_same_parameters_on_every_rank(net, f"{kind}.{path}")
     memories = compression.state_dict()["states"]
     host = next(ranks for ranks in hosts if rank in ranks)
     for r, theirs in enumerate(hvd.allgather_object(memories, name=f"memories.{kind}.{path}")):

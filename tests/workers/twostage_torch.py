@@ -58,6 +58,12 @@ def simulation(method, all_grads, units, size):
     return updates
 
 
+def check_same_parameters_on_every_rank(net: torch.nn.Module, label: str) -> None:
+    flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    for other in hvd.allgather_object(flat, name=f"params.{label}"):
+        assert torch.equal(other, flat), "ranks hold different parameters"
+
+
 def compressed_units(compression, net) -> dict:
     """Unit name -> parameter names: every compressed tensor is its own unit."""
     return {n: [n] for n, p in net.named_parameters() if compression.engine.compresses(p)}
@@ -90,9 +96,7 @@ def run(kind: str, path: str) -> None:
                                        msg=lambda m: f"{kind}/{path} {name} step {step}: {m}")
         with optimizer.skip_synchronize():
             optimizer.step()
-    flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
-    for other in hvd.allgather_object(flat, name=f"params.{kind}.{path}"):
-        assert torch.equal(other, flat), "ranks hold different parameters"
+    check_same_parameters_on_every_rank(net, f"{kind}.{path}")
     print(f"rank {rank}/{size} {kind} {path} twostage ok", flush=True)
 
 
