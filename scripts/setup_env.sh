@@ -59,10 +59,15 @@ install_uv() {
         || die "pip could not install uv (no network to PyPI?); see $CACHE/pip.log."
 }
 
+# --compile-bytecode: uv writes no .pyc files by default, and where PYTHONDONTWRITEBYTECODE is
+# set (as on this project's machines) Python never writes them either, so every process would compile
+# TensorFlow from source again: 19 s instead of 6 s per `import tensorflow`, paid by each rank
+# of each multi-process test.
 uv_install() {
     local links=()
     [ -d /opt/wheels ] && links=(--find-links /opt/wheels --index-strategy unsafe-best-match)
-    "$VENV/bin/uv" pip install -q --python "$VENV/bin/python" -c "$CONSTRAINTS" "${links[@]}" "$@" \
+    "$VENV/bin/uv" pip install -q --compile-bytecode --python "$VENV/bin/python" -c "$CONSTRAINTS" \
+        "${links[@]}" "$@" \
         >"$CACHE/uv.log" 2>&1 \
         || die "uv could not install $* (no network to PyPI?); see $CACHE/uv.log."
 }
