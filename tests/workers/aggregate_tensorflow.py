@@ -20,8 +20,11 @@ from horovod_dgc.core.selection import top_count
 DENSITY = 0.01
 MOMENTUM = 0.9
 # Horovod traces the tape's exchange into a graph in both modes, and each compressor's trace
-# is most of this job's minutes: eagerly, one method (the one with two memories) suffices.
+# is most of this job's minutes: eagerly, one method (the one with two memories) suffices, and
+# the compressor given ``variables=`` is compared with the one given nothing for that method
+# only (finding the variables does not depend on the method); the others run given nothing.
 MODES = {"eager": ("dgc",), "function": ("topk", "dgc", "gaussiank")}
+NAMED_TOO = ("dgc",)
 
 
 def build_model():
@@ -129,15 +132,18 @@ def run(method: str, mode: str, named: bool) -> dict:
 
 
 def run_named_and_unnamed(method: str, mode: str) -> None:
-    """Both compressors pass the reference check, agree bit for bit and name the memories
-    alike (Keras 3's inner variables carry their Keras paths)."""
-    named, unnamed = run(method, mode, named=True), run(method, mode, named=False)
-    for mine, theirs in zip(named["results"], unnamed["results"]):
-        assert mine.keys() == theirs.keys()
-        for key in mine:
-            assert np.array_equal(mine[key], theirs[key]), f"{method}/{mode} {key}: unnamed differs"
+    """The compressor given nothing passes the reference check and names the memories by the
+    Keras paths of Keras 3's inner variables; for :data:`NAMED_TOO`, the one given
+    ``variables=`` passes it too, and the two agree bit for bit."""
+    unnamed = run(method, mode, named=False)
     assert all(path == name for path, name in unnamed["names"].items()), unnamed["names"]
-    assert unnamed["names"] == named["names"], unnamed["names"]
+    if method in NAMED_TOO:
+        named = run(method, mode, named=True)
+        for mine, theirs in zip(named["results"], unnamed["results"]):
+            assert mine.keys() == theirs.keys()
+            for key in mine:
+                assert np.array_equal(mine[key], theirs[key]), f"{method}/{mode} {key}: unnamed differs"
+        assert unnamed["names"] == named["names"], unnamed["names"]
     print(f"rank {hvd.rank()}/{hvd.size()} {method} {mode} aggregate ok", flush=True)
 
 

@@ -1,7 +1,8 @@
 """Every method through Horovod's Keras ``DistributedOptimizer`` (tf_keras, ``model.fit``),
-with a compressor given ``variables=`` and with one given nothing: both end with the same
-weights bit for bit, on every rank alike, and the unnamed one keeps its memories under the
-variables' names. DGC under an SGD with momentum of its own is refused on the first step.
+with a compressor given nothing: every rank ends with the same weights, and the compressor
+keeps its memories under the variables' names; for DGC a compressor given ``variables=``
+ends with the same weights bit for bit. DGC under an SGD with momentum of its own is refused
+on the first step.
 
 The model has a layer that gets no gradient, placed just before a layer of the same shapes
 (pairing gradients by order and shape would give that layer the unused one's memories).
@@ -23,6 +24,9 @@ keras = tf.keras
 METHODS = {"dgc": dict(density=0.01), "topk": dict(density=0.01), "gaussiank": dict(density=0.01),
            "scalecom": dict(density=0.01), "blocksign": dict(block_size=64)}
 METHODS = {name: {**options, "min_numel": 1000} for name, options in METHODS.items()}
+# Each fit is a trace of its own (most of this job's minutes), and finding the variables does
+# not depend on the method: one method also trains with a compressor given ``variables=``.
+NAMED_TOO = ("dgc",)
 
 
 class Net(keras.Model):
@@ -66,9 +70,10 @@ def main() -> None:
     hvd.init()
     tf.config.threading.set_intra_op_parallelism_threads(1)
     for method in methods:
-        named, _ = train(method, named=True)
         unnamed, compression = train(method, named=False)
-        assert np.array_equal(named, unnamed), f"{method}: unnamed compressor trains differently"
+        if method in NAMED_TOO:
+            named, _ = train(method, named=True)
+            assert np.array_equal(named, unnamed), f"{method}: unnamed compressor trains differently"
         everyone = hvd_tf.allgather_object(unnamed, name=f"weights.{method}")
         assert all(np.array_equal(w, unnamed) for w in everyone), f"{method}: ranks differ"
         stats = compression.stats()
