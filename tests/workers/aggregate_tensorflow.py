@@ -9,6 +9,8 @@ by order and shape would hand that layer's gradients the unused layer's memories
 and biases of one shape, and tensors that go dense. Then misuse: a rank with another density, and op=hvd.Sum, fail with errors that
 name the rank and the tensor, or the op.
 """
+import argparse
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -176,9 +178,18 @@ def misuse() -> None:
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--function-methods", default=",".join(MODES["function"]),
+                        help="the methods run inside tf.function")
+    parser.add_argument("--function-only", action="store_true",
+                        help="skip the eager run and the misuse checks")
+    args = parser.parse_args()
     hvd.init()
     tf.config.threading.set_intra_op_parallelism_threads(1)
-    for mode, methods in MODES.items():
-        for method in methods:
-            run_named_and_unnamed(method, mode)
-    misuse()
+    if not args.function_only:
+        for method in MODES["eager"]:
+            run_named_and_unnamed(method, "eager")
+    for method in args.function_methods.split(","):
+        run_named_and_unnamed(method, "function")
+    if not args.function_only:
+        misuse()

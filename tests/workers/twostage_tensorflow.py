@@ -25,9 +25,6 @@ KINDS = {"scalecom": ("scalecom", dict(density=0.01)), "blocksign": ("blocksign"
          "blocksign64": ("blocksign", dict(block_size=64, momentum=0.9)),
          "dgc-sar": ("dgc", SPARSE_ALLREDUCE), "topk-sar": ("topk", SPARSE_ALLREDUCE),
          "gaussiank-sar": ("gaussiank", SPARSE_ALLREDUCE)}
-# Eagerly the sparse all-reduce runs the same code for every method (no graph), and blocksign
-# with momentum the same as without: one of each suffices.
-EAGER_KINDS = ("scalecom", "blocksign", "dgc-sar")
 
 
 def variables():
@@ -94,12 +91,14 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--modes", default="eager,function")
-    parser.add_argument("--eager-kinds", default=",".join(EAGER_KINDS),
-                        help="the kinds of --kinds that also run eagerly")
+    parser.add_argument("--eager-kinds", default=None,
+                        help="the kinds of --kinds that also run eagerly (default: all)")
     args = parser.parse_args()
     hvd.init()
     tf.config.threading.set_intra_op_parallelism_threads(1)
+    kinds = args.kinds.split(",")
+    eager_kinds = kinds if args.eager_kinds is None else args.eager_kinds.split(",")
     for mode in args.modes.split(","):
-        for kind in args.kinds.split(","):
-            if mode == "function" or kind in args.eager_kinds.split(","):
+        for kind in kinds:
+            if mode == "function" or kind in eager_kinds:
                 run(kind, mode)
