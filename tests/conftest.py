@@ -1,6 +1,7 @@
 """Shared fixtures: launching real multi-process Horovod jobs from tests."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -60,3 +61,20 @@ def torchrun(script: str, nproc: int, args: Sequence[str] = (), timeout_s: float
     cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(nproc),
            str(WORKERS / script), *args]
     return _run(cmd, timeout_s)
+
+
+def traffic_figures(out: str) -> dict:
+    """The figures a traffic worker's rank 0 printed after ``TRAFFIC ``."""
+    return json.loads(out.split("TRAFFIC ", 1)[1].splitlines()[0])
+
+
+def check_dgc_hands_300x_fewer_bytes(figures: dict, label: str) -> None:
+    """DGC hands Horovod at least 300x fewer bytes per step than dense on a model of over 1M
+    parameters, and its ``stats()`` counts the same bytes as the wrapped collectives."""
+    dense, dgc = figures["dense"], figures["dgc"]
+    assert dense["params"] >= 1_000_000
+    ratio = dense["bytes_per_step"] / dgc["bytes_per_step"]
+    print(f"{label}: dense {dense['bytes_per_step']:.0f} B/step, dgc "
+          f"{dgc['bytes_per_step']:.0f} B/step, {ratio:.0f}x fewer")
+    assert ratio >= 300, figures
+    assert dgc["stats_bytes_per_step"] == pytest.approx(dgc["bytes_per_step"]), "stats() disagrees"

@@ -2,11 +2,10 @@
 tf.function: aggregation equals the dense reference (the N-worker simulation for the
 two-stage methods), misuse is named, traffic is counted; horovod_dgc's own tape takes
 Keras 3 variables."""
-import json
 
 import pytest
 
-from conftest import TWO_HOSTS, horovodrun
+from conftest import TWO_HOSTS, check_dgc_hands_300x_fewer_bytes, horovodrun, traffic_figures
 
 
 def test_aggregated_gradient_equals_dense_reference_and_misuse_is_named():
@@ -26,14 +25,7 @@ def test_gaussiank_aggregated_gradient_equals_dense_reference():
 
 def test_dgc_hands_horovod_300x_fewer_bytes_than_dense():
     out = horovodrun("traffic_tensorflow.py", 2, timeout_s=600)
-    figures = json.loads(out.split("TRAFFIC ", 1)[1].splitlines()[0])
-    dense, dgc = figures["dense"], figures["dgc"]
-    assert dense["params"] >= 1_000_000
-    ratio = dense["bytes_per_step"] / dgc["bytes_per_step"]
-    print(f"dense {dense['bytes_per_step']:.0f} B/step, dgc {dgc['bytes_per_step']:.0f} B/step, "
-          f"{ratio:.0f}x fewer")
-    assert ratio >= 300, figures
-    assert dgc["stats_bytes_per_step"] == pytest.approx(dgc["bytes_per_step"]), "stats() disagrees"
+    check_dgc_hands_300x_fewer_bytes(traffic_figures(out), "tf.function")
 
 
 # Horovod traces the exchange into a graph eagerly too: there one kind (blocksign: both

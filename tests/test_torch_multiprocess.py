@@ -1,9 +1,8 @@
 """Real Horovod jobs (Gloo): aggregation equals the dense reference, traffic is counted."""
-import json
 
 import pytest
 
-from conftest import TWO_HOSTS, horovodrun
+from conftest import TWO_HOSTS, check_dgc_hands_300x_fewer_bytes, horovodrun, traffic_figures
 
 
 # On 2 workers both paths are also compared step by step with each other (paths_torch.py).
@@ -17,7 +16,7 @@ def test_aggregated_gradient_equals_dense_reference(np, path):
 
 def traffic(path: str, np: int) -> dict:
     out = horovodrun("traffic_torch.py", np, ["--path", path])
-    return json.loads(out.split("TRAFFIC ", 1)[1].splitlines()[0])
+    return traffic_figures(out)
 
 
 @pytest.fixture(scope="module")
@@ -27,14 +26,7 @@ def traffic_two_ranks():
 
 @pytest.mark.parametrize("path", ["stock", "own"])
 def test_dgc_hands_horovod_300x_fewer_bytes_than_dense(path, traffic_two_ranks):
-    figures = traffic_two_ranks[path]
-    dense, dgc = figures["dense"], figures["dgc"]
-    assert dense["params"] >= 1_000_000
-    ratio = dense["bytes_per_step"] / dgc["bytes_per_step"]
-    print(f"{path} path: dense {dense['bytes_per_step']:.0f} B/step, dgc "
-          f"{dgc['bytes_per_step']:.0f} B/step, {ratio:.0f}x fewer")
-    assert ratio >= 300, figures
-    assert dgc["stats_bytes_per_step"] == pytest.approx(dgc["bytes_per_step"]), "stats() disagrees"
+    check_dgc_hands_300x_fewer_bytes(traffic_two_ranks[path], f"{path} path")
 
 
 def test_misuse_is_refused_with_clear_errors():
