@@ -59,17 +59,24 @@ install_uv() {
         || die "pip could not install uv (no network to PyPI?); see $CACHE/pip.log."
 }
 
-# --compile-bytecode: uv writes no .pyc files by default, and where PYTHONDONTWRITEBYTECODE is
-# set (as on this project's machines) Python never writes them either, so every process would compile
-# TensorFlow from source again: 19 s instead of 6 s per `import tensorflow`, paid by each rank
-# of each multi-process test.
 uv_install() {
     local links=()
     [ -d /opt/wheels ] && links=(--find-links /opt/wheels --index-strategy unsafe-best-match)
-    "$VENV/bin/uv" pip install -q --compile-bytecode --python "$VENV/bin/python" -c "$CONSTRAINTS" \
-        "${links[@]}" "$@" \
+    "$VENV/bin/uv" pip install -q --python "$VENV/bin/python" -c "$CONSTRAINTS" "${links[@]}" "$@" \
         >"$CACHE/uv.log" 2>&1 \
         || die "uv could not install $* (no network to PyPI?); see $CACHE/uv.log."
+}
+
+# uv writes no .pyc files, and where PYTHONDONTWRITEBYTECODE is set (as on this project's
+# machines) Python never writes them either: every process would compile TensorFlow from
+# source again, 19 s instead of 6 s per `import tensorflow`, paid by each rank of each
+# multi-process test. compileall skips files already compiled, so a .venv made before this
+# step gets them too (uv's --compile-bytecode only compiles what it installs). Its exit status
+# is not checked: a few of torch's test helpers use Python 3.12 syntax and never import here.
+compile_bytecode() {
+    local site
+    site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
+    "$VENV/bin/python" -m compileall -q -j 0 "$site" >"$CACHE/compileall.log" 2>&1 || true
 }
 
 # Horovod 0.28.1 forces -std=c++14 for its torch op, but torch >= 2.1 headers need C++17.
@@ -162,6 +169,7 @@ main() {
     uv_install -e "$ROOT[torch,tensorflow,test,examples]" cmake wheel setuptools cloudpickle psutil \
         pyyaml packaging
     ensure_horovod
+    compile_bytecode
     echo "$fingerprint" >"$STAMP"
     say "environment ready in $((SECONDS - started)) s"
 }
