@@ -28,11 +28,10 @@ steps of the slowest worker's step time, images/s of the whole cluster, and the 
 worker sent per step, read from its interface's ``tx_bytes`` counter (the interface Gloo
 uses, ``HOROVOD_GLOO_IFACE``) before and after the timed steps (with several workers on a
 host: the host's bytes divided among them; traffic inside a host never reaches the link),
-next to what the library says it should be: the bytes handed to the collectives (Horovod's, or torch.distributed's for
-``dgc-ddp``) and the bytes they send on the network, per worker per step (``stats()`` for
-our methods; for Horovod's own the
-ring all-reduce of the float32 or float16 gradient, ``collectives.network_bytes``; none for
-PowerSGD).
+next to what the library says it should be: the bytes handed to the collectives (Horovod's,
+or torch.distributed's for ``dgc-ddp``) and the bytes they send on the network, per worker per
+step (``stats()`` for our methods; for Horovod's own the ring all-reduce of the float32 or
+float16 gradient, ``collectives.network_bytes``; none for PowerSGD).
 """
 from __future__ import annotations
 
