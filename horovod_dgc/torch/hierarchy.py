@@ -28,7 +28,7 @@ def find_hosts() -> Hosts:
     if not hvd.is_initialized():
         raise ValueError("hierarchical=True needs Horovod initialized first: call "
                          "hvd.init(process_sets=\"dynamic\") before building the compressor")
-    mine = torch.tensor([[hvd.cross_rank(), hvd.rank()]], dtype=torch.int64)
+    mine = torch.tensor([[hvd.cross_rank(), hvd.rank()]], dtype=torch.int64, device="cpu")
     placement = hvd.allgather(mine, name=f"{PREFIX}hosts").tolist()
     return hosts_of([tuple(p) for p in placement], hvd.rank(), hvd.add_process_set)
 

@@ -16,6 +16,10 @@ import torch
 
 from . import _bits, _selection, _streaming
 
+# The kernels read and write host memory: their outputs are CPU tensors whatever
+# torch.set_default_device says.
+CPU = torch.device("cpu")
+
 # Below this many elements one call on the calling thread beats handing ranges to the pool.
 PARALLEL_MIN_NUMEL = 1 << 20
 
@@ -62,7 +66,7 @@ def block_abs_max(x: torch.Tensor, block: int) -> torch.Tensor:
     block is left to the caller), in one read pass."""
     _check(x, "block_abs_max")
     n_blocks = x.numel() // block
-    out = torch.empty(n_blocks, dtype=torch.float32)
+    out = torch.empty(n_blocks, dtype=torch.float32, device=CPU)
     item_bytes = x.element_size()
     _run(_selection.block_abs_max,
          [(x.data_ptr() + start * item_bytes, count // block, block,
@@ -75,7 +79,7 @@ def positions_at_least(x: torch.Tensor, threshold: float) -> torch.Tensor:
     """Positions (int64, ascending) of the entries of ``x`` that are ``>= threshold``, in one
     pass (torch: a mask, then nonzero)."""
     _check(x, "positions_at_least")
-    out = torch.empty(x.numel(), dtype=torch.int64)
+    out = torch.empty(x.numel(), dtype=torch.int64, device=CPU)
     count = _selection.positions_at_least(x.data_ptr(), x.numel(), float(threshold), out.data_ptr())
     return out[:count].clone()
 
@@ -87,8 +91,8 @@ def collect_at_least(x: torch.Tensor, blocks: torch.Tensor, block: int,
     _check(x, "collect_at_least")
     blocks = blocks.to(torch.int64).contiguous()
     capacity = blocks.numel() * block
-    positions = torch.empty(capacity, dtype=torch.int64)
-    magnitudes = torch.empty(capacity, dtype=torch.float32)
+    positions = torch.empty(capacity, dtype=torch.int64, device=CPU)
+    magnitudes = torch.empty(capacity, dtype=torch.float32, device=CPU)
     # One range of the listed blocks per thread, each writing from its first block's slot on.
     ranges = [(start // block, count // block)
               for start, count in _ranges(capacity, block, torch.get_num_threads())]
@@ -133,7 +137,8 @@ def _candidate_slots(n: int) -> Tuple[torch.Tensor, torch.Tensor]:
     faults (and the TLB shootdowns of freeing pages that both kernel threads touched)."""
     held = getattr(_slots, "storage", None)
     if held is None or held[0].numel() < n:
-        held = _slots.storage = (torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.float32))
+        held = _slots.storage = (torch.empty(n, dtype=torch.int64, device=CPU),
+                                 torch.empty(n, dtype=torch.float32, device=CPU))
     return held[0][:n], held[1][:n]
 
 
@@ -165,7 +170,7 @@ def _accumulate(mode: int, grad: torch.Tensor, scale: float, m: float, scale_m: 
         # blocks: those blocks are summed from the ranges' partial sums.
         aligned = all(start % block == 0 for start, _ in ranges)
         stats = (torch.empty if aligned else torch.zeros)(
-            n_blocks, dtype=torch.float32 if stat == "max" else torch.float64)
+            n_blocks, dtype=torch.float32 if stat == "max" else torch.float64, device=CPU)
     partials = []
     calls = []
     collecting = bound is not None and stat == "max"
@@ -182,7 +187,7 @@ def _accumulate(mode: int, grad: torch.Tensor, scale: float, m: float, scale_m: 
         elif phase == 0 or stat != "sum":
             target = stats.data_ptr() + start // block * stats.element_size()
         else:
-            partial = torch.zeros((phase + count - 1) // block + 1, dtype=torch.float64)
+            partial = torch.zeros((phase + count - 1) // block + 1, dtype=torch.float64, device=CPU)
             partials.append((start // block, partial))
             target = partial.data_ptr()
         offset = start * 4
@@ -261,7 +266,7 @@ def sign_pack(x: torch.Tensor, scales: torch.Tensor, block: int,
     if not supports_signs(x, scales) or length % 8 or length < x.numel():
         raise TypeError(f"sign_pack takes contiguous float32 CPU tensors and a length that is a "
                         f"multiple of 8 and at least {x.numel()}, got {x.dtype}, length {length}")
-    packed = torch.empty(length // 8, dtype=torch.uint8)
+    packed = torch.empty(length // 8, dtype=torch.uint8, device=CPU)
     _run(_streaming.sign_pack,
          [(x.data_ptr() + start * 4, x.numel(), count, scales.data_ptr(), block, start,
            packed.data_ptr() + start // 8, x.data_ptr() + start * 4)
@@ -279,7 +284,7 @@ def sign_decode(packed: torch.Tensor, scales: torch.Tensor, block: int, n: int,
         raise TypeError(f"sign_decode takes float32 CPU scales and at most {packed.numel() * 8} "
                         f"entries, got {scales.dtype}, n={n}")
     packed = packed.contiguous()
-    out = torch.empty(n, dtype=torch.float32) if target is None else target
+    out = torch.empty(n, dtype=torch.float32, device=CPU) if target is None else target
     _run(_streaming.sign_decode,
          [(packed.data_ptr() + start // 8, count, scales.data_ptr(), block, start,
            out.data_ptr() + start * 4, add_to is not None)
@@ -312,10 +317,10 @@ def elias_fano_positions(lower: torch.Tensor, low_bits: int, upper: torch.Tensor
     ``((b - i) << low_bits) + field``; ``low_bits`` up to 56. One pass over the bytes."""
     upper = _check_packed(upper, n_upper_bits, "elias_fano_positions")
     lower = _check_packed(lower, low_bits * min(count, capacity), "elias_fano_positions")
-    out = torch.empty(capacity, dtype=torch.int64)
+    out = torch.empty(capacity, dtype=torch.int64, device=CPU)
     found, in_range = _bits.elias_fano_positions(lower.data_ptr(), low_bits, upper.data_ptr(),
                                                  n_upper_bits, capacity, count, numel, out.data_ptr())
-    return out, torch.tensor(found == count and in_range)
+    return out, torch.tensor(found == count and in_range, device=CPU)
 
 
 def scatter_add(out: torch.Tensor, index: torch.Tensor, values: Optional[torch.Tensor],
@@ -361,7 +366,7 @@ def sum_sparse(out: torch.Tensor, messages: Sequence[Tuple[torch.Tensor, torch.T
             return None
         kept += [positions, values]  # the converted tensors live until the kernel has run
         table += [positions.data_ptr(), values.data_ptr(), count]
-    words = torch.tensor(table, dtype=torch.int64)
+    words = torch.tensor(table, dtype=torch.int64, device=CPU)
     _run(_streaming.sum_sparse, [(out.data_ptr(), start, count, words.data_ptr(), len(messages), scale)
                                  for start, count in _ranges(n, _SUM_SPARSE_UNIT, torch.get_num_threads())])
     return out
@@ -384,7 +389,7 @@ def pack_fields(values: torch.Tensor, width: int, n_bytes: int) -> torch.Tensor:
     if values.device.type != "cpu" or values.numel() * width > n_bytes * 8:
         raise TypeError(f"pack_fields: {values.numel()} fields of {width} bits do not fit in "
                         f"{n_bytes} bytes (or are not on the CPU)")
-    packed = torch.zeros(n_bytes, dtype=torch.uint8)
+    packed = torch.zeros(n_bytes, dtype=torch.uint8, device=CPU)
     _bits.pack_fields(values.data_ptr(), values.numel(), width, packed.data_ptr())
     return packed
 
@@ -395,6 +400,6 @@ def set_bits(positions: torch.Tensor, n_bytes: int) -> torch.Tensor:
     positions = positions.to(torch.int64).contiguous()
     if positions.device.type != "cpu":
         raise TypeError(f"set_bits takes CPU positions, got them on {positions.device}")
-    packed = torch.zeros(n_bytes, dtype=torch.uint8)
+    packed = torch.zeros(n_bytes, dtype=torch.uint8, device=CPU)
     _bits.set_bits(positions.data_ptr(), positions.numel(), n_bytes * 8, packed.data_ptr())
     return packed
