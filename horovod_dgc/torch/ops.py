@@ -5,7 +5,7 @@ reads the condition on the host: one synchronisation per loop test, none per ele
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -19,8 +19,18 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _HALF = (torch.float16, torch.bfloat16)
 _GATHER_BITS = 0x0102040810204080
 # Row b: the eight signs (+1 for a set bit, -1 otherwise) that byte b packs, bit i first.
-_BIT_TABLE = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool()
+_BIT_TABLE = ((torch.arange(256, device="cpu").unsqueeze(1) >> torch.arange(8, device="cpu")) & 1).bool()
 _SIGN_TABLE = _BIT_TABLE.float() * 2 - 1
+_tables: Dict[Tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _table(name: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The bit or sign table on ``device``, copied there once: a copy from the host at every
+    call waits for the GPU each time."""
+    key = (name, device, dtype)
+    if key not in _tables:
+        _tables[key] = {"bits": _BIT_TABLE, "signs": _SIGN_TABLE}[name].to(device=device, dtype=dtype)
+    return _tables[key]
 
 
 def _usable(out: Optional[torch.Tensor], like: torch.Tensor) -> Optional[torch.Tensor]:
@@ -135,7 +145,11 @@ class TorchOps(TensorOps):
         return torch.isfinite(s)
 
     def where(self, pred: Scalar, a: Scalar, b: Scalar) -> torch.Tensor:
-        return torch.where(torch.as_tensor(pred), torch.as_tensor(a), torch.as_tensor(b))
+        if not isinstance(pred, torch.Tensor):
+            return torch.as_tensor(a if pred else b)
+        # Python numbers go in as they are: a CPU tensor made of one would be copied to the
+        # GPU, and that copy waits for it.
+        return torch.where(pred, a, b)
 
     def topk_abs(self, x: torch.Tensor, k: int) -> torch.Tensor:
         return torch.topk(x.abs(), k, sorted=False).indices
@@ -245,7 +259,7 @@ class TorchOps(TensorOps):
                         dtype: str) -> torch.Tensor:
         if dtype != "float32" or not kernels.supports_signs(*(scales for _, scales, _, _ in messages)):
             return super().sign_decode_all(messages, dtype)
-        out = torch.empty(sum(n for _, _, _, n in messages), dtype=torch.float32)
+        out = torch.empty(sum(n for _, _, _, n in messages), dtype=torch.float32, device=kernels.CPU)
         at = 0
         for packed, scales, block, n in messages:
             kernels.sign_decode(packed, scales, block, n, out=out[at:at + n])
@@ -317,7 +331,7 @@ class TorchOps(TensorOps):
         return ((bits * _GATHER_BITS) >> 56).to(torch.uint8)
 
     def unpack_signs(self, packed: torch.Tensor, dtype: str) -> torch.Tensor:
-        table = _SIGN_TABLE.to(device=packed.device, dtype=DTYPES[dtype])
+        table = _table("signs", packed.device, DTYPES[dtype])
         return table.index_select(0, packed.to(torch.int64)).reshape(-1)
 
     def pack_bits(self, bits: torch.Tensor) -> torch.Tensor:
@@ -325,7 +339,7 @@ class TorchOps(TensorOps):
         return ((words * _GATHER_BITS) >> 56).to(torch.uint8)
 
     def unpack_bits(self, packed: torch.Tensor) -> torch.Tensor:
-        table = _BIT_TABLE.to(device=packed.device)
+        table = _table("bits", packed.device, torch.bool)
         return table.index_select(0, packed.to(torch.int64)).reshape(-1)
 
     def pack_fields(self, values: torch.Tensor, width: int, n_bytes: int) -> torch.Tensor:
