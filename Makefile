@@ -2,8 +2,12 @@
 VENV   := .venv
 PYTHON := $(VENV)/bin/python
 NP     ?= 2
+# bench-compress's device (cpu, or cuda where PyTorch has it: see gpu-check).
+DEVICE ?= cpu
+# gpu-check's interpreter: one whose PyTorch has CUDA (Horovod is not needed).
+GPU_PYTHON ?= python3
 
-.PHONY: setup test test-slow demo imagenet-demo bench-compress bench-trace-tf bench-convergence cluster-bench cluster-scaling traffic-model compose-test horovod-examples clean-venv
+.PHONY: setup test test-slow demo imagenet-demo bench-compress gpu-check bench-trace-tf bench-convergence cluster-bench cluster-scaling traffic-model compose-test horovod-examples clean-venv
 
 setup:
 	@bash scripts/setup_env.sh
@@ -35,7 +39,12 @@ imagenet-demo: setup
 
 ## Time the selection of one ResNet-50-sized gradient with each method.
 bench-compress: setup
-	$(PYTHON) -m benchmarks.compress
+	$(PYTHON) -m benchmarks.compress --device $(DEVICE)
+
+## On a GPU machine (no .venv, no Horovod): the core and adapter tests on CUDA, bench-compress
+## on CUDA and the host synchronisations per step; results in results/gpu/.
+gpu-check:
+	PYTHON=$(GPU_PYTHON) bash benchmarks/gpu_check.sh results/gpu
 
 ## Ops and seconds one compressed tensor adds to a TensorFlow graph (the first step's tracing).
 bench-trace-tf: setup

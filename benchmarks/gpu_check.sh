@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GPU checks (`make gpu-check`): the device-parametrized core and adapter tests on CUDA,
+# `benchmarks.compress --device cuda` and `benchmarks.host_syncs`. Needs PyTorch with CUDA,
+# not Horovod. Each part has its own time limit, so that one that hangs leaves the others'
+# results; the exit status is that of the first part that failed.
+#
+#   benchmarks/gpu_check.sh [OUT_DIR] [PARTS...]    (PARTS: tests compress syncs; default: all;
+#                                                 TESTS=... overrides the test files)
+set -u
+OUT=${1:-results/gpu}
+shift || true
+PARTS=${*:-tests compress syncs}
+PYTHON=${PYTHON:-python3}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+status=0
+
+part() {  # name, limit in seconds, command...
+    local name=$1 limit=$2
+    shift 2
+    case " $PARTS " in *" $name "*) ;; *) return 0 ;; esac
+    echo "== $name ($(date -u +%H:%M:%S))"
+    timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
+    local rc=$?
+    tail -n 60 "$OUT/$name.txt"
+    echo "== $name: exit $rc"
+    [ "$status" -ne 0 ] || status=$rc
+}
+
+# The CPU kernels are part of the adapter (the parity tests run them beside the GPU).
+if ! "$PYTHON" -c "import horovod_dgc.torch.kernels" 2>/dev/null; then
+    "$PYTHON" setup.py -q build_ext --inplace > "$OUT/build.txt" 2>&1 \
+        || { echo "building the C kernels failed:"; tail -n 20 "$OUT/build.txt"; exit 1; }
+fi
+
+"$PYTHON" - <<'EOF' | tee "$OUT/device.txt"
+import sys, torch
+print(f"python {sys.version.split()[0]}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+print(torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device")
+EOF
+
+# The in-process tests that take the `device` fixture (tests/conftest.py), and the device parity.
+TESTS=${TESTS:-tests/test_core_references.py tests/test_core_selection.py tests/test_core_methods.py
+    tests/test_codecs.py tests/test_core_twostage.py tests/test_core_sparse_allreduce.py
+    tests/test_core_warmup.py tests/test_bad_input.py tests/test_device_torch.py}
+# shellcheck disable=SC2086
+part tests 240 "$PYTHON" -m pytest -q -p no:cacheprovider -rfEs -k "cuda or device_torch" \
+    --junitxml="$OUT/tests.xml" $TESTS
+part compress 240 "$PYTHON" -m benchmarks.compress --device cuda --json "$OUT/compress.json"
+part syncs 240 "$PYTHON" -m benchmarks.host_syncs --sparse-allreduce --json "$OUT/syncs.json"
+exit "$status"

@@ -1,0 +1,68 @@
+"""Every method through the PyTorch engine on a GPU gives what it gives on the CPU.
+
+The CPU path is checked against naive references elsewhere (test_core_references and the
+device-parametrized core tests); here each method's whole round trip (compress, the emulated
+collectives, decode, memories) runs on CUDA tensors and on CPU tensors from the same gradients,
+over several steps, so that a device-dependent step (a CPU-only table, a tensor created on
+the default device, a host-side loop that reads stale values) shows as a difference.
+Skipped without a CUDA device.
+"""
+import pytest
+import torch
+
+from benchmarks.host_syncs import compress_all, decode_all, gradients
+from horovod_dgc.core.methods import BY_NAME, METHODS
+from horovod_dgc.torch.engine import Engine
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+# Sizes past the kernels' parallel threshold and the methods' min_numel, and a small tensor.
+SHAPES = [(300, 4096), (64, 3, 7, 7), (1000,), (37,)]
+WORLD = 3
+STEPS = 4
+# The sparse all-reduce's owners select among sums of values that travelled as float16, where
+# equal magnitudes are common: float32 values keep the comparison free of ties.
+CONFIGS = ([(spec.name, {}) for spec in METHODS]
+           + [("dgc", {"aggregation": "sparse_allreduce", "value_dtype": "float32"}),
+              ("topk", {"aggregation": "sparse_allreduce", "value_dtype": "float32"}),
+              ("dgc", {"value_dtype": "int8"}), ("blocksign", {"momentum": 0.0})])
+IDS = [name + "".join(f"-{v}" for v in options.values()) for name, options in CONFIGS]
+
+
+def run(name, options, device, dtype):
+    """Every rank's averaged gradients at each step, and rank 0's memories at the end."""
+    engines = [Engine(BY_NAME[name].build(**options), world_size=WORLD, rank=r) for r in range(WORLD)]
+    names = [f"t{i}" for i in range(len(SHAPES))]
+    averages = []
+    for step in range(STEPS):
+        outputs = compress_all(engines, names, gradients(SHAPES, WORLD, step, device, dtype))
+        averages.append([[a.float().cpu() for a in rank] for rank in decode_all(engines, names, SHAPES, outputs)])
+    memories = {key: tensor.float().cpu() for key, tensor in engines[0].state_dict()["states"]["t0"].items()}
+    return averages, memories
+
+
+@pytest.mark.parametrize("name,options", CONFIGS, ids=IDS)
+def test_every_method_gives_on_cuda_what_it_gives_on_the_cpu(name, options):
+    cpu, cuda = run(name, options, "cpu", torch.float32), run(name, options, "cuda", torch.float32)
+    for step, (expected, got) in enumerate(zip(cpu[0], cuda[0])):
+        for rank, (e_rank, g_rank) in enumerate(zip(expected, got)):
+            for shape, e, g in zip(SHAPES, e_rank, g_rank):
+                assert g.shape == e.shape
+                torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5,
+                                           msg=lambda m: f"step {step}, rank {rank}, {shape}: {m}")
+    assert cpu[1].keys() == cuda[1].keys()
+    for key in cpu[1]:
+        torch.testing.assert_close(cuda[1][key], cpu[1][key], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name,options", CONFIGS, ids=IDS)
+def test_bfloat16_gradients_send_on_cuda_as_much_as_on_the_cpu(name, options):
+    """bfloat16 gradients hold many equal magnitudes, and CPU and GPU may pick different ones
+    among equals at the threshold: the count of entries and the mass sent must agree, not
+    the positions."""
+    cpu, cuda = run(name, options, "cpu", torch.bfloat16), run(name, options, "cuda", torch.bfloat16)
+    for step, (expected, got) in enumerate(zip(cpu[0], cuda[0])):
+        for shape, e, g in zip(SHAPES, expected[0], got[0]):
+            assert bool(torch.isfinite(g).all()), f"step {step}, {shape}"
+            assert int(g.count_nonzero()) == pytest.approx(int(e.count_nonzero()), rel=0.05), f"step {step}, {shape}"
+            assert float(g.abs().sum()) == pytest.approx(float(e.abs().sum()), rel=0.02), f"step {step}, {shape}"
