@@ -47,6 +47,13 @@ def _scatters(out: torch.Tensor, values: Optional[torch.Tensor] = None) -> bool:
             and (values is None or (values.dtype == torch.float32 and values.device.type == "cpu")))
 
 
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor (a header, a few bounds) on ``device``. The copy does not wait
+    for the GPU: from pageable memory the driver stages the bytes before it returns, so
+    ``host`` may be freed at once; a plain copy would wait for the GPU to finish its queue."""
+    return host.to(device, non_blocking=True)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """The core's name of a torch dtype (``"other"`` for dtypes the core does not know)."""
     return DTYPE_NAMES.get(dtype, "other")
@@ -74,7 +81,8 @@ class TorchOps(TensorOps):
         return torch.empty(n, dtype=DTYPES[dtype], device=like.device)
 
     def constant(self, values: Sequence[Any], dtype: str, like: torch.Tensor) -> torch.Tensor:
-        return torch.tensor([int(v) for v in values], dtype=DTYPES[dtype], device=like.device)
+        return _to_device(torch.tensor([int(v) for v in values], dtype=DTYPES[dtype], device="cpu"),
+                          like.device)
 
     def ones(self, n: Any, dtype: str, like: torch.Tensor) -> torch.Tensor:
         return torch.ones(int(n), dtype=DTYPES[dtype], device=like.device)
@@ -270,8 +278,8 @@ class TorchOps(TensorOps):
         return torch.nonzero(mask).reshape(-1)
 
     def searchsorted(self, ascending: torch.Tensor, bounds: Sequence[int]) -> torch.Tensor:
-        return torch.searchsorted(ascending, torch.tensor(bounds, dtype=ascending.dtype,
-                                                          device=ascending.device))
+        return torch.searchsorted(ascending, _to_device(
+            torch.tensor(bounds, dtype=ascending.dtype, device="cpu"), ascending.device))
 
     def greater_equal(self, x: torch.Tensor, threshold: Scalar) -> torch.Tensor:
         return x >= threshold
