@@ -44,8 +44,8 @@ TESTS=${TESTS:-tests/test_core_references.py tests/test_core_selection.py tests/
     tests/test_codecs.py tests/test_core_twostage.py tests/test_core_sparse_allreduce.py
     tests/test_core_warmup.py tests/test_bad_input.py tests/test_device_torch.py}
 # shellcheck disable=SC2086
-part tests 240 "$PYTHON" -m pytest -q -p no:cacheprovider -rfEs -k "cuda or device_torch" \
+part tests 300 "$PYTHON" -m pytest -q -p no:cacheprovider -rfEs -k "cuda or device_torch" \
     --junitxml="$OUT/tests.xml" $TESTS
-part compress 240 "$PYTHON" -m benchmarks.compress --device cuda --json "$OUT/compress.json"
-part syncs 240 "$PYTHON" -m benchmarks.host_syncs --sparse-allreduce --json "$OUT/syncs.json"
+part compress 120 "$PYTHON" -m benchmarks.compress --device cuda --json "$OUT/compress.json"
+part syncs 150 "$PYTHON" -m benchmarks.host_syncs --steps 2 --sparse-allreduce --json "$OUT/syncs.json"
 exit "$status"

@@ -1,4 +1,5 @@
-"""Shared fixtures: launching real multi-process Horovod jobs from tests."""
+"""Shared fixtures: the device the in-process tests run on, and launching real multi-process
+Horovod jobs from tests."""
 from __future__ import annotations
 
 import json
@@ -32,6 +33,35 @@ def _run(cmd: List[str], timeout_s: float) -> str:
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-6000:]}")
     return proc.stdout
+
+
+DEVICES = ("cpu", "cuda")
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    """Where a test's tensors live: every test that takes it runs on the CPU, and on CUDA
+    where a GPU is present (skipped otherwise). Tests create their inputs on the CPU from a
+    seeded generator and move them, so both devices see the same values."""
+    import torch  # not every test module needs torch
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return torch.device(request.param)
+
+
+def randn(*shape, device, generator=None):
+    """``torch.randn`` drawn on the CPU (the same values on every device), then moved to
+    ``device``."""
+    import torch
+    return torch.randn(*shape, generator=generator, device="cpu").to(device)
+
+
+def torch_compression():
+    """``horovod_dgc.torch.Compression``, or a skip where Horovod is not installed (a GPU
+    machine that runs the engine's and the core's tests)."""
+    pytest.importorskip("horovod.torch", reason="Horovod is not installed")
+    from horovod_dgc.torch import Compression
+    return Compression
 
 
 # Two names of this machine that Horovod takes for two hosts (both are local, so no SSH).

@@ -52,26 +52,26 @@ def naive_decode_elias_fano(lower, upper, n, capacity, count):
 
 @pytest.mark.parametrize("n,capacity,count", [(1_000_000, 1000, 1000), (4096, 41, 30), (100, 100, 60),
                                                (5000, 1, 1), (1 << 20, 1 << 18, 1 << 18)])
-def test_elias_fano_matches_the_definition_both_ways(n, capacity, count):
+def test_elias_fano_matches_the_definition_both_ways(n, capacity, count, device):
     positions = sorted(random.Random(n).sample(range(n), count))
     coding = EliasFano(n, capacity)
-    lower, upper = coding.encode(ops, torch.tensor(positions), count)
+    lower, upper = coding.encode(ops, torch.tensor(positions, device=device), count)
     expected_lower, expected_upper = naive_elias_fano(positions, n, capacity)
     assert bytes(lower.tolist()) == expected_lower and bytes(upper.tolist()) == expected_upper
-    decoded, consistent = coding.decode(ops, [lower, upper], torch.tensor(count))
+    decoded, consistent = coding.decode(ops, [lower, upper], torch.tensor(count, device=device))
     assert bool(consistent)
     assert decoded.tolist() == positions + [0] * (capacity - count)
 
 
-def test_bitmap_and_raw_round_trip_and_refuse_an_inconsistent_count():
+def test_bitmap_and_raw_round_trip_and_refuse_an_inconsistent_count(device):
     n, positions = 1000, sorted(random.Random(1).sample(range(1000), 300))
     for coding in (Bitmap(n, 400), RawIndices(n, 400)):
-        parts = coding.encode(ops, torch.tensor(positions), len(positions))
-        decoded, consistent = coding.decode(ops, parts, torch.tensor(len(positions)))
+        parts = coding.encode(ops, torch.tensor(positions, device=device), len(positions))
+        decoded, consistent = coding.decode(ops, parts, torch.tensor(len(positions), device=device))
         assert bool(consistent) and decoded.tolist()[:300] == positions, coding.name
-    parts = Bitmap(n, 400).encode(ops, torch.tensor(positions), len(positions))
+    parts = Bitmap(n, 400).encode(ops, torch.tensor(positions, device=device), len(positions))
     assert bytes(parts[0].tolist()) == bits_to_bytes([int(i in set(positions)) for i in range(n)])
-    assert not bool(Bitmap(n, 400).decode(ops, parts, torch.tensor(299))[1])
+    assert not bool(Bitmap(n, 400).decode(ops, parts, torch.tensor(299, device=device))[1])
 
 
 def test_the_smallest_coding_is_chosen_and_density_0_001_costs_12_bits_a_position():
@@ -83,15 +83,15 @@ def test_the_smallest_coding_is_chosen_and_density_0_001_costs_12_bits_a_positio
     assert index_coding(64, 1).name == "raw"
 
 
-def test_int8_values_are_levels_of_max_over_127_and_16_bit_values_are_clamped():
-    values = torch.tensor([0.5, -1.27, 0.0031, 1.0, -0.4])
+def test_int8_values_are_levels_of_max_over_127_and_16_bit_values_are_clamped(device):
+    values = torch.tensor([0.5, -1.27, 0.0031, 1.0, -0.4], device=device)
     (levels, scale), decoded = value_coding("int8", 8).encode(ops, values)
     s = 1.27 / 127
     assert float(scale) == pytest.approx(s)
     expected = [round(v / s) for v in values.tolist()] + [0, 0, 0]
     assert levels.tolist() == expected
     assert decoded.tolist() == pytest.approx([q * s for q in expected], rel=1e-6)
-    (_,), decoded = value_coding("float16", 2).encode(ops, torch.tensor([1e6, -7.0]))
+    (_,), decoded = value_coding("float16", 2).encode(ops, torch.tensor([1e6, -7.0], device=device))
     assert decoded.tolist() == [65504.0, -7.0]
 
 
@@ -121,22 +121,23 @@ def naive_decode_message(message: bytes, layout: MessageLayout):
     return positions, values
 
 
-def valid_message(rng: random.Random):
+def valid_message(rng: random.Random, device: torch.device):
     n = rng.choice([2000, 5000, 20_000])
     method = TopK(TopKConfig(density=rng.choice([0.002, 0.01])))
-    grad = torch.randn(n, generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+    grad = torch.randn(n, generator=torch.Generator().manual_seed(rng.randrange(1 << 30)),
+                       device="cpu").to(device)
     result = method.compress(ops, method.init_state(ops, grad, True, 1), grad,
                              CompressCall("fuzz", 0, 1, 0, method.config.density))
     return method, result
 
 
-def test_10000_random_and_mutated_messages_end_in_a_clean_error_or_a_correct_decode():
+def test_10000_random_and_mutated_messages_end_in_a_clean_error_or_a_correct_decode(device):
     rng = random.Random(2026)
     outcomes = {"error": 0, "decoded": 0}
     for trial in range(10_000):
         if trial % 50 == 0:
-            method, result = valid_message(rng)
-        data = bytearray(result.message.numpy().tobytes())
+            method, result = valid_message(rng, device)
+        data = bytearray(result.message.cpu().numpy().tobytes())
         if trial % 10 == 0:
             data = bytearray(rng.randrange(256) for _ in range(len(data)))
         else:
@@ -144,7 +145,7 @@ def test_10000_random_and_mutated_messages_end_in_a_clean_error_or_a_correct_dec
                 data[rng.randrange(len(data))] = rng.randrange(256)
         if trial % 97 == 0:
             data = data[:rng.randrange(len(data))]
-        message = torch.tensor(list(data), dtype=torch.uint8)
+        message = torch.tensor(list(data), dtype=torch.uint8, device=device)
         try:
             (out,), _ = method.decompress(ops, message, [result.layout], 1, 0, ["float32"])
         except MessageError:
@@ -152,8 +153,11 @@ def test_10000_random_and_mutated_messages_end_in_a_clean_error_or_a_correct_dec
             continue
         positions, values = naive_decode_message(bytes(data), result.layout)
         assert positions is not None, f"trial {trial}: accepted a message the definition refuses"
-        expected = torch.zeros(result.layout.numel)
-        expected.index_add_(0, torch.tensor(positions, dtype=torch.int64), torch.tensor(values))
+        # Summed on the CPU, in order, whatever the device (then compared there).
+        expected = torch.zeros(result.layout.numel, device="cpu")
+        expected.index_add_(0, torch.tensor(positions, dtype=torch.int64, device="cpu"),
+                            torch.tensor(values, device="cpu"))
+        out = out.cpu()
         if struct.unpack("=i", bytes(data[HEADER_BYTES - 4:HEADER_BYTES]))[0]:
             expected.fill_(float("nan"))  # flagged: the sender's gradient was not finite
         assert torch.equal(out.isnan(), expected.isnan()), f"trial {trial}"

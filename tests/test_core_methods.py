@@ -9,6 +9,8 @@ from horovod_dgc.core import (DGC, DGCConfig, GaussianK, GaussianKConfig, NonFin
 from horovod_dgc.core.selection import top_count
 from horovod_dgc.torch.ops import TorchOps
 
+from conftest import randn
+
 ops = TorchOps()
 
 
@@ -27,8 +29,9 @@ def bounded_step(method, state, grad, t, world_size=1, name="w", param=None, can
 
 
 def naive_topk_mask(v: torch.Tensor, k: int) -> torch.Tensor:
-    order = sorted(range(v.numel()), key=lambda i: (-abs(float(v[i])), i))[:k]
-    mask = torch.zeros(v.numel(), dtype=torch.bool)
+    values = v.tolist()  # one copy to the host, not one per entry
+    order = sorted(range(v.numel()), key=lambda i: (-abs(values[i]), i))[:k]
+    mask = torch.zeros(v.numel(), dtype=torch.bool, device=v.device)
     mask[order] = True
     return mask
 
@@ -41,18 +44,18 @@ def assert_sends_the_largest(sent: torch.Tensor, p: torch.Tensor) -> None:
     assert p[mask].abs().min() >= p[~mask].abs().max(), "an unsent entry is larger than a sent one"
 
 
-def conservation_run(method, steps: int = 1000):
+def conservation_run(method, device, steps: int = 1000):
     """Sum of what was sent plus the residual, against the sum of gradients, over ``steps``;
     each step's selection is checked against a sort of the accumulated gradient. Each step
     gets the candidate bound its last step predicted, as in the adapters."""
     gen = torch.Generator().manual_seed(0)
     n = 4096
-    state = method.init_state(ops, torch.zeros(n), True, 1)
-    sent_total = torch.zeros(n, dtype=torch.float64)
-    grad_total = torch.zeros(n, dtype=torch.float64)
+    state = method.init_state(ops, torch.zeros(n, device=device), True, 1)
+    sent_total = torch.zeros(n, dtype=torch.float64, device=device)
+    grad_total = torch.zeros(n, dtype=torch.float64, device=device)
     bound = None
     for t in range(steps):
-        grad = torch.randn(n, generator=gen) * (1.0 + (t % 7))
+        grad = randn(n, generator=gen, device=device) * (1.0 + (t % 7))
         p = state["residual"] + grad
         sent, state, bound = bounded_step(method, state, grad, t, candidate_bound=bound)
         assert_sends_the_largest(sent, p)
@@ -65,18 +68,19 @@ def conservation_run(method, steps: int = 1000):
 
 @pytest.mark.parametrize("value_dtype", ["float32", "float16"])
 @pytest.mark.parametrize("kind", [TopK, GaussianK], ids=["topk", "gaussiank"])
-def test_conservation_sent_plus_residual_equals_sum_of_gradients_over_1000_steps(kind, value_dtype):
+def test_conservation_sent_plus_residual_equals_sum_of_gradients_over_1000_steps(kind, value_dtype, device):
     config = TopKConfig if kind is TopK else GaussianKConfig
-    conservation_run(kind(config(density=0.01, value_dtype=value_dtype)))
+    conservation_run(kind(config(density=0.01, value_dtype=value_dtype)), device)
 
 
-def test_the_conservation_test_fails_for_a_selector_that_ignores_magnitudes():
+def test_the_conservation_test_fails_for_a_selector_that_ignores_magnitudes(device):
     class Blind(TopK):
         def select(self, ops, x, k, call, accumulated):
-            return torch.randperm(ops.numel(x), generator=torch.Generator().manual_seed(call.step))[:k].sort()[0]
+            return torch.randperm(ops.numel(x), generator=torch.Generator().manual_seed(call.step),
+                                  device="cpu")[:k].sort()[0].to(x.device)
 
     with pytest.raises(AssertionError, match="larger than a sent one"):
-        conservation_run(Blind(TopKConfig(density=0.01)), steps=5)
+        conservation_run(Blind(TopKConfig(density=0.01)), device, steps=5)
 
 
 def reference_dgc(grads, k, momentum, nesterov, clip_norm, world_size):
@@ -105,7 +109,7 @@ def reference_dgc(grads, k, momentum, nesterov, clip_norm, world_size):
 @pytest.mark.parametrize("clip_norm", [None, 5.0])
 @pytest.mark.parametrize("hinted", [False, True], ids=["sampled", "candidate-bound"])
 def test_dgc_momentum_correction_and_masking_match_the_equations_for_10_steps(nesterov, clip_norm,
-                                                                               hinted, monkeypatch):
+                                                                               hinted, monkeypatch, device):
     """With ``hinted``, each step passes the bound its last step predicted, so that the
     memory's pass collects the candidates and (checked) the sampled selection does not run
     in most steps; the selection must be the naive reference's all the same."""
@@ -116,7 +120,7 @@ def test_dgc_momentum_correction_and_masking_match_the_equations_for_10_steps(ne
                         lambda *a, **kw: sampled_at.append(t) or sample(*a, **kw))
     n, density, world_size = 3000, 0.01, 4
     gen = torch.Generator().manual_seed(1)
-    grads = [torch.randn(n, generator=gen) for _ in range(10)]
+    grads = [randn(n, generator=gen, device=device) for _ in range(10)]
     method = DGC(DGCConfig(density=density, momentum=0.9, nesterov=nesterov, clip_norm=clip_norm,
                            value_dtype="float32"))
     state = method.init_state(ops, grads[0], True, 1)
@@ -138,17 +142,17 @@ def test_dgc_momentum_correction_and_masking_match_the_equations_for_10_steps(ne
         assert sampled_at == list(range(10))
 
 
-def test_dgc_weight_decay_is_folded_into_the_gradient():
+def test_dgc_weight_decay_is_folded_into_the_gradient(device):
     n = 2048
-    grad, param = torch.randn(n), torch.randn(n)
+    grad, param = randn(n, device=device), randn(n, device=device)
     method = DGC(DGCConfig(density=1.0, momentum=0.0, weight_decay=0.1, value_dtype="float32"))
     sent, _ = step(method, method.init_state(ops, grad, True, 1), grad, 0, param=param)
     torch.testing.assert_close(sent, grad + 0.1 * param)
 
 
-def test_dgc_dense_tensors_still_get_momentum():
+def test_dgc_dense_tensors_still_get_momentum(device):
     method = DGC(DGCConfig(momentum=0.9))
-    g1, g2 = torch.randn(10), torch.randn(10)
+    g1, g2 = randn(10, device=device), randn(10, device=device)
     state = method.init_state(ops, g1, False, 1)
     ctx = CompressCall("bias", 0, 1, 0, 0.001)
     out1, state = method.dense(ops, state, g1, ctx)
@@ -157,9 +161,9 @@ def test_dgc_dense_tensors_still_get_momentum():
     assert out2.data_ptr() != state["momentum"].data_ptr(), "the update must not alias the memory"
 
 
-def test_bfloat16_gradients_travel_without_loss():
+def test_bfloat16_gradients_travel_without_loss(device):
     method = TopK(TopKConfig(density=0.1, value_dtype="float16"))
-    grad = torch.randn(4096).to(torch.bfloat16)
+    grad = torch.randn(4096, device="cpu").to(torch.bfloat16).to(device)
     sent, state = step(method, method.init_state(ops, grad, True, 1), grad, 0)
     assert sent.dtype == torch.bfloat16
     mask = sent != 0
@@ -170,8 +174,8 @@ def test_bfloat16_gradients_travel_without_loss():
 @pytest.mark.parametrize("method", [TopK(TopKConfig(nonfinite="raise")), DGC(DGCConfig(nonfinite="raise")),
                                     GaussianK(GaussianKConfig(nonfinite="raise"))],
                          ids=["topk", "dgc", "gaussiank"])
-def test_nan_gradient_raises_naming_the_tensor_and_keeps_the_memory(method):
-    grad = torch.randn(5000)
+def test_nan_gradient_raises_naming_the_tensor_and_keeps_the_memory(method, device):
+    grad = randn(5000, device=device)
     state = method.init_state(ops, grad, True, 1)
     _, state = step(method, state, grad, 0, name="layer3.weight")
     before = {k: v.clone() for k, v in state.items()}
@@ -183,12 +187,12 @@ def test_nan_gradient_raises_naming_the_tensor_and_keeps_the_memory(method):
         assert torch.equal(state[key], before[key]), key
 
 
-def test_skip_policy_passes_nan_on_and_keeps_the_residual():
+def test_skip_policy_passes_nan_on_and_keeps_the_residual(device):
     method = TopK(TopKConfig(density=0.01))
-    grad = torch.randn(5000)
+    grad = randn(5000, device=device)
     state = method.init_state(ops, grad, True, 1)
     _, state = step(method, state, grad, 0)
     before = state["residual"].clone()
-    sent, state = step(method, state, torch.full((5000,), float("inf")), 1)
+    sent, state = step(method, state, torch.full((5000,), float("inf"), device=device), 1)
     assert torch.isnan(sent).all()
     assert torch.equal(state["residual"], before)

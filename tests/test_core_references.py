@@ -16,6 +16,8 @@ from horovod_dgc.core.ops import TensorOps
 from horovod_dgc.torch.engine import Engine
 from horovod_dgc.torch.ops import TorchOps
 
+from conftest import randn
+
 ops = TorchOps()
 
 
@@ -29,19 +31,21 @@ def naive_topk(values, k):
 
 
 @pytest.mark.parametrize("density", [0.001, 0.01, 0.1])
-def test_gaussian_threshold_is_mean_plus_std_times_the_normal_quantile(density):
-    values = (torch.randn(10_000, generator=torch.Generator().manual_seed(4)) * 3 + 0.5).tolist()
+def test_gaussian_threshold_is_mean_plus_std_times_the_normal_quantile(density, device):
+    values = (torch.randn(10_000, generator=torch.Generator().manual_seed(4), device="cpu") * 3 + 0.5).tolist()
     mean = sum(values) / len(values)
     std = statistics.pstdev(values)
     expected = abs(mean) + std * statistics.NormalDist().inv_cdf(1 - density / 2)
-    got = float(gaussian_threshold(ops, torch.tensor(values), density))
+    got = float(gaussian_threshold(ops, torch.tensor(values, device=device), density))
     assert got == pytest.approx(expected, rel=1e-4)
 
 
 @pytest.mark.parametrize("sign_compress", [TorchOps.sign_compress, TensorOps.sign_compress],
                          ids=["kernel", "composition"])
-def test_blocksign_sends_the_l1_mean_of_each_block_times_its_signs_and_zero_counts_as_plus(sign_compress):
-    x = torch.tensor([1.0, -2.0, 0.0, 4.0, -1.0, 0.0, 0.0, 3.0, 5.0, -5.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+def test_blocksign_sends_the_l1_mean_of_each_block_times_its_signs_and_zero_counts_as_plus(sign_compress,
+                                                                                          device):
+    x = torch.tensor([1.0, -2.0, 0.0, 4.0, -1.0, 0.0, 0.0, 3.0, 5.0, -5.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+                     device=device)
     block, valid = 4, 10  # the last block holds 2 valid entries, then padding
     scales = block_scales(ops, ops.block_abs_sum(x[:valid], block), block, valid, 16)
     packed, residual = sign_compress(ops, x[:valid].clone(), scales, block, 16)
@@ -58,15 +62,15 @@ def test_blocksign_sends_the_l1_mean_of_each_block_times_its_signs_and_zero_coun
             assert float(decoded[i]) == pytest.approx(sign * scale), i
 
 
-def test_scalecom_sends_the_leaders_own_topk_and_keeps_a_low_pass_memory():
+def test_scalecom_sends_the_leaders_own_topk_and_keeps_a_low_pass_memory(device):
     beta, workers, n, density = 0.5, 3, 2000, 0.01
     method = ScaleCom(ScaleComConfig(density=density, beta=beta, value_dtype="float32"))
     k = top_count(density, n)
     gen = torch.Generator().manual_seed(2)
-    states = [method.init_state(ops, torch.zeros(n), True, workers) for _ in range(workers)]
+    states = [method.init_state(ops, torch.zeros(n, device=device), True, workers) for _ in range(workers)]
     memories = [[0.0] * n for _ in range(workers)]
     for t in range(6):
-        grads = [torch.randn(n, generator=gen) for _ in range(workers)]
+        grads = [randn(n, generator=gen, device=device) for _ in range(workers)]
         calls = [call(rank=r, world=workers, step=t, density=density) for r in range(workers)]
         p = [[m + g for m, g in zip(memories[r], grads[r].tolist())] for r in range(workers)]
         leader = t % workers
@@ -82,10 +86,10 @@ def test_scalecom_sends_the_leaders_own_topk_and_keeps_a_low_pass_memory():
         states = [state for _, state in seconds]
 
 
-def test_the_averaged_update_is_the_mean_of_every_ranks_top_k():
+def test_the_averaged_update_is_the_mean_of_every_ranks_top_k(device):
     world, n, density = 4, 3000, 0.02
     method = TopK(TopKConfig(density=density, value_dtype="float32"))
-    grads = [torch.randn(n, generator=torch.Generator().manual_seed(10 + r)) for r in range(world)]
+    grads = [randn(n, generator=torch.Generator().manual_seed(10 + r), device=device) for r in range(world)]
     messages, layout = [], None
     for r, grad in enumerate(grads):
         result = method.compress(ops, method.init_state(ops, grad, True, world), grad,
@@ -102,18 +106,18 @@ def test_the_averaged_update_is_the_mean_of_every_ranks_top_k():
     assert averaged[0].tolist() == pytest.approx(expected, abs=1e-6)
 
 
-def test_the_average_written_over_a_consumed_gradient_is_the_mean_of_every_ranks_top_k():
+def test_the_average_written_over_a_consumed_gradient_is_the_mean_of_every_ranks_top_k(device):
     """decompress(outs=) reuses a buffer whose contents are stale: they must not leak into
     the average (a buffer not zeroed first would add them)."""
     world, n, density = 3, 2000, 0.01
     method = TopK(TopKConfig(density=density, value_dtype="float32"))
-    grads = [torch.randn(n, generator=torch.Generator().manual_seed(40 + r)) for r in range(world)]
+    grads = [randn(n, generator=torch.Generator().manual_seed(40 + r), device=device) for r in range(world)]
     messages = []
     for r, grad in enumerate(grads):
         result = method.compress(ops, method.init_state(ops, grad, True, world), grad,
                                  call(rank=r, world=world, density=density))
         messages.append(result.message)
-    stale = torch.full((n,), 7.0)
+    stale = torch.full((n,), 7.0, device=device)
     averaged, _ = method.decompress(ops, torch.cat(messages), [result.layout], world, 0,
                                     ["float32"], [stale])
     expected = [0.0] * n
@@ -125,9 +129,9 @@ def test_the_average_written_over_a_consumed_gradient_is_the_mean_of_every_ranks
     assert averaged[0].tolist() == pytest.approx(expected, abs=1e-6)
 
 
-def test_the_engine_writes_the_average_over_a_float32_gradient_only_when_no_memory_holds_it():
+def test_the_engine_writes_the_average_over_a_float32_gradient_only_when_no_memory_holds_it(device):
     engine = Engine(TopK(TopKConfig(density=0.05, value_dtype="float32")), world_size=1, rank=0)
-    grad = torch.randn(50, 40, generator=torch.Generator().manual_seed(3))
+    grad = randn(50, 40, generator=torch.Generator().manual_seed(3), device=device)
     kept = grad.clone()
     message = engine.compress("w", grad, None)
     averaged = engine.decompress(message.message, [message])[0]
@@ -140,9 +144,9 @@ def test_the_engine_writes_the_average_over_a_float32_gradient_only_when_no_memo
     assert engine.decompress(message.message, [message])[0].data_ptr() != half.data_ptr()
 
 
-def test_a_value_beyond_float16_is_clamped_on_the_wire_and_the_excess_stays_in_the_memory():
+def test_a_value_beyond_float16_is_clamped_on_the_wire_and_the_excess_stays_in_the_memory(device):
     method = TopK(TopKConfig(density=0.01, value_dtype="float16"))
-    grad = torch.zeros(1000)
+    grad = torch.zeros(1000, device=device)
     grad[3] = 1e6
     result = method.compress(ops, method.init_state(ops, grad, True, 1), grad, call())
     sent, _ = method.decompress(ops, result.message, [result.layout], 1, 0, ["float32"])
@@ -150,9 +154,10 @@ def test_a_value_beyond_float16_is_clamped_on_the_wire_and_the_excess_stays_in_t
     assert float(result.state["residual"][3]) == 1e6 - 65504.0
 
 
-def test_float16_gradients_too_large_to_sum_in_float16_are_still_finite_and_clipped_right():
+def test_float16_gradients_too_large_to_sum_in_float16_are_still_finite_and_clipped_right(device):
     method = DGC(DGCConfig(density=0.01, clip_norm=1.0, momentum=0.0))
-    grad = torch.full((20_000,), 300.0, dtype=torch.float16)  # sum 6e6, squares 1.8e9: Inf in float16
+    # Sum 6e6, squares 1.8e9: Inf in float16.
+    grad = torch.full((20_000,), 300.0, dtype=torch.float16, device=device)
     result = method.compress(ops, method.init_state(ops, grad, True, 1), grad, call())
     sent, finite = method.decompress(ops, result.message, [result.layout], 1, 0, ["float16"])
     assert bool(finite) and torch.isfinite(sent[0]).all()
@@ -162,13 +167,13 @@ def test_float16_gradients_too_large_to_sum_in_float16_are_still_finite_and_clip
 
 @pytest.mark.parametrize("name,options", [("dgc", {}), ("topk", {}), ("scalecom", {}), ("blocksign", {}),
                                           ("dgc", {"aggregation": "sparse_allreduce"})])
-def test_memories_hold_unscaled_gradients_whatever_the_loss_scale(name, options):
+def test_memories_hold_unscaled_gradients_whatever_the_loss_scale(name, options, device):
     from horovod_dgc.core.methods import BY_NAME
 
     spec = BY_NAME[name]
     plain, scaled = (Engine(spec.build(**options), world_size=1, rank=0) for _ in range(2))
     scaled.use_loss_scale(lambda: 1024.0)
-    grads = [torch.randn(64, 64, generator=torch.Generator().manual_seed(t)) for t in range(3)]
+    grads = [randn(64, 64, generator=torch.Generator().manual_seed(t), device=device) for t in range(3)]
     for t, grad in enumerate(grads):
         outputs = []
         for engine, g in ((plain, grad), (scaled, grad * 1024.0)):
@@ -184,14 +189,14 @@ def test_memories_hold_unscaled_gradients_whatever_the_loss_scale(name, options)
         torch.testing.assert_close(scaled.state_dict()["states"]["w"][key], value, rtol=1e-6, atol=1e-7)
 
 
-def test_memories_written_into_the_storage_of_older_ones_equal_new_ones_through_a_dropped_step():
+def test_memories_written_into_the_storage_of_older_ones_equal_new_ones_through_a_dropped_step(device):
     """The engine hands each compress the memories two steps old as storage (spare). Rank 0's
     memories must equal those of the functional core step after step, through a step dropped
     because rank 1's gradient held a NaN (rank 0's was finite and already accumulated), and the
     storage must really be reused."""
     method = DGC(DGCConfig(density=0.01, value_dtype="float32"))
     engines = [Engine(method, world_size=2, rank=r) for r in range(2)]
-    grads = [[torch.randn(64, 64, generator=torch.Generator().manual_seed(60 + 10 * r + t))
+    grads = [[randn(64, 64, generator=torch.Generator().manual_seed(60 + 10 * r + t), device=device)
               for t in range(6)] for r in range(2)]
     grads[1][3][1, 7] = float("nan")
     state, storages = method.init_state(ops, grads[0][0].reshape(-1), True, 2), []

@@ -17,21 +17,24 @@ ops = TorchOps()
 
 def naive_topk_set(x: torch.Tensor, k: int) -> set:
     """The k positions of largest magnitude by a plain sort (ties: lower position first)."""
-    return set(sorted(range(x.numel()), key=lambda i: (-abs(float(x[i])), i))[:k])
+    values = x.tolist()  # one copy to the host, not one per entry
+    return set(sorted(range(x.numel()), key=lambda i: (-abs(values[i]), i))[:k])
 
 
-def samples(n: int, seed: int):
+def samples(n: int, seed: int, device: torch.device):
+    """Drawn on the CPU (the same values on every device), then moved to ``device``."""
     gen = torch.Generator().manual_seed(seed)
-    normal = torch.randn(n, generator=gen)
-    heavy = torch.distributions.StudentT(1.5).sample((n,))
-    sparse = normal * (torch.rand(n, generator=gen) < 0.05)
+    normal = torch.randn(n, generator=gen, device="cpu")
+    heavy = torch.distributions.StudentT(torch.tensor(1.5, device="cpu")).sample((n,))
+    sparse = normal * (torch.rand(n, generator=gen, device="cpu") < 0.05)
     shifted = normal + 3.0
-    return {"normal": normal, "heavy-tailed": heavy, "mostly zero": sparse, "shifted": shifted}
+    return {"normal": normal.to(device), "heavy-tailed": heavy.to(device), "mostly zero": sparse.to(device),
+            "shifted": shifted.to(device)}
 
 
 @pytest.mark.parametrize("n,density", [(5000, 0.01), (20_011, 0.001), (3, 0.5), (777, 1.0)])
-def test_exact_topk_matches_naive_sort(n, density):
-    for name, x in samples(n, 1).items():
+def test_exact_topk_matches_naive_sort(n, density, device):
+    for name, x in samples(n, 1, device).items():
         k = top_count(density, n)
         got = select_exact(ops, x, k)
         assert got.numel() == k
@@ -39,9 +42,9 @@ def test_exact_topk_matches_naive_sort(n, density):
 
 
 @pytest.mark.parametrize("n,density", [(100_003, 0.001), (50_000, 0.01), (4099, 0.1), (1000, 0.25)])
-def test_dgc_sampled_selection_sends_exactly_k_true_topk(n, density):
+def test_dgc_sampled_selection_sends_exactly_k_true_topk(n, density, device):
     k = top_count(density, n)
-    for name, x in samples(n, 2).items():
+    for name, x in samples(n, 2, device).items():
         for step in range(5):
             got = select_sampled(ops, x, k, sample_ratio=0.01, offset=step * 7919,
                                  max_retries=4, retry_factor=0.8)
@@ -53,8 +56,8 @@ def test_dgc_sampled_selection_sends_exactly_k_true_topk(n, density):
                 assert set(got.tolist()) == set(torch.topk(x.abs(), k).indices.tolist())
 
 
-def test_dgc_selection_without_retries_falls_back_to_an_exact_bound():
-    x = torch.randn(10_000)
+def test_dgc_selection_without_retries_falls_back_to_an_exact_bound(device):
+    x = torch.randn(10_000, device="cpu").to(device)
     k = 100
     # A retry factor that barely lowers the threshold cannot reach k: the block bound must.
     got = select_sampled(ops, x, k, sample_ratio=0.001, offset=0, max_retries=1, retry_factor=0.999)
@@ -62,11 +65,11 @@ def test_dgc_selection_without_retries_falls_back_to_an_exact_bound():
 
 
 @pytest.mark.parametrize("density", [0.001, 0.01, 0.05])
-def test_gaussiank_count_within_two_thirds_and_four_thirds_of_k_on_bell_data(density):
+def test_gaussiank_count_within_two_thirds_and_four_thirds_of_k_on_bell_data(density, device):
     n = 200_000
     gen = torch.Generator().manual_seed(3)
     for step in range(10):
-        x = torch.randn(n, generator=gen) * (1 + step) + 0.1 * step
+        x = (torch.randn(n, generator=gen, device="cpu") * (1 + step) + 0.1 * step).to(device)
         k = top_count(density, n)
         got = select_gaussian(ops, x, k)
         assert GAUSSIAN_LOW * k <= got.numel() <= GAUSSIAN_HIGH * k, (step, got.numel(), k)
@@ -81,13 +84,13 @@ def test_block_size_is_a_power_of_two_near_twice_the_square_root_of_one_over_den
     assert all(math.log2(block_size(d)).is_integer() for d in (0.3, 0.01, 0.0003))
 
 
-def test_dgc_selection_fallback_with_fewer_blocks_than_k():
+def test_dgc_selection_fallback_with_fewer_blocks_than_k(device):
     # Density 0.25 gives blocks of 8, so k = n/4 exceeds the n/8 blocks; one huge column at
     # the sampled positions pushes the sampled threshold above every other entry.
     gen = torch.Generator().manual_seed(4)
-    x = torch.randn(1024, 100, generator=gen) * 1e-3
+    x = torch.randn(1024, 100, generator=gen, device="cpu") * 1e-3
     x[:, 0] += 1.0
-    x = x.reshape(-1)
+    x = x.reshape(-1).to(device)
     k = top_count(0.25, x.numel())
     got = select_sampled(ops, x, k, sample_ratio=0.01, offset=0, max_retries=4, retry_factor=0.8)
     assert set(got.tolist()) == set(torch.topk(x.abs(), k).indices.tolist())
@@ -103,7 +106,7 @@ def _candidates_at(x: torch.Tensor, bound: float, capacity: int):
 
 @pytest.mark.parametrize("bound_factor,capacity_factor", [(0.9, 6), (1.2, 6), (0.3, 6), (0.9, 1)])
 def test_dgc_selection_from_collected_candidates_is_the_exact_topk(bound_factor, capacity_factor,
-                                                                    monkeypatch):
+                                                                    monkeypatch, device):
     """Candidates enough (0.9 of the k-th largest), too few (1.2), too many for the capacity
     (0.3, or capacity k): always the naive top-k; the sample runs only when they cannot do."""
     n, k = 50_000, 50
@@ -111,7 +114,7 @@ def test_dgc_selection_from_collected_candidates_is_the_exact_topk(bound_factor,
     real = selection.sampled_threshold
     monkeypatch.setattr(selection, "sampled_threshold",
                         lambda *a, **kw: sampled.append(1) or real(*a, **kw))
-    for name, x in samples(n, 4).items():
+    for name, x in samples(n, 4, device).items():
         if name == "mostly zero":
             continue
         kth = float(torch.topk(x.abs(), k).values[-1])
@@ -132,17 +135,17 @@ def test_candidate_capacity_and_none_where_candidates_cannot_help():
         assert candidate_capacity(bound, k, 100_000) == 0
 
 
-def test_predicted_bound_puts_the_target_count_between_it_and_the_threshold():
-    k, threshold = 100, torch.tensor(10.0)
+def test_predicted_bound_puts_the_target_count_between_it_and_the_threshold(device):
+    k, threshold = 100, torch.tensor(10.0, device=device)
     # 901 entries reached 8.0, 100 of them at least the threshold 10: 801 entries per 2.0 of
     # magnitude, so TARGET_CANDIDATES * k entries reach 10 - 2.0 * 100 / 801.
-    reached = Candidates(torch.zeros(0), torch.zeros(0), 901, 8.0)
+    reached = Candidates(torch.zeros(0, device=device), torch.zeros(0, device=device), 901, 8.0)
     expected = 10.0 - 2.0 * (TARGET_CANDIDATES - 1) * k / 801
     assert float(predict_bound(ops, threshold, k, reached)) == pytest.approx(expected)
     # No count yet, or fewer than k reached the bound (the threshold fell below it).
     assert float(predict_bound(ops, threshold, k, None)) == pytest.approx(10.0 * FIRST_MARGIN)
-    few = Candidates(torch.zeros(0), torch.zeros(0), 50, 10.5)
+    few = Candidates(torch.zeros(0, device=device), torch.zeros(0, device=device), 50, 10.5)
     assert float(predict_bound(ops, threshold, k, few)) == pytest.approx(10.0 * FIRST_MARGIN)
     # Entries barely spread below the threshold: never below MIN_MARGIN times it.
-    sparse = Candidates(torch.zeros(0), torch.zeros(0), 101, 1.0)
+    sparse = Candidates(torch.zeros(0, device=device), torch.zeros(0, device=device), 101, 1.0)
     assert float(predict_bound(ops, threshold, k, sparse)) == pytest.approx(10.0 * MIN_MARGIN)

@@ -13,6 +13,8 @@ from horovod_dgc.core.sparse_allreduce import FORWARD_SLACK, REGION_SLACK, Spars
 from horovod_dgc.core.twostage import simulate_step
 from horovod_dgc.torch.ops import TorchOps
 
+from conftest import randn, torch_compression
+
 ops = TorchOps()
 
 
@@ -60,45 +62,46 @@ def reference_topk_step(residuals, owners, grads, k, workers):
 
 
 @pytest.mark.parametrize("workers,n", [(3, 1000), (4, 1001), (2, 257)])
-def test_topk_sparse_allreduce_matches_the_naive_reference(workers, n):
+def test_topk_sparse_allreduce_matches_the_naive_reference(workers, n, device):
     density = 0.02
     method = build("topk", density=density, value_dtype="float32")
     k = math.ceil(density * n)
     gen = torch.Generator().manual_seed(workers)
-    states = [method.init_state(ops, torch.zeros(n), True, workers) for _ in range(workers)]
+    states = [method.init_state(ops, torch.zeros(n, device=device), True, workers) for _ in range(workers)]
     residuals = [[0.0] * n for _ in range(workers)]
     owners = [[0.0] * math.ceil(n / workers) for _ in range(workers)]
     for step in range(6):
         # Skewed scales put more of the selection in some regions than their share.
-        grads = [torch.randn(n, generator=gen) * torch.linspace(0.1, 3.0, n) for _ in range(workers)]
+        grads = [(torch.randn(n, generator=gen, device="cpu")
+                  * torch.linspace(0.1, 3.0, n, device="cpu")).to(device) for _ in range(workers)]
         results, states = simulate_step(ops, method, states, grads, calls(workers, step, density))
         want = reference_topk_step(residuals, owners, [g.double().tolist() for g in grads], k, workers)
         for r in results:
-            torch.testing.assert_close(r.double(), torch.tensor(want, dtype=torch.float64),
+            torch.testing.assert_close(r.double(), torch.tensor(want, dtype=torch.float64, device=device),
                                        rtol=1e-5, atol=1e-6)
         for i in range(workers):
             torch.testing.assert_close(states[i]["residual"].double(),
-                                       torch.tensor(residuals[i], dtype=torch.float64),
+                                       torch.tensor(residuals[i], dtype=torch.float64, device=device),
                                        rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(states[i]["owner_residual"].double(),
-                                       torch.tensor(owners[i], dtype=torch.float64),
+                                       torch.tensor(owners[i], dtype=torch.float64, device=device),
                                        rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("method,options", [
     ("topk", {}), ("gaussiank", {}), ("dgc", {"momentum": 0.0}), ("topk", {"value_dtype": "int8"})])
-def test_sparse_allreduce_conserves_gradient_mass_over_200_steps(method, options):
+def test_sparse_allreduce_conserves_gradient_mass_over_200_steps(method, options, device):
     """(1/N) sum of gradients = updates applied + (1/N) sum of worker residuals + owner
     residuals, with 16-bit (or 8-bit) values rounding on both stages."""
     workers, n, density = 4, 5003, 0.01
     built = build(method, density=density, **options)
     memory = built.inner.memory.state_names[-1]
     gen = torch.Generator().manual_seed(7)
-    states = [built.init_state(ops, torch.zeros(n), True, workers) for _ in range(workers)]
-    applied = torch.zeros(n, dtype=torch.float64)
-    mean_grads = torch.zeros(n, dtype=torch.float64)
+    states = [built.init_state(ops, torch.zeros(n, device=device), True, workers) for _ in range(workers)]
+    applied = torch.zeros(n, dtype=torch.float64, device=device)
+    mean_grads = torch.zeros(n, dtype=torch.float64, device=device)
     for step in range(200):
-        grads = [torch.randn(n, generator=gen) * (1 + step % 5) for _ in range(workers)]
+        grads = [randn(n, generator=gen, device=device) * (1 + step % 5) for _ in range(workers)]
         results, states = simulate_step(ops, built, states, grads, calls(workers, step, density))
         assert all(torch.equal(results[0], r) for r in results[1:])
         assert torch.count_nonzero(results[0]) <= workers * math.ceil(FORWARD_SLACK * math.ceil(density * n) / workers)
@@ -111,32 +114,32 @@ def test_sparse_allreduce_conserves_gradient_mass_over_200_steps(method, options
     assert error < 1e-5, float(error)
 
 
-def test_a_non_finite_gradient_on_one_rank_reaches_every_rank():
+def test_a_non_finite_gradient_on_one_rank_reaches_every_rank(device):
     workers, n = 3, 3000
     method = build("dgc", density=0.01)
-    states = [method.init_state(ops, torch.zeros(n), True, workers) for _ in range(workers)]
-    grads = [torch.randn(n) for _ in range(workers)]
+    states = [method.init_state(ops, torch.zeros(n, device=device), True, workers) for _ in range(workers)]
+    grads = [randn(n, device=device) for _ in range(workers)]
     grads[1][17] = float("inf")
     results, _ = simulate_step(ops, method, states, grads, calls(workers, 0, 0.01))
     assert all(torch.isnan(r).all() for r in results)
 
 
-def test_raise_policy_names_the_rank_and_tensor():
+def test_raise_policy_names_the_rank_and_tensor(device):
     workers, n = 2, 3000
     method = build("topk", density=0.01, nonfinite="raise")
-    states = [method.init_state(ops, torch.zeros(n), True, workers) for _ in range(workers)]
-    grads = [torch.randn(n), torch.full((n,), float("nan"))]
+    states = [method.init_state(ops, torch.zeros(n, device=device), True, workers) for _ in range(workers)]
+    grads = [randn(n, device=device), torch.full((n,), float("nan"), device=device)]
     with pytest.raises(Exception, match="tensor 'w' on rank 1"):
         simulate_step(ops, method, states, grads, calls(workers, 0, 0.01))
 
 
-def test_a_rank_set_up_for_the_allgather_is_named_by_the_header_check():
+def test_a_rank_set_up_for_the_allgather_is_named_by_the_header_check(device):
     """Rank 1 runs the same method with allgather messages cut to the alltoall's size: the
     owner names rank 1 and the tensor instead of decoding garbage."""
     workers, n, density = 2, 4000, 0.01
     method = build("topk", density=density)
     plain = BY_NAME["topk"].build(density=density)
-    grads = [torch.randn(n) for _ in range(workers)]
+    grads = [randn(n, device=device) for _ in range(workers)]
     ctx = calls(workers, 0, density)
     first = [method.first(ops, method.init_state(ops, grads[0], True, workers), grads[0], ctx[0])]
     other = plain.compress(ops, plain.init_state(ops, grads[1], True, workers), grads[1], ctx[1])
@@ -179,7 +182,7 @@ def test_traffic_per_worker_stays_flat_while_the_allgather_grows():
     assert per_worker(reduced, 2) > per_worker(gathered, 2)
 
 
-def test_resuming_on_more_workers_re_cuts_the_owner_residuals():
+def test_resuming_on_more_workers_re_cuts_the_owner_residuals(device):
     """Saved on 2 workers, resumed on 3: the owners' residuals, laid end to end, are the same
     tensor (cut into 3 regions now), and the workers' memories keep their average."""
     from horovod_dgc.core.state import redistribute, state_frame
@@ -188,8 +191,8 @@ def test_resuming_on_more_workers_re_cuts_the_owner_residuals():
     gen = torch.Generator().manual_seed(3)
     parts = []
     for rank in range(2):
-        state = method.init_state(ops, torch.zeros(numel), True, 2)
-        state = {key: torch.randn(value.numel(), generator=gen) for key, value in state.items()}
+        state = method.init_state(ops, torch.zeros(numel, device=device), True, 2)
+        state = {key: randn(value.numel(), generator=gen, device=device) for key, value in state.items()}
         parts.append(state_frame(method, world_size=2, rank=rank, epoch=1.0, steps={"w": 5},
                                  states={"w": state}))
     shares = [redistribute(ops, parts, 3, rank) for rank in range(3)]
@@ -203,8 +206,8 @@ def test_resuming_on_more_workers_re_cuts_the_owner_residuals():
 
 
 def test_the_torch_factory_resolves_auto_by_the_number_of_workers(monkeypatch):
+    Compression = torch_compression()
     import horovod_dgc.torch.compression as adapter
-    from horovod_dgc.torch import Compression
 
     monkeypatch.setattr(adapter, "_workers", lambda: None)
     with pytest.raises(ValueError, match="hvd.init"):

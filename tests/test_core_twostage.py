@@ -7,8 +7,9 @@ from horovod_dgc.core.blocksign import BlockSign, BlockSignConfig, shard_length
 from horovod_dgc.core.collectives import emulate
 from horovod_dgc.core.twostage import simulate_step
 from horovod_dgc.core.scalecom import ScaleCom, ScaleComConfig
-from horovod_dgc.torch import Compression
 from horovod_dgc.torch.ops import TorchOps
+
+from conftest import randn, torch_compression
 
 ops = TorchOps()
 
@@ -18,14 +19,14 @@ def contexts(n_workers: int, step: int, density: float = 1.0, name: str = "w"):
 
 
 @pytest.mark.parametrize("block_size", [None, 64])
-def test_blocksign_conserves_gradient_mass_over_200_steps(block_size):
+def test_blocksign_conserves_gradient_mass_over_200_steps(block_size, device):
     method, workers, n = BlockSign(BlockSignConfig(block_size=block_size)), 3, 5003
     gen = torch.Generator().manual_seed(0)
-    states = [method.init_state(ops, torch.zeros(n), True, workers) for _ in range(workers)]
-    applied = torch.zeros(n, dtype=torch.float64)
-    mean_grads = torch.zeros(n, dtype=torch.float64)
+    states = [method.init_state(ops, torch.zeros(n, device=device), True, workers) for _ in range(workers)]
+    applied = torch.zeros(n, dtype=torch.float64, device=device)
+    mean_grads = torch.zeros(n, dtype=torch.float64, device=device)
     for step in range(200):
-        grads = [torch.randn(n, generator=gen) * (1 + step % 5) for _ in range(workers)]
+        grads = [randn(n, generator=gen, device=device) * (1 + step % 5) for _ in range(workers)]
         results, states = simulate_step(ops, method, states, grads, contexts(workers, step))
         assert all(torch.equal(results[0], r) for r in results[1:])
         applied += results[0].double()
@@ -39,23 +40,23 @@ def test_blocksign_conserves_gradient_mass_over_200_steps(block_size):
     assert shard % 8 == 0
 
 
-def test_blocksign_update_is_a_scaled_sign_per_block():
+def test_blocksign_update_is_a_scaled_sign_per_block(device):
     method = BlockSign(BlockSignConfig(block_size=16))
-    grads = [torch.randn(256) for _ in range(2)]
+    grads = [randn(256, device=device) for _ in range(2)]
     states = [method.init_state(ops, grads[0], True, 2) for _ in range(2)]
     results, _ = simulate_step(ops, method, states, grads, contexts(2, 0))
     for block in results[0].view(-1, 16):
         assert torch.unique(block.abs()).numel() == 1
 
 
-def test_scalecom_with_beta_one_obeys_the_topk_law_per_worker():
+def test_scalecom_with_beta_one_obeys_the_topk_law_per_worker(device):
     method, workers, n = ScaleCom(ScaleComConfig(density=0.01, beta=1.0)), 4, 4000
     gen = torch.Generator().manual_seed(1)
-    states = [method.init_state(ops, torch.zeros(n), True, workers) for _ in range(workers)]
-    sent = [torch.zeros(n, dtype=torch.float64) for _ in range(workers)]
-    total = [torch.zeros(n, dtype=torch.float64) for _ in range(workers)]
+    states = [method.init_state(ops, torch.zeros(n, device=device), True, workers) for _ in range(workers)]
+    sent = [torch.zeros(n, dtype=torch.float64, device=device) for _ in range(workers)]
+    total = [torch.zeros(n, dtype=torch.float64, device=device) for _ in range(workers)]
     for step in range(200):
-        grads = [torch.randn(n, generator=gen) for _ in range(workers)]
+        grads = [randn(n, generator=gen, device=device) for _ in range(workers)]
         ctxs = contexts(workers, step, 0.01)
         firsts = [method.first(ops, s, g, c) for s, g, c in zip(states, grads, ctxs)]
         received = emulate(ops, method.FIRST, [m for m, _, _ in firsts], method.root(ctxs[0]))
@@ -70,11 +71,11 @@ def test_scalecom_with_beta_one_obeys_the_topk_law_per_worker():
         assert error < 1e-5, (i, float(error))
 
 
-def test_scalecom_leaders_take_turns_and_chunked_selection_sends_k():
+def test_scalecom_leaders_take_turns_and_chunked_selection_sends_k(device):
     method = ScaleCom(ScaleComConfig(density=0.01, leader_selection="chunked", chunks=8))
     n, workers = 5000, 3
-    grads = [torch.randn(n) for _ in range(workers)]
-    states = [method.init_state(ops, torch.zeros(n), True, workers) for _ in range(workers)]
+    grads = [randn(n, device=device) for _ in range(workers)]
+    states = [method.init_state(ops, torch.zeros(n, device=device), True, workers) for _ in range(workers)]
     for step in range(3):
         assert method.root(contexts(workers, step)[0]) == step % workers
         results, states = simulate_step(ops, method, states, grads, contexts(workers, step, 0.01))
@@ -86,19 +87,19 @@ def test_scalecom_leaders_take_turns_and_chunked_selection_sends_k():
                                            (dict(leader_selection="random"), "leader_selection")])
 def test_bad_scalecom_settings_raise_at_construction(options, field):
     with pytest.raises(ValueError, match=field):
-        Compression.scalecom(**options)
+        torch_compression().scalecom(**options)
 
 
 @pytest.mark.parametrize("options,field", [(dict(block_size=0), "block_size"), (dict(block_size=-4), "block_size"),
                                            (dict(momentum=1.0), "momentum")])
 def test_bad_blocksign_settings_raise_at_construction(options, field):
     with pytest.raises(ValueError, match=field):
-        Compression.blocksign(**options)
+        torch_compression().blocksign(**options)
 
 
-def test_shard_of_wrong_length_names_rank_and_tensor():
+def test_shard_of_wrong_length_names_rank_and_tensor(device):
     method = BlockSign()
-    grads = [torch.randn(1000) for _ in range(2)]
+    grads = [randn(1000, device=device) for _ in range(2)]
     firsts = [method.first(ops, method.init_state(ops, g, True, 2), g, c)
               for g, c in zip(grads, contexts(2, 0, name="conv.weight"))]
     received = emulate(ops, method.FIRST, [m for m, _, _ in firsts])
@@ -112,12 +113,12 @@ def test_shard_of_wrong_length_names_rank_and_tensor():
 
 
 @pytest.mark.parametrize("kind", ["broadcast", "allreduce", "alltoall", "allgather"])
-def test_messages_joined_into_one_collective_arrive_as_if_each_was_sent_alone(kind):
+def test_messages_joined_into_one_collective_arrive_as_if_each_was_sent_alone(kind, device):
     from horovod_dgc.core.collectives import join, split
 
     world, sizes = 3, [6, 12, 3]
     gen = torch.Generator().manual_seed(7)
-    messages = [[torch.randn(size, generator=gen) for size in sizes] for _ in range(world)]
+    messages = [[randn(size, generator=gen, device=device) for size in sizes] for _ in range(world)]
     alone = [emulate(ops, kind, [messages[w][t] for w in range(world)], root=1)
              for t in range(len(sizes))]
     joined = emulate(ops, kind, [join(ops, kind, messages[w], world) for w in range(world)], root=1)
@@ -127,8 +128,8 @@ def test_messages_joined_into_one_collective_arrive_as_if_each_was_sent_alone(ki
             torch.testing.assert_close(parts[t], alone[t][w], rtol=0, atol=1e-6)
 
 
-def test_a_joined_collective_of_the_wrong_size_names_its_tensors():
+def test_a_joined_collective_of_the_wrong_size_names_its_tensors(device):
     from horovod_dgc.core.collectives import split
 
     with pytest.raises(MessageError, match=r"allgather of tensors \['a', 'b'\] delivered 17"):
-        split(ops, "allgather", torch.zeros(17), [4, 5], 2, ["a", "b"])
+        split(ops, "allgather", torch.zeros(17, device=device), [4, 5], 2, ["a", "b"])

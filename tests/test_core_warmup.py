@@ -70,12 +70,12 @@ def test_a_schedule_never_advanced_warns_once():
     assert WarmupWatch(DGCConfig().schedule).warning(0) is None
 
 
-def test_the_engine_warns_when_training_starts_without_set_epoch():
+def test_the_engine_warns_when_training_starts_without_set_epoch(device):
     engine = Engine(BY_NAME["dgc"].build(warmup_epochs=2), world_size=1, rank=0)
     with pytest.warns(UserWarning, match="set_epoch"):
-        engine.compress("w", torch.randn(64, 64), None)
+        engine.compress("w", torch.randn(64, 64, device="cpu").to(device), None)
     engine = Engine(BY_NAME["dgc"].build(warmup_epochs=2), world_size=1, rank=0)
     engine.set_epoch(0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        engine.compress("w", torch.randn(64, 64), None)
+        engine.compress("w", torch.randn(64, 64, device="cpu").to(device), None)

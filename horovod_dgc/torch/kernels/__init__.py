@@ -303,7 +303,7 @@ def set_bit_positions(packed: torch.Tensor, n_bits: int) -> torch.Tensor:
     """Positions (int64, ascending) of the set bits among the first ``n_bits`` of ``packed``
     (bit j of byte i is bit 8i + j)."""
     packed = _check_packed(packed, n_bits, "set_bit_positions")
-    out = torch.empty(_bits.count_set_bits(packed.data_ptr(), n_bits), dtype=torch.int64)
+    out = torch.empty(_bits.count_set_bits(packed.data_ptr(), n_bits), dtype=torch.int64, device=CPU)
     _bits.set_bit_positions(packed.data_ptr(), n_bits, out.data_ptr())
     return out
 
