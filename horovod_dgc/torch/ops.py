@@ -47,6 +47,9 @@ def _scatters(out: torch.Tensor, values: Optional[torch.Tensor] = None) -> bool:
             and (values is None or (values.dtype == torch.float32 and values.device.type == "cpu")))
 
 
+_HOST = torch.device("cpu")
+
+
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A small host tensor (a header, a few bounds) on ``device``. The copy does not wait
     for the GPU: from pageable memory the driver stages the bytes before it returns, so
@@ -81,8 +84,14 @@ class TorchOps(TensorOps):
         return torch.empty(n, dtype=DTYPES[dtype], device=like.device)
 
     def constant(self, values: Sequence[Any], dtype: str, like: torch.Tensor) -> torch.Tensor:
-        return _to_device(torch.tensor([int(v) for v in values], dtype=DTYPES[dtype], device="cpu"),
-                          like.device)
+        # Values that are tensors (a count, a flag) are written in where they are: reading them
+        # with int() would wait for the GPU once per value.
+        on_device = [isinstance(v, torch.Tensor) and v.device != _HOST for v in values]
+        fixed = [0 if held else int(v) for v, held in zip(values, on_device)]
+        out = _to_device(torch.tensor(fixed, dtype=DTYPES[dtype], device=_HOST), like.device)
+        for i in [i for i, held in enumerate(on_device) if held]:
+            out[i] = values[i].reshape(())  # a copy on the device, cast as int() would (toward zero)
+        return out
 
     def ones(self, n: Any, dtype: str, like: torch.Tensor) -> torch.Tensor:
         return torch.ones(int(n), dtype=DTYPES[dtype], device=like.device)
