@@ -10,6 +10,9 @@ from pathlib import Path
 from typing import List, Sequence
 
 import pytest
+import torch
+
+from horovod_dgc.torch.ops import TorchOps
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the benchmarks package, imported by some tests
@@ -43,7 +46,6 @@ def device(request):
     """Where a test's tensors live: every test that takes it runs on the CPU, and on CUDA
     where a GPU is present (skipped otherwise). Tests create their inputs on the CPU from a
     seeded generator and move them, so both devices see the same values."""
-    import torch  # not every test module needs torch
     if request.param == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     return torch.device(request.param)
@@ -52,8 +54,15 @@ def device(request):
 def randn(*shape, device, generator=None):
     """``torch.randn`` drawn on the CPU (the same values on every device), then moved to
     ``device``."""
-    import torch
     return torch.randn(*shape, generator=generator, device="cpu").to(device)
+
+
+class WaitingOps(TorchOps):
+    """TorchOps choosing as on a GPU (sizes read back are taken to cost a wait), on CPU
+    tensors: the fixed-size selection, no candidate bounds kept."""
+
+    def sizes_cost_a_wait(self, x):
+        return True
 
 
 def torch_compression():

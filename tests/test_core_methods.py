@@ -108,11 +108,13 @@ def reference_dgc(grads, k, momentum, nesterov, clip_norm, world_size):
 @pytest.mark.parametrize("nesterov", [False, True])
 @pytest.mark.parametrize("clip_norm", [None, 5.0])
 @pytest.mark.parametrize("hinted", [False, True], ids=["sampled", "candidate-bound"])
-def test_dgc_momentum_correction_and_masking_match_the_equations_for_10_steps(nesterov, clip_norm,
-                                                                               hinted, monkeypatch, device):
+@pytest.mark.parametrize("as_on_a_gpu", [False, True], ids=["own-choice", "as-on-a-gpu"])
+def test_dgc_momentum_correction_and_masking_match_the_equations_for_10_steps(nesterov, clip_norm, hinted,
+                                                                               as_on_a_gpu, monkeypatch, device):
     """With ``hinted``, each step passes the bound its last step predicted, so that the
     memory's pass collects the candidates and (checked) the sampled selection does not run
-    in most steps; the selection must be the naive reference's all the same."""
+    in most steps; the selection must be the naive reference's all the same. Where sizes
+    cost a wait (a GPU) no bound is predicted and neither runs: the block selection does."""
     import horovod_dgc.core.selection as selection
     sampled_at = []
     sample = selection.sampled_threshold
@@ -125,16 +127,24 @@ def test_dgc_momentum_correction_and_masking_match_the_equations_for_10_steps(ne
                            value_dtype="float32"))
     state = method.init_state(ops, grads[0], True, 1)
     expected = reference_dgc(grads, top_count(density, n), 0.9, nesterov, clip_norm, world_size)
+    if as_on_a_gpu:
+        monkeypatch.setattr(ops, "sizes_cost_a_wait", lambda x: True)
+    by_blocks = ops.sizes_cost_a_wait(grads[0])
     bound = None
     for t, (grad, (ref_sent, ref_u, ref_v)) in enumerate(zip(grads, expected)):
         sent, state, bound = bounded_step(method, state, grad, t, world_size,
                                           candidate_bound=bound if hinted else None)
-        assert 0.0 < float(bound) <= float(ref_sent[ref_sent != 0].abs().min())
+        if by_blocks:
+            assert bound == 0.0
+        else:
+            assert 0.0 < float(bound) <= float(ref_sent[ref_sent != 0].abs().min())
         assert torch.equal(sent != 0, ref_sent != 0), f"step {t}: different entries selected"
         torch.testing.assert_close(sent, ref_sent, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(state["momentum"], ref_u, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(state["velocity"], ref_v, rtol=1e-5, atol=1e-6)
-    if hinted:
+    if by_blocks:
+        assert sampled_at == []
+    elif hinted:
         # Only while the velocity still grows fast (the threshold doubles in the first steps)
         # do the candidates overflow and the sample run.
         assert sampled_at == list(range(len(sampled_at))) and len(sampled_at) <= 6, sampled_at

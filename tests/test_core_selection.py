@@ -12,6 +12,8 @@ from horovod_dgc.core.selection import (CANDIDATE_CAPACITY, FIRST_MARGIN, GAUSSI
                                         top_count)
 from horovod_dgc.torch.ops import TorchOps
 
+from conftest import WaitingOps
+
 ops = TorchOps()
 
 
@@ -108,7 +110,8 @@ def _candidates_at(x: torch.Tensor, bound: float, capacity: int):
 def test_dgc_selection_from_collected_candidates_is_the_exact_topk(bound_factor, capacity_factor,
                                                                     monkeypatch, device):
     """Candidates enough (0.9 of the k-th largest), too few (1.2), too many for the capacity
-    (0.3, or capacity k): always the naive top-k; the sample runs only when they cannot do."""
+    (0.3, or capacity k): always the naive top-k; the sample runs only when they cannot do.
+    Where sizes cost a wait (a GPU) neither runs: the block selection needs no candidates."""
     n, k = 50_000, 50
     sampled = []
     real = selection.sampled_threshold
@@ -124,7 +127,10 @@ def test_dgc_selection_from_collected_candidates_is_the_exact_topk(bound_factor,
         assert set(got.tolist()) == naive_topk_set(x, k), name
         assert got.tolist() == sorted(got.tolist())
         usable = k <= candidates.count <= capacity_factor * k
-        assert bool(sampled) != usable, (name, candidates.count)
+        if ops.sizes_cost_a_wait(x):
+            assert not sampled, name
+        else:
+            assert bool(sampled) != usable, (name, candidates.count)
 
 
 def test_candidate_capacity_and_none_where_candidates_cannot_help():
@@ -149,3 +155,43 @@ def test_predicted_bound_puts_the_target_count_between_it_and_the_threshold(devi
     # Entries barely spread below the threshold: never below MIN_MARGIN times it.
     sparse = Candidates(torch.zeros(0, device=device), torch.zeros(0, device=device), 101, 1.0)
     assert float(predict_bound(ops, threshold, k, sparse)) == pytest.approx(10.0 * MIN_MARGIN)
+
+
+def naive_topk_magnitudes(x: torch.Tensor, k: int) -> list:
+    """The k largest magnitudes, largest first, by a plain sort (ties do not matter here)."""
+    return sorted((abs(v) for v in x.tolist()), reverse=True)[:k]
+
+
+def crowded(n: int, device: torch.device) -> torch.Tensor:
+    """Small noise, with the largest entries crowded into one block, and more in the last
+    entries (past the whole blocks when n is not a multiple of the block)."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(5), device="cpu") * 0.01
+    x[128:160] = torch.linspace(5.0, 6.0, 32)
+    x[-7:] = torch.tensor([-9.0, 8.0, -7.5, 7.0, 6.5, -6.2, 6.1])
+    return x.to(device)
+
+
+@pytest.mark.parametrize("n,density", [(100_003, 0.001), (65_536, 0.001), (50_000, 0.01), (4099, 0.1),
+                                       (1000, 0.25), (40, 0.1), (9, 0.5)])
+def test_block_selection_is_an_exact_topk_with_fixed_sizes(n, density, device):
+    k = top_count(density, n)
+    cases = dict(samples(n, 4, device), crowded=crowded(n, device)) if n >= 200 else samples(n, 4, device)
+    for name, x in cases.items():
+        got = selection.select_by_blocks(ops, x, k)
+        positions = got.tolist()
+        assert len(positions) == k and positions == sorted(set(positions)), name
+        assert all(0 <= p < n for p in positions), name
+        # The same magnitudes as a plain sort's top-k: exact, whichever equal entries a tie kept.
+        assert sorted((abs(v) for v in x[got].tolist()), reverse=True) == naive_topk_magnitudes(x, k), name
+        if name not in ("mostly zero", "crowded"):
+            assert set(positions) == naive_topk_set(x, k), name
+
+
+def test_where_sizes_cost_a_wait_dgc_selects_by_blocks_the_same_top_k(monkeypatch):
+    x = samples(100_003, 6, torch.device("cpu"))["normal"]
+    k = top_count(0.001, x.numel())
+    used = []
+    by_blocks = selection.select_by_blocks
+    monkeypatch.setattr(selection, "select_by_blocks", lambda *a, **kw: used.append(1) or by_blocks(*a, **kw))
+    got = select_sampled(WaitingOps(), x, k, 0.01, 3, 4, 0.8)
+    assert used and set(got.tolist()) == naive_topk_set(x, k)

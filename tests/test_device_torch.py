@@ -5,7 +5,8 @@ device-parametrized core tests); here each method's whole round trip (compress, 
 collectives, decode, memories) runs on CUDA tensors and on CPU tensors from the same gradients,
 over several steps, so that a device-dependent step (a CPU-only table, a tensor created on
 the default device, a host-side loop that reads stale values) shows as a difference.
-Skipped without a CUDA device.
+The CUDA tests are skipped without a CUDA device; on the CPU, the choices a GPU makes
+(fixed-size selection) are checked against the CPU's own.
 """
 import pytest
 import torch
@@ -14,7 +15,9 @@ from benchmarks.host_syncs import compress_all, decode_all, gradients
 from horovod_dgc.core.methods import BY_NAME, METHODS
 from horovod_dgc.torch.engine import Engine
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+from conftest import WaitingOps
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 # Sizes past the kernels' parallel threshold and the methods' min_numel, and a small tensor.
 SHAPES = [(300, 4096), (64, 3, 7, 7), (1000,), (37,)]
@@ -29,9 +32,12 @@ CONFIGS = ([(spec.name, {}) for spec in METHODS]
 IDS = [name + "".join(f"-{v}" for v in options.values()) for name, options in CONFIGS]
 
 
-def run(name, options, device, dtype):
-    """Every rank's averaged gradients at each step, and rank 0's memories at the end."""
+def run(name, options, device, dtype, ops=None):
+    """Every rank's averaged gradients at each step, and rank 0's memories at the end
+    (``ops``: the engines' TensorOps, if not their own)."""
     engines = [Engine(BY_NAME[name].build(**options), world_size=WORLD, rank=r) for r in range(WORLD)]
+    for engine in engines:
+        engine.ops = ops or engine.ops
     names = [f"t{i}" for i in range(len(SHAPES))]
     averages = []
     for step in range(STEPS):
@@ -41,20 +47,33 @@ def run(name, options, device, dtype):
     return averages, memories
 
 
-@pytest.mark.parametrize("name,options", CONFIGS, ids=IDS)
-def test_every_method_gives_on_cuda_what_it_gives_on_the_cpu(name, options):
-    cpu, cuda = run(name, options, "cpu", torch.float32), run(name, options, "cuda", torch.float32)
-    for step, (expected, got) in enumerate(zip(cpu[0], cuda[0])):
+def assert_same_run(expected_run, got_run):
+    for step, (expected, got) in enumerate(zip(expected_run[0], got_run[0])):
         for rank, (e_rank, g_rank) in enumerate(zip(expected, got)):
             for shape, e, g in zip(SHAPES, e_rank, g_rank):
                 assert g.shape == e.shape
                 torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5,
                                            msg=lambda m: f"step {step}, rank {rank}, {shape}: {m}")
-    assert cpu[1].keys() == cuda[1].keys()
-    for key in cpu[1]:
-        torch.testing.assert_close(cuda[1][key], cpu[1][key], rtol=1e-4, atol=1e-5)
+    assert expected_run[1].keys() == got_run[1].keys()
+    for key in expected_run[1]:
+        torch.testing.assert_close(got_run[1][key], expected_run[1][key], rtol=1e-4, atol=1e-5)
 
 
+@cuda_only
+@pytest.mark.parametrize("name,options", CONFIGS, ids=IDS)
+def test_every_method_gives_on_cuda_what_it_gives_on_the_cpu(name, options):
+    assert_same_run(run(name, options, "cpu", torch.float32), run(name, options, "cuda", torch.float32))
+
+
+@pytest.mark.parametrize("name,options", CONFIGS, ids=IDS)
+def test_choosing_as_on_a_gpu_changes_nothing_on_the_cpu(name, options):
+    """The fixed-size selection a GPU takes (selection.select_by_blocks, no candidate bounds
+    kept) sends what the CPU's selection sends, through the whole engine."""
+    assert_same_run(run(name, options, "cpu", torch.float32),
+                    run(name, options, "cpu", torch.float32, WaitingOps()))
+
+
+@cuda_only
 @pytest.mark.parametrize("name,options", CONFIGS, ids=IDS)
 def test_bfloat16_gradients_send_on_cuda_as_much_as_on_the_cpu(name, options):
     """bfloat16 gradients hold many equal magnitudes, and CPU and GPU may pick different ones

@@ -180,6 +180,12 @@ class TensorOps(ABC):
         """The elements of the listed blocks (int64 block numbers), concatenated: entry
         ``i * block + j`` is ``x[blocks[i] * block + j]``, NaN past the end of ``x``."""
 
+    def sizes_cost_a_wait(self, x: Tensor) -> bool:
+        """Whether reading a size that depends on the data of ``x`` (a count, the length of
+        :meth:`nonzero`'s result) makes the host wait for ``x``'s device, as on a GPU: the
+        selections then take steps of fixed sizes (``selection.select_by_blocks``)."""
+        return False
+
     def positions_at_least(self, x: Tensor, threshold: Scalar) -> Tensor:
         """Positions (int64, ascending) of the elements ``>= threshold``. A composition; an
         adapter may replace it with a kernel, as :meth:`collect_at_least`."""

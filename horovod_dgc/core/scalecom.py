@@ -22,7 +22,7 @@ from .method import CompressCall, State, StateLayout, state_dtype
 from .nonfinite import flag, nan_like, settle
 from .ops import Scalar, Tensor, TensorOps
 from .selection import (MAX_RETRIES, RETRY_FACTOR, SAMPLE_RATIO, candidate_capacity, filter_block,
-                        predict_bound, select_exact, select_sampled, top_count)
+                        predict_bound, select_exact, select_sampled, top_count, uses_bounds)
 from .twostage import StageHandover, TwoStageMethod
 from .validation import require_choice, require_fraction, require_positive_int
 
@@ -126,7 +126,8 @@ class ScaleCom(TwoStageMethod):
         layout = self.index_layout(call.name, n, call.density)
         k = layout.capacity
         block = self.leader_block(k, n)
-        bound = call.candidate_bound if block else None
+        bounded = block and uses_bounds(ops, grad)
+        bound = call.candidate_bound if bounded else None
         capacity = candidate_capacity(bound, k, n)
         # Every rank computes the block maxima (and candidates): the leader is known only at run
         # time in a graph, and a fused accumulation takes them without reading the memory again.
@@ -142,7 +143,7 @@ class ScaleCom(TwoStageMethod):
                 header = layout.header(call.rank, call.step, k, 0)
                 next_bound = (predict_bound(ops, ops.min_abs(ops.gather(p, positions)), k,
                                             accumulated.candidates)
-                              if self.collects_candidates else kept_bound)
+                              if bounded else kept_bound)
                 return layout.encode(ops, header, positions, k)[0], next_bound
 
             header = layout.header(call.rank, call.step, 0, flag(ops, False))

@@ -76,6 +76,12 @@ def candidate_capacity(bound: Optional[float], k: int, numel: int) -> int:
     return capacity
 
 
+def uses_bounds(ops: TensorOps, x: Tensor) -> bool:
+    """Whether a selection from ``x`` takes candidates collected at a predicted bound: not
+    where sizes read back cost a wait (a GPU), whose :func:`select_by_blocks` needs none."""
+    return not ops.sizes_cost_a_wait(x)
+
+
 def predict_bound(ops: TensorOps, threshold: Scalar, k: int,
                   candidates: Optional[Candidates]) -> Scalar:
     """The candidate bound for a tensor's next step, from this step's k-th largest magnitude
@@ -168,6 +174,36 @@ def sampled_threshold(ops: TensorOps, x: Tensor, k: int, sample_ratio: float,
     return ops.kth_largest(sample, rank)
 
 
+def select_by_blocks(ops: TensorOps, x: Tensor, k: int, block_max: Optional[Tensor] = None) -> Tensor:
+    """Positions (ascending) of the k entries of largest magnitude, in steps whose sizes do
+    not depend on the data (no count is read back: on a GPU each would wait for it).
+
+    The k whole blocks of :func:`filter_block` entries with the largest maxima, and the short
+    last block, hold a top-k of ``x``: an entry above the k-th largest ``|x|`` lies in a block
+    whose maximum is above it, and fewer than k blocks have one; the blocks at that value
+    each hold an entry equal to it. An exact top-k over those entries is then a top-k of
+    ``x`` (ties broken either way). ``block_max``: as for :func:`select_sampled`.
+    """
+    n = ops.numel(x)
+    if k >= n:
+        return ops.arange(n, like=x)
+    block = filter_block(k, n)
+    whole = n // block
+    if whole == 0:
+        return select_exact(ops, x, k)
+    maxima = ops.block_abs_max(x, block) if block_max is None else block_max
+    picks = min(k, whole)
+    blocks = ops.topk_abs(ops.slice(maxima, 0, whole), picks)  # maxima are >= 0
+    rows = ops.gather_blocks(ops.slice(x, 0, whole * block), blocks, block)
+    tail = ops.slice(x, whole * block, n - whole * block)
+    chosen = ops.topk_abs(ops.concat([rows, tail]), k)  # indices into rows, then tail
+    row_count = picks * block
+    row = ops.floordiv(ops.clamp(chosen, row_count - 1), block)
+    in_rows = ops.gather(blocks, row) * block + (chosen - row * block)
+    in_tail = chosen - row_count + whole * block
+    return ops.sort(ops.where(ops.greater_equal(chosen, row_count), in_tail, in_rows))[0]
+
+
 def select_sampled(ops: TensorOps, x: Tensor, k: int, sample_ratio: float, offset: int,
                    max_retries: int, retry_factor: float, block_max: Optional[Tensor] = None,
                    candidates: Optional[Candidates] = None) -> Tensor:
@@ -180,10 +216,14 @@ def select_sampled(ops: TensorOps, x: Tensor, k: int, sample_ratio: float, offse
 
     Exactly k positions come back, and they are the true top-k: if the retries still find
     fewer than k, a guaranteed lower bound of the k-th largest entry becomes the threshold.
+    Where sizes read back cost a wait (``ops.sizes_cost_a_wait``: a GPU), the same top-k
+    comes from :func:`select_by_blocks` instead, which reads back none.
     """
     n = ops.numel(x)
     if k >= n:
         return ops.arange(n, like=x)
+    if ops.sizes_cost_a_wait(x):
+        return select_by_blocks(ops, x, k, block_max)
     if candidates is not None:
         return ops.cond(ops.size(candidates.positions) >= k,
                         lambda: largest_of(ops, candidates.positions, candidates.magnitudes, k),

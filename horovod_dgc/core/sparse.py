@@ -21,7 +21,7 @@ from .memory import Accumulated
 from .method import CompressCall, Method, State, StateLayout, state_dtype
 from .nonfinite import nan_like, none_flagged, received_finite
 from .ops import Scalar, Tensor, TensorOps
-from .selection import candidate_capacity, filter_block, predict_bound, top_count
+from .selection import candidate_capacity, filter_block, predict_bound, top_count, uses_bounds
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,8 @@ class SparseMethod(Method):
         numel = ops.numel(grad)
         k = top_count(call.density, numel)
         block = filter_block(k, numel) if self.filters_blocks else 0
-        bound = call.candidate_bound if self.collects_candidates and block else None
+        bounded = self.collects_candidates and block and uses_bounds(ops, grad)
+        bound = call.candidate_bound if bounded else None
         capacity = candidate_capacity(bound, k, numel)
         return self.memory.accumulate(ops, state, *self.prepare(ops, grad, call), spare=call.spare,
                                       block=block, bound=bound if capacity else None,
@@ -117,7 +118,7 @@ class SparseMethod(Method):
             message, decoded = layout.encode(ops, header, positions, count, selected)
             sent = ops.cast(ops.slice(decoded, 0, count), ops.dtype(x))
             next_bound = 0.0
-            if self.collects_candidates:
+            if self.collects_candidates and uses_bounds(ops, x):
                 next_bound = predict_bound(ops, ops.min_abs(selected), k, accumulated.candidates)
             return self.memory.update(ops, accumulated.state, positions, sent), message, count, next_bound
 

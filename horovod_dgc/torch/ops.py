@@ -221,6 +221,9 @@ class TorchOps(TensorOps):
             rows[-1] = tail
         return rows.reshape(-1)
 
+    def sizes_cost_a_wait(self, x: torch.Tensor) -> bool:
+        return x.device.type != "cpu"
+
     def positions_at_least(self, x: torch.Tensor, threshold: Scalar) -> torch.Tensor:
         if kernels.supports(x) and x.dim() == 1:
             return kernels.positions_at_least(x, float(threshold))
