@@ -65,6 +65,15 @@ class WaitingOps(TorchOps):
         return True
 
 
+@pytest.fixture(params=["own-choice", "as-on-a-gpu"])
+def choices(request, monkeypatch):
+    """TorchOps' own choices, and the ones it makes on a GPU (where reading a size back waits
+    for the device: fixed-size selection and decoding) taken on whatever device a test runs."""
+    if request.param == "as-on-a-gpu":
+        monkeypatch.setattr(TorchOps, "sizes_cost_a_wait", lambda self, x: True)
+    return request.param
+
+
 def torch_compression():
     """``horovod_dgc.torch.Compression``, or a skip where Horovod is not installed (a GPU
     machine that runs the engine's and the core's tests)."""

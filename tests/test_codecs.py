@@ -52,7 +52,7 @@ def naive_decode_elias_fano(lower, upper, n, capacity, count):
 
 @pytest.mark.parametrize("n,capacity,count", [(1_000_000, 1000, 1000), (4096, 41, 30), (100, 100, 60),
                                                (5000, 1, 1), (1 << 20, 1 << 18, 1 << 18)])
-def test_elias_fano_matches_the_definition_both_ways(n, capacity, count, device):
+def test_elias_fano_matches_the_definition_both_ways(n, capacity, count, device, choices):
     positions = sorted(random.Random(n).sample(range(n), count))
     coding = EliasFano(n, capacity)
     lower, upper = coding.encode(ops, torch.tensor(positions, device=device), count)
@@ -63,7 +63,7 @@ def test_elias_fano_matches_the_definition_both_ways(n, capacity, count, device)
     assert decoded.tolist() == positions + [0] * (capacity - count)
 
 
-def test_bitmap_and_raw_round_trip_and_refuse_an_inconsistent_count(device):
+def test_bitmap_and_raw_round_trip_and_refuse_an_inconsistent_count(device, choices):
     n, positions = 1000, sorted(random.Random(1).sample(range(1000), 300))
     for coding in (Bitmap(n, 400), RawIndices(n, 400)):
         parts = coding.encode(ops, torch.tensor(positions, device=device), len(positions))
@@ -131,7 +131,7 @@ def valid_message(rng: random.Random, device: torch.device):
     return method, result
 
 
-def test_10000_random_and_mutated_messages_end_in_a_clean_error_or_a_correct_decode(device):
+def test_10000_random_and_mutated_messages_end_in_a_clean_error_or_a_correct_decode(device, choices):
     rng = random.Random(2026)
     outcomes = {"error": 0, "decoded": 0}
     for trial in range(10_000):

@@ -108,9 +108,8 @@ def reference_dgc(grads, k, momentum, nesterov, clip_norm, world_size):
 @pytest.mark.parametrize("nesterov", [False, True])
 @pytest.mark.parametrize("clip_norm", [None, 5.0])
 @pytest.mark.parametrize("hinted", [False, True], ids=["sampled", "candidate-bound"])
-@pytest.mark.parametrize("as_on_a_gpu", [False, True], ids=["own-choice", "as-on-a-gpu"])
 def test_dgc_momentum_correction_and_masking_match_the_equations_for_10_steps(nesterov, clip_norm, hinted,
-                                                                               as_on_a_gpu, monkeypatch, device):
+                                                                               choices, monkeypatch, device):
     """With ``hinted``, each step passes the bound its last step predicted, so that the
     memory's pass collects the candidates and (checked) the sampled selection does not run
     in most steps; the selection must be the naive reference's all the same. Where sizes
@@ -127,8 +126,6 @@ def test_dgc_momentum_correction_and_masking_match_the_equations_for_10_steps(ne
                            value_dtype="float32"))
     state = method.init_state(ops, grads[0], True, 1)
     expected = reference_dgc(grads, top_count(density, n), 0.9, nesterov, clip_norm, world_size)
-    if as_on_a_gpu:
-        monkeypatch.setattr(ops, "sizes_cost_a_wait", lambda x: True)
     by_blocks = ops.sizes_cost_a_wait(grads[0])
     bound = None
     for t, (grad, (ref_sent, ref_u, ref_v)) in enumerate(zip(grads, expected)):

@@ -135,8 +135,8 @@ class Bitmap(IndexCoding):
         return [ops.set_bits(positions, self.parts[0][1])]
 
     def decode(self, ops: TensorOps, parts: Sequence[Tensor], count: Scalar) -> Tuple[Tensor, Scalar]:
-        set_bits = ops.set_bit_positions(parts[0], self.numel)
-        return ops.fit(set_bits, self.capacity), ops.equal(ops.size(set_bits), count)
+        positions, n_set = ops.set_bit_positions_fitted(parts[0], self.numel, self.capacity)
+        return positions, ops.equal(n_set, count)
 
 
 INDEX_CODINGS: Dict[int, type] = {c.code: c for c in (RawIndices, EliasFano, Bitmap)}

@@ -385,6 +385,13 @@ class TensorOps(ABC):
         :meth:`pack_bits` packed. A composition; an adapter may read the bytes once instead."""
         return self.nonzero(self.slice(self.unpack_bits(packed), 0, n_bits))
 
+    def set_bit_positions_fitted(self, packed: Tensor, n_bits: int, capacity: int) -> Tuple[Tensor, Scalar]:
+        """(the first ``capacity`` positions of :meth:`set_bit_positions`, 0 past the last
+        one; how many bits are set). A composition; an adapter where sizes cost a wait
+        (:meth:`sizes_cost_a_wait`) may find them without reading a count back."""
+        positions = self.set_bit_positions(packed, n_bits)
+        return self.fit(positions, capacity), self.size(positions)
+
     def unpack_fields(self, packed: Tensor, width: int, count: int) -> Tensor:
         """The ``count`` non-negative ``width``-bit integers that :meth:`pack_bits` of
         :meth:`bits_of` packed, as int64."""
@@ -397,10 +404,10 @@ class TensorOps(ABC):
         (``codecs.EliasFano``): the i-th set bit b among the first ``n_upper_bits`` of ``upper``
         and the i-th ``low_bits``-bit field of ``lower`` give ``((b - i) << low_bits) + field``.
         A composition; an adapter may read the bytes once instead."""
-        set_bits = self.set_bit_positions(upper, n_upper_bits)
-        consistent = self.equal(self.size(set_bits), count)
+        set_bits, n_set = self.set_bit_positions_fitted(upper, n_upper_bits, capacity)
+        consistent = self.equal(n_set, count)
         slots = self.arange(capacity, like=set_bits)
-        high = self.add(self.fit(set_bits, capacity), slots, 1, -1)
+        high = self.add(set_bits, slots, 1, -1)
         if low_bits:
             high = self.add(high, self.unpack_fields(lower, low_bits, capacity), 2 ** low_bits, 1)
         positions = self.where(self.greater_equal(slots, count), 0, high)

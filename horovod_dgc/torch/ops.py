@@ -377,6 +377,14 @@ class TorchOps(TensorOps):
             return kernels.set_bit_positions(packed, n_bits)
         return super().set_bit_positions(packed, n_bits)
 
+    def set_bit_positions_fitted(self, packed: torch.Tensor, n_bits: int,
+                                 capacity: int) -> Tuple[torch.Tensor, Any]:
+        if not self.sizes_cost_a_wait(packed):
+            return super().set_bit_positions_fitted(packed, n_bits, capacity)
+        bits = self.unpack_bits(packed)[:n_bits]
+        positions = torch.nonzero_static(bits, size=capacity, fill_value=0).reshape(-1)
+        return positions, bits.sum()
+
     def elias_fano_positions(self, lower: torch.Tensor, low_bits: int, upper: torch.Tensor,
                              n_upper_bits: int, capacity: int, count: Scalar,
                              numel: int) -> Tuple[torch.Tensor, Any]:
