@@ -11,7 +11,7 @@ The CUDA tests are skipped without a CUDA device; on the CPU, the choices a GPU 
 import pytest
 import torch
 
-from benchmarks.host_syncs import compress_all, decode_all, gradients
+from benchmarks.host_syncs import HostReadCounter, compress_all, decode_all, gradients
 from horovod_dgc.core.methods import BY_NAME, METHODS
 from horovod_dgc.torch.engine import Engine
 
@@ -85,3 +85,25 @@ def test_bfloat16_gradients_send_on_cuda_as_much_as_on_the_cpu(name, options):
             assert bool(torch.isfinite(g).all()), f"step {step}, {shape}"
             assert int(g.count_nonzero()) == pytest.approx(int(e.count_nonzero()), rel=0.05), f"step {step}, {shape}"
             assert float(g.abs().sum()) == pytest.approx(float(e.abs().sum()), rel=0.02), f"step {step}, {shape}"
+
+
+# Host reads per rank per step with the GPU's choices, per compressed tensor: today's counts
+# (benchmarks/host_syncs.py, which gave the H200's measured waits exactly). A change that adds
+# a read of GPU data to these paths fails here; one that removes reads lowers the bound.
+MOST_HOST_READS = {"dgc": (1, 4), "topk": (1, 4), "blocksign": (0, 4)}
+
+
+@pytest.mark.parametrize("name", sorted(MOST_HOST_READS))
+def test_a_gpu_step_reads_back_no_more_than_today(name):
+    shapes = [(300, 4096), (256, 64, 3, 3)]  # compressed by every method's defaults
+    engines = [Engine(BY_NAME[name].build(), world_size=WORLD, rank=r) for r in range(WORLD)]
+    names = [f"t{i}" for i in range(len(shapes))]
+    most_compress, most_decode = MOST_HOST_READS[name]
+    for step in range(3):
+        grads = gradients(shapes, WORLD, step, "cpu")
+        with HostReadCounter() as compress:
+            outputs = compress_all(engines, names, grads)
+        with HostReadCounter() as decode:
+            decode_all(engines, names, shapes, outputs)
+        assert compress.total <= most_compress * len(shapes) * WORLD, (step, compress.sites)
+        assert decode.total <= most_decode * len(shapes) * WORLD, (step, decode.sites)

@@ -76,7 +76,7 @@ class TorchOps(TensorOps):
         return torch.zeros(n, dtype=DTYPES[dtype], device=like.device)
 
     def zeroed(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and x.is_contiguous():
+        if self._kernels(x) and x.is_contiguous():
             return kernels.zero(x)
         return x.zero_()
 
@@ -86,7 +86,7 @@ class TorchOps(TensorOps):
     def constant(self, values: Sequence[Any], dtype: str, like: torch.Tensor) -> torch.Tensor:
         # Values that are tensors (a count, a flag) are written in where they are: reading them
         # with int() would wait for the GPU once per value.
-        on_device = [isinstance(v, torch.Tensor) and v.device != _HOST for v in values]
+        on_device = [isinstance(v, torch.Tensor) and self.sizes_cost_a_wait(v) for v in values]
         fixed = [0 if held else int(v) for v, held in zip(values, on_device)]
         out = _to_device(torch.tensor(fixed, dtype=DTYPES[dtype], device=_HOST), like.device)
         for i in [i for i, held in enumerate(on_device) if held]:
@@ -183,7 +183,7 @@ class TorchOps(TensorOps):
 
     def block_abs_max(self, x: torch.Tensor, block: int) -> torch.Tensor:
         whole = x.numel() // block
-        if kernels.supports(x):
+        if self._kernels(x) and kernels.supports(x):
             maxima = kernels.block_abs_max(x.reshape(-1), block)
         else:
             rows = x[:whole * block].view(-1, block)
@@ -224,14 +224,20 @@ class TorchOps(TensorOps):
     def sizes_cost_a_wait(self, x: torch.Tensor) -> bool:
         return x.device.type != "cpu"
 
+    def _kernels(self, x: torch.Tensor) -> bool:
+        """Whether the C kernels may take ``x``: on the CPU, unless this TorchOps makes the
+        GPU's choices there (``sizes_cost_a_wait``, as tests and benchmarks/host_syncs.py do),
+        when the compositions a GPU runs take it instead."""
+        return x.device.type == "cpu" and not self.sizes_cost_a_wait(x)
+
     def positions_at_least(self, x: torch.Tensor, threshold: Scalar) -> torch.Tensor:
-        if kernels.supports(x) and x.dim() == 1:
+        if self._kernels(x) and kernels.supports(x) and x.dim() == 1:
             return kernels.positions_at_least(x, float(threshold))
         return super().positions_at_least(x, threshold)
 
     def collect_at_least(self, x: torch.Tensor, blocks: torch.Tensor, block: int,
                          threshold: Scalar) -> Tuple[torch.Tensor, torch.Tensor]:
-        if kernels.supports(x):
+        if self._kernels(x) and kernels.supports(x):
             return kernels.collect_at_least(x.reshape(-1), blocks, block, float(threshold))
         return super().collect_at_least(x, blocks, block, threshold)
 
@@ -240,7 +246,8 @@ class TorchOps(TensorOps):
                    bound: Optional[float] = None, capacity: int = 0
                    ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Any, Optional[Candidates]]:
         out = _usable(out, memory)
-        if isinstance(grad_scale, (int, float)) and kernels.supports_accumulate(grad, memory, out):
+        if (isinstance(grad_scale, (int, float)) and self._kernels(grad)
+                and kernels.supports_accumulate(grad, memory, out)):
             total, stats, finite, candidates = kernels.error_feedback(
                 grad.reshape(-1), float(grad_scale), memory, out, block, stat, bound, capacity)
             return (total, None if stats is None else stats.to(memory.dtype), finite,
@@ -254,7 +261,7 @@ class TorchOps(TensorOps):
                             ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Any,
                                        Optional[Candidates]]:
         outs = (_usable(outs[0], momentum), _usable(outs[1], velocity))
-        if isinstance(grad_scale, (int, float)) and kernels.supports_accumulate(
+        if isinstance(grad_scale, (int, float)) and self._kernels(grad) and kernels.supports_accumulate(
                 grad, momentum, velocity, *outs):
             *result, candidates = kernels.momentum_correction(
                 grad.reshape(-1), float(grad_scale), momentum, velocity, m, nesterov, *outs, block,
@@ -265,19 +272,22 @@ class TorchOps(TensorOps):
 
     def sign_compress(self, x: torch.Tensor, scales: torch.Tensor, block: int,
                       length: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        if kernels.supports_signs(x, scales):
+        if self._kernels(x) and kernels.supports_signs(x, scales):
             return kernels.sign_pack(x, scales, block, length)
         return super().sign_compress(x, scales, block, length)
 
     def sign_decode(self, packed: torch.Tensor, scales: torch.Tensor, block: int, n: int, dtype: str,
                     add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if dtype == "float32" and kernels.supports_signs(scales, *([] if add_to is None else [add_to])):
+        if dtype == "float32" and self._kernels(scales) and kernels.supports_signs(
+                scales, *([] if add_to is None else [add_to])):
             return kernels.sign_decode(packed, scales, block, n, add_to)
         return super().sign_decode(packed, scales, block, n, dtype, add_to)
 
     def sign_decode_all(self, messages: Sequence[Tuple[torch.Tensor, torch.Tensor, int, int]],
                         dtype: str) -> torch.Tensor:
-        if dtype != "float32" or not kernels.supports_signs(*(scales for _, scales, _, _ in messages)):
+        all_scales = [scales for _, scales, _, _ in messages]
+        on_kernels = all(map(self._kernels, all_scales)) and kernels.supports_signs(*all_scales)
+        if dtype != "float32" or not on_kernels:
             return super().sign_decode_all(messages, dtype)
         out = torch.empty(sum(n for _, _, _, n in messages), dtype=torch.float32, device=kernels.CPU)
         at = 0
@@ -307,24 +317,24 @@ class TorchOps(TensorOps):
 
     def scatter_sub(self, out: torch.Tensor, indices: torch.Tensor,
                     values: torch.Tensor) -> torch.Tensor:
-        if _scatters(out, values):
+        if self._kernels(out) and _scatters(out, values):
             return kernels.scatter_add(out, indices, values, -1)
         return out.index_add_(0, indices, values, alpha=-1)
 
     def scatter_zero(self, out: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        if _scatters(out):
+        if self._kernels(out) and _scatters(out):
             return kernels.scatter_add(out, indices, None)
         return out.index_fill_(0, indices, 0)
 
     def scatter_add(self, out: torch.Tensor, indices: torch.Tensor,
                     values: torch.Tensor) -> torch.Tensor:
-        if _scatters(out, values):
+        if self._kernels(out) and _scatters(out, values):
             return kernels.scatter_add(out, indices, values)
         return out.index_add_(0, indices, values)
 
     def sum_sparse(self, out: torch.Tensor, messages: Sequence[Tuple[torch.Tensor, torch.Tensor, Scalar]],
                    scale: float) -> torch.Tensor:
-        if _scatters(out) and all(_scatters(out, values) for _, values, _ in messages):
+        if self._kernels(out) and _scatters(out) and all(_scatters(out, values) for _, values, _ in messages):
             summed = kernels.sum_sparse(out, messages, scale)
             if summed is not None:
                 return summed
@@ -363,17 +373,17 @@ class TorchOps(TensorOps):
         return table.index_select(0, packed.to(torch.int64)).reshape(-1)
 
     def pack_fields(self, values: torch.Tensor, width: int, n_bytes: int) -> torch.Tensor:
-        if values.device.type == "cpu" and 0 < width < 64:
+        if self._kernels(values) and 0 < width < 64:
             return kernels.pack_fields(values, width, n_bytes)
         return super().pack_fields(values, width, n_bytes)
 
     def set_bits(self, positions: torch.Tensor, n_bytes: int) -> torch.Tensor:
-        if positions.device.type == "cpu":
+        if self._kernels(positions):
             return kernels.set_bits(positions, n_bytes)
         return super().set_bits(positions, n_bytes)
 
     def set_bit_positions(self, packed: torch.Tensor, n_bits: int) -> torch.Tensor:
-        if packed.device.type == "cpu":
+        if self._kernels(packed):
             return kernels.set_bit_positions(packed, n_bits)
         return super().set_bit_positions(packed, n_bits)
 
@@ -388,7 +398,7 @@ class TorchOps(TensorOps):
     def elias_fano_positions(self, lower: torch.Tensor, low_bits: int, upper: torch.Tensor,
                              n_upper_bits: int, capacity: int, count: Scalar,
                              numel: int) -> Tuple[torch.Tensor, Any]:
-        if lower.device.type == "cpu" and upper.device.type == "cpu" and low_bits <= 56:
+        if self._kernels(lower) and self._kernels(upper) and low_bits <= 56:
             return kernels.elias_fano_positions(lower, low_bits, upper, n_upper_bits, capacity,
                                                 int(count), numel)
         return super().elias_fano_positions(lower, low_bits, upper, n_upper_bits, capacity, count, numel)
