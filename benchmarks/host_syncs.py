@@ -185,7 +185,8 @@ def decode_all(engines: Sequence[Engine], names: Sequence[str], shapes: Sequence
         kind = per_rank[0][0]
         if kind == "dense":
             reduced = emulate(engines[0].ops, ALLREDUCE, [sent.tensor for _, sent in per_rank])
-            results = [engine.dense_received(sent, r) for engine, (_, sent), r in zip(engines, per_rank, reduced)]
+            results = [engine.dense_received(sent, r)
+                       for engine, (_, sent), r in zip(engines, per_rank, reduced)]
         elif kind == "sparse":
             gathered = torch.cat([outgoing.message for _, outgoing in per_rank])
             results = [engine.decompress(gathered, [outgoing])[0]

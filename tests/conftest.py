@@ -59,7 +59,7 @@ def randn(*shape, device, generator=None):
 
 class WaitingOps(TorchOps):
     """TorchOps choosing as on a GPU (sizes read back are taken to cost a wait), on CPU
-    tensors: the fixed-size selection, no candidate bounds kept."""
+    tensors: the fixed-size selection, no candidate bounds kept, checks deferred if asked."""
 
     def sizes_cost_a_wait(self, x):
         return True

@@ -186,6 +186,13 @@ class TensorOps(ABC):
         selections then take steps of fixed sizes (``selection.select_by_blocks``)."""
         return False
 
+    def defers_checks(self, x: Tensor) -> bool:
+        """Whether checks and finiteness flags on ``x``'s device are left for the caller to
+        read once at the end of a step (an adapter's engine that asked for it, where sizes
+        cost a wait): failed checks then raise there, a step that is not finite still hands
+        back its new memories (the caller drops them), and no method branches on a flag."""
+        return False
+
     def positions_at_least(self, x: Tensor, threshold: Scalar) -> Tensor:
         """Positions (int64, ascending) of the elements ``>= threshold``. A composition; an
         adapter may replace it with a kernel, as :meth:`collect_at_least`."""

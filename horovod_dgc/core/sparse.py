@@ -19,7 +19,7 @@ from .collectives import ALLGATHER
 from .config import SparseConfig
 from .memory import Accumulated
 from .method import CompressCall, Method, State, StateLayout, state_dtype
-from .nonfinite import nan_like, none_flagged, received_finite
+from .nonfinite import flag, nan_like, none_flagged, received_finite
 from .ops import Scalar, Tensor, TensorOps
 from .selection import candidate_capacity, filter_block, predict_bound, top_count, uses_bounds
 
@@ -109,11 +109,11 @@ class SparseMethod(Method):
         layout = self.layout(call.name, ops.numel(grad), ops.dtype(grad), call.density)
         accumulated, k = self.accumulate(ops, state, grad, call)
 
-        def send():
+        def send(flags: Any = 0):
             x = accumulated.x
             positions = self.select(ops, x, k, call, accumulated)
             count = ops.size(positions)
-            header = layout.header(call.rank, call.step, count, 0)
+            header = layout.header(call.rank, call.step, count, flags)
             selected = ops.gather(x, positions)
             message, decoded = layout.encode(ops, header, positions, count, selected)
             sent = ops.cast(ops.slice(decoded, 0, count), ops.dtype(x))
@@ -126,7 +126,12 @@ class SparseMethod(Method):
             header = layout.header(call.rank, call.step, 0, wire.FLAG_NONFINITE)
             return state, layout.empty(ops, header, like=grad), 0, 0.0
 
-        new_state, message, count, next_bound = ops.cond(accumulated.finite, send, skip)
+        if ops.defers_checks(grad):
+            # No branch on the device's flag: a step that is not finite sends its selection
+            # flagged, its memory (NaN) is staged like any other, and every rank drops the step.
+            new_state, message, count, next_bound = send(flag(ops, accumulated.finite))
+        else:
+            new_state, message, count, next_bound = ops.cond(accumulated.finite, send, skip)
         return Compressed(message=message, state=new_state, count=count, layout=layout,
                           next_bound=next_bound if self.collects_candidates else None)
 
@@ -162,10 +167,16 @@ class SparseMethod(Method):
         names = [layout.name for layout in layouts]
         finite = received_finite(ops, self.config.nonfinite, received.flags, names, step)
 
+        def unflagged(t: int) -> Scalar:
+            return none_flagged(ops, ops.strided_sample(received.flags, t, len(layouts)))
+
         def poisoned() -> List[Tensor]:
             # Only the tensors some rank flagged become NaN.
-            return [ops.cond(none_flagged(ops, ops.strided_sample(received.flags, t, len(layouts))),
-                             lambda a=a: a, lambda a=a, d=d: nan_like(ops, ops.numel(a), d, a))
+            return [ops.cond(unflagged(t), lambda a=a: a, lambda a=a, d=d: nan_like(ops, ops.numel(a), d, a))
                     for t, (a, d) in enumerate(zip(averaged, out_dtypes))]
 
+        if ops.defers_checks(gathered):
+            # No branch on the flags: each average is multiplied by 1, or by NaN where flagged.
+            return [ops.scale(a, ops.where(unflagged(t), 1.0, float("nan")))
+                    for t, a in enumerate(averaged)], finite
         return ops.cond(finite, lambda: averaged, poisoned), finite

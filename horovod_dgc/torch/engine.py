@@ -8,7 +8,9 @@ averaged dense gradient. ``compression.py`` (stock ``hvd.DistributedOptimizer``)
 **A step is kept or dropped whole.** The memories a step computes are staged, not kept, until
 every tensor exchanged in the step has come back: if any rank's gradient of any tensor was
 not finite (every rank learns of it from the messages), every staged memory is dropped, so
-every memory of every rank is exactly what it was before the step; else all are kept.
+every memory of every rank is exactly what it was before the step; else all are kept. On a
+GPU the step's checks and finiteness flags are read once, when its last tensor comes back
+(``TorchOps(defer_checks=True)``): one wait per step instead of several per tensor.
 
 **Loss scaling.** With a mixed-precision loss scaler attached (:meth:`Engine.use_loss_scale`),
 gradients are divided by the scale before they reach the memories, and the averaged gradients
@@ -68,7 +70,8 @@ class Engine:
     """Holds a method, the per-tensor memories, the step counters and the statistics."""
 
     def __init__(self, method: Method, world_size: int, rank: int):
-        self.ops = TorchOps()
+        # Checks and flags are read once per step (_conclude), where reading waits (a GPU).
+        self.ops = TorchOps(defer_checks=True)
         self.set_method(method)
         self.world_size = world_size
         self.rank = rank
@@ -81,7 +84,7 @@ class Engine:
         # Each tensor's candidate bound for its next step (CompressCall.candidate_bound): speed only.
         self._bounds: Dict[str, float] = {}
         self._open: Set[str] = set()
-        self._step_finite = True
+        self._step_flags: List[Any] = []  # each concluded tensor's finiteness, this step
         self._steps: Dict[str, int] = {}
         self._lock = threading.Lock()
         self._stats = StatsRecorder()
@@ -172,22 +175,33 @@ class Engine:
         with self._lock:
             return self._staged[name]
 
-    def _conclude(self, names: Sequence[str], finite: bool) -> None:
-        """These tensors came back (finite or not); once every open tensor has, the step's
-        staged memories are kept, or all dropped if any tensor was not finite."""
+    def _conclude(self, names: Sequence[str], finite: Any) -> None:
+        """These tensors came back, ``finite`` or not (a bool, or a 0-d tensor on a device
+        where reading it waits); once every open tensor has, the step's flags and deferred
+        checks are read at once (``TorchOps.settle_checks``: one wait per step on a GPU), and
+        the step's staged memories are kept, or all dropped if any tensor was not finite or a
+        check failed (whose error is then raised)."""
         with self._lock:
-            self._step_finite = self._step_finite and finite
+            self._step_flags.append(finite)
             self._open.difference_update(names)
             if self._open:
                 return
-            for name, staged in self._staged.items():
-                kept = self._states.get(name)
-                if kept is not None and _disjoint(kept, staged):
-                    self._spares[name] = kept if self._step_finite else staged
-            if self._step_finite:
-                self._states.update(self._staged)
-            self._staged.clear()
-            self._step_finite = True
+            flags, self._step_flags = self._step_flags, []
+            try:
+                step_finite = all(self.ops.settle_checks(*flags))
+            except BaseException:
+                self._end_step(False)
+                raise
+            self._end_step(step_finite)
+
+    def _end_step(self, finite: bool) -> None:
+        for name, staged in self._staged.items():
+            kept = self._states.get(name)
+            if kept is not None and _disjoint(kept, staged):
+                self._spares[name] = kept if finite else staged
+        if finite:
+            self._states.update(self._staged)
+        self._staged.clear()
 
     def abandon_step(self) -> None:
         """Drop the memories of a step that will not finish (an elastic reset)."""
@@ -195,7 +209,8 @@ class Engine:
             self._staged.clear()
             self._spares.clear()
             self._open.clear()
-            self._step_finite = True
+            self._step_flags = []
+            self.ops.discard_checks()
 
     # -- the two paths ------------------------------------------------------------------------
     def compress(self, name: str, grad: torch.Tensor, param: Optional[torch.Tensor]) -> OutgoingMessage:
@@ -233,12 +248,16 @@ class Engine:
     def dense_received(self, sent: DenseUpdate, averaged: torch.Tensor) -> torch.Tensor:
         """The all-reduced ``sent.tensor`` in the gradient's dtype; a non-finite result (some
         rank's gradient was not finite) drops the step's memories."""
-        finite = bool(torch.isfinite(averaged.sum(dtype=torch.float32)))
-        if not finite and self.config.nonfinite == "raise":
-            self._conclude([sent.name], False)
-            raise NonFiniteGradientError(f"gradient of tensor {sent.name!r} held NaN or Inf on "
-                                         f"some rank; every memory was left as it was before "
-                                         f"this step")
+        finite = torch.isfinite(averaged.sum(dtype=torch.float32))
+        if self.config.nonfinite == "raise":
+            def explain() -> None:
+                raise NonFiniteGradientError(f"gradient of tensor {sent.name!r} held NaN or Inf on "
+                                             f"some rank; every memory was left as it was before "
+                                             f"this step")
+            if not self.ops.sizes_cost_a_wait(finite) and not bool(finite):
+                self._conclude([sent.name], False)
+                explain()
+            finite = self.ops.verify(finite, [], explain, finite)
         self._conclude([sent.name], finite)
         return averaged.to(sent.dtype)
 
@@ -277,7 +296,7 @@ class Engine:
         except NonFiniteGradientError:
             self._conclude([handover.call.name], False)
             raise
-        self._conclude([handover.call.name], bool(finite))
+        self._conclude([handover.call.name], finite)
         return _rescaled(update, handover.call.loss_scale).reshape(shape)
 
     def record_placeholder(self, step: int, nbytes: int) -> None:
@@ -310,7 +329,7 @@ class Engine:
         except NonFiniteGradientError:
             self._conclude(names, False)
             raise
-        self._conclude(names, bool(finite))
+        self._conclude(names, finite)
         return [_rescaled(flat, o.loss_scale).reshape(o.shape) for flat, o in zip(flats, outgoing)]
 
     # -- checkpointing --------------------------------------------------------------------------

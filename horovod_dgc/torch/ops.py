@@ -5,7 +5,7 @@ reads the condition on the host: one synchronisation per loop test, none per ele
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -57,12 +57,24 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
+def _explain(inputs: Sequence[Any], explain: Callable[..., None]) -> None:
+    """Raise a failed check's error, from the values of its inputs."""
+    explain(*[x.tolist() if isinstance(x, torch.Tensor) else x for x in inputs])
+    raise AssertionError("a check failed and its explanation raised nothing")
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """The core's name of a torch dtype (``"other"`` for dtypes the core does not know)."""
     return DTYPE_NAMES.get(dtype, "other")
 
 
 class TorchOps(TensorOps):
+    def __init__(self, defer_checks: bool = False) -> None:
+        """``defer_checks``: on a device where reading waits, leave checks and flags to
+        :meth:`settle_checks` (see ``TensorOps.defers_checks``); the engine asks for it."""
+        self._defer = defer_checks
+        self._pending: List[Tuple[torch.Tensor, Sequence[Any], Callable[..., None]]] = []
+
     def numel(self, x: torch.Tensor) -> int:
         return x.numel()
 
@@ -223,6 +235,9 @@ class TorchOps(TensorOps):
 
     def sizes_cost_a_wait(self, x: torch.Tensor) -> bool:
         return x.device.type != "cpu"
+
+    def defers_checks(self, x: torch.Tensor) -> bool:
+        return self._defer and self.sizes_cost_a_wait(x)
 
     def _kernels(self, x: torch.Tensor) -> bool:
         """Whether the C kernels may take ``x``: on the CPU, unless this TorchOps makes the
@@ -443,10 +458,34 @@ class TorchOps(TensorOps):
 
     def verify(self, pred: Scalar, inputs: Sequence[Any], explain: Callable[..., None],
                result: torch.Tensor) -> torch.Tensor:
+        if isinstance(pred, torch.Tensor) and self.defers_checks(pred):
+            # Checked with the step's other checks at settle_checks(), in one read. Until then
+            # the work goes on with zeros in place of a result that failed (no index from a
+            # bad message reaches a scatter).
+            self._pending.append((pred, inputs, explain))
+            return torch.where(pred, result, torch.zeros_like(result))
         if not bool(pred):
-            explain(*[x.tolist() if isinstance(x, torch.Tensor) else x for x in inputs])
-            raise AssertionError("a check failed and its explanation raised nothing")
+            _explain(inputs, explain)
         return result
+
+    def settle_checks(self, *flags: Any) -> List[bool]:
+        """Every check :meth:`verify` deferred (:meth:`defers_checks`), and ``flags``
+        (booleans, or 0-d tensors there), read together: raises the first failed check's
+        error, else returns the flags as Python booleans. One wait for a whole step."""
+        pending, self._pending = self._pending, []
+        on_device = [f for f in flags if isinstance(f, torch.Tensor)]
+        if not pending and not on_device:
+            return [bool(f) for f in flags]
+        read = torch.stack([t.reshape(()).to(torch.bool) for t in [p for p, _, _ in pending] + on_device])
+        values = iter(read.tolist())
+        for (_, inputs, explain), ok in zip(pending, values):
+            if not ok:
+                _explain(inputs, explain)
+        return [next(values) if isinstance(f, torch.Tensor) else bool(f) for f in flags]
+
+    def discard_checks(self) -> None:
+        """Forget the deferred checks of a step that will not finish."""
+        self._pending = []
 
     def while_loop(self, cond: Callable[..., Scalar], body: Callable[..., Tuple],
                    loop_vars: Tuple, max_iterations: int) -> Tuple:
