@@ -36,6 +36,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
+from benchmarks.compress import synchronize
 from horovod_dgc.core.collectives import ALLREDUCE, emulate
 from horovod_dgc.core.methods import BY_NAME, METHODS
 from horovod_dgc.torch.engine import Engine
@@ -141,11 +142,6 @@ class HostReadCounter:
 def counter(device: torch.device):
     """The waits' counter for ``device``: GPU synchronisations, or host reads on the CPU."""
     return SyncCounter(device) if device.type == "cuda" else HostReadCounter()
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def gradients(shapes: Sequence[Tuple[int, ...]], world: int, step: int, device: torch.device,

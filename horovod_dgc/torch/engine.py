@@ -254,10 +254,11 @@ class Engine:
                 raise NonFiniteGradientError(f"gradient of tensor {sent.name!r} held NaN or Inf on "
                                              f"some rank; every memory was left as it was before "
                                              f"this step")
-            if not self.ops.sizes_cost_a_wait(finite) and not bool(finite):
+            if self.ops.defers_checks(finite):
+                finite = self.ops.verify(finite, [], explain, finite)
+            elif not bool(finite):
                 self._conclude([sent.name], False)
                 explain()
-            finite = self.ops.verify(finite, [], explain, finite)
         self._conclude([sent.name], finite)
         return averaged.to(sent.dtype)
 

@@ -19,7 +19,8 @@ DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _HALF = (torch.float16, torch.bfloat16)
 _GATHER_BITS = 0x0102040810204080
 # Row b: the eight signs (+1 for a set bit, -1 otherwise) that byte b packs, bit i first.
-_BIT_TABLE = ((torch.arange(256, device="cpu").unsqueeze(1) >> torch.arange(8, device="cpu")) & 1).bool()
+_HOST = torch.device("cpu")
+_BIT_TABLE = ((torch.arange(256, device=_HOST).unsqueeze(1) >> torch.arange(8, device=_HOST)) & 1).bool()
 _SIGN_TABLE = _BIT_TABLE.float() * 2 - 1
 _tables: Dict[Tuple[str, torch.device, torch.dtype], torch.Tensor] = {}
 
@@ -38,16 +39,6 @@ def _usable(out: Optional[torch.Tensor], like: torch.Tensor) -> Optional[torch.T
     if out is None or out.shape != like.shape or out.dtype != like.dtype:
         return None
     return out
-
-
-def _scatters(out: torch.Tensor, values: Optional[torch.Tensor] = None) -> bool:
-    """Whether the scatter kernel takes a flat float32 CPU ``out`` and these values, if any
-    (torch's index_add_ sets up a parallel loop over all of ``out`` for a few thousand entries)."""
-    return (kernels.supports(out) and out.dim() == 1
-            and (values is None or (values.dtype == torch.float32 and values.device.type == "cpu")))
-
-
-_HOST = torch.device("cpu")
 
 
 def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -239,6 +230,12 @@ class TorchOps(TensorOps):
     def defers_checks(self, x: torch.Tensor) -> bool:
         return self._defer and self.sizes_cost_a_wait(x)
 
+    def _scatters(self, out: torch.Tensor, values: Optional[torch.Tensor] = None) -> bool:
+        """Whether the scatter kernel takes a flat float32 ``out`` and these values, if any
+        (torch's index_add_ sets up a parallel loop over all of ``out`` for a few thousand entries)."""
+        return (self._kernels(out) and kernels.supports(out) and out.dim() == 1
+                and (values is None or (values.dtype == torch.float32 and self._kernels(values))))
+
     def _kernels(self, x: torch.Tensor) -> bool:
         """Whether the C kernels may take ``x``: on the CPU, unless this TorchOps makes the
         GPU's choices there (``sizes_cost_a_wait``, as tests and benchmarks/host_syncs.py do),
@@ -304,7 +301,7 @@ class TorchOps(TensorOps):
         on_kernels = all(map(self._kernels, all_scales)) and kernels.supports_signs(*all_scales)
         if dtype != "float32" or not on_kernels:
             return super().sign_decode_all(messages, dtype)
-        out = torch.empty(sum(n for _, _, _, n in messages), dtype=torch.float32, device=kernels.CPU)
+        out = torch.empty(sum(n for _, _, _, n in messages), dtype=torch.float32, device=_HOST)
         at = 0
         for packed, scales, block, n in messages:
             kernels.sign_decode(packed, scales, block, n, out=out[at:at + n])
@@ -316,7 +313,7 @@ class TorchOps(TensorOps):
 
     def searchsorted(self, ascending: torch.Tensor, bounds: Sequence[int]) -> torch.Tensor:
         return torch.searchsorted(ascending, _to_device(
-            torch.tensor(bounds, dtype=ascending.dtype, device="cpu"), ascending.device))
+            torch.tensor(bounds, dtype=ascending.dtype, device=_HOST), ascending.device))
 
     def greater_equal(self, x: torch.Tensor, threshold: Scalar) -> torch.Tensor:
         return x >= threshold
@@ -332,24 +329,24 @@ class TorchOps(TensorOps):
 
     def scatter_sub(self, out: torch.Tensor, indices: torch.Tensor,
                     values: torch.Tensor) -> torch.Tensor:
-        if self._kernels(out) and _scatters(out, values):
+        if self._scatters(out, values):
             return kernels.scatter_add(out, indices, values, -1)
         return out.index_add_(0, indices, values, alpha=-1)
 
     def scatter_zero(self, out: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        if self._kernels(out) and _scatters(out):
+        if self._scatters(out):
             return kernels.scatter_add(out, indices, None)
         return out.index_fill_(0, indices, 0)
 
     def scatter_add(self, out: torch.Tensor, indices: torch.Tensor,
                     values: torch.Tensor) -> torch.Tensor:
-        if self._kernels(out) and _scatters(out, values):
+        if self._scatters(out, values):
             return kernels.scatter_add(out, indices, values)
         return out.index_add_(0, indices, values)
 
     def sum_sparse(self, out: torch.Tensor, messages: Sequence[Tuple[torch.Tensor, torch.Tensor, Scalar]],
                    scale: float) -> torch.Tensor:
-        if self._kernels(out) and _scatters(out) and all(_scatters(out, values) for _, values, _ in messages):
+        if self._scatters(out) and all(self._scatters(out, values) for _, values, _ in messages):
             summed = kernels.sum_sparse(out, messages, scale)
             if summed is not None:
                 return summed
