@@ -114,32 +114,48 @@ def test_a_gpu_step_reads_back_no_more_than_today(name):
 
 
 @pytest.mark.parametrize("policy", ["skip", "raise"])
+@pytest.mark.parametrize("nan_in", ["t1", "t2"], ids=["compressed", "dense"])
 @pytest.mark.parametrize("as_on_a_gpu", [False, True], ids=["own-choice", "as-on-a-gpu"])
-def test_a_step_with_a_nan_on_one_rank_is_dropped_by_every_rank(policy, as_on_a_gpu):
-    """Step 1 of 3 has a NaN in rank 1's gradient of t1. Every rank drops the step (each
-    memory stays as after step 0), passes NaN on for t1 only (skip) or raises naming t1 at the
-    step's end (raise); step 2 then runs as if step 1 had not happened, on both choices (the
-    GPU's reads the flags once at the step's end)."""
-    shapes = [(300, 4096), (256, 64, 3, 3)]
-    names = ["t0", "t1"]
-    engines = [Engine(BY_NAME["dgc"].build(nonfinite=policy), world_size=WORLD, rank=r) for r in range(WORLD)]
+def test_a_step_with_a_nan_on_one_rank_is_dropped_by_every_rank(policy, nan_in, as_on_a_gpu):
+    """Step 1 of 3 has a NaN in rank 1's gradient of a compressed tensor (t1) or of one that
+    travels dense (t2, all-reduced). Every rank drops the step (each memory, the dense tensor's
+    momentum included, stays as after step 0), passes NaN on for that tensor only (skip) or
+    raises naming it at the step's end (raise); step 2 then runs as if step 1 had not happened,
+    on both choices (the GPU's reads the flags once at the step's end)."""
+    shapes = [(300, 4096), (256, 64, 3, 3), (37,)]
+    names = ["t0", "t1", "t2"]
+    engines = [Engine(BY_NAME["dgc"].build(nonfinite=policy, small_density=None), world_size=WORLD, rank=r)
+               for r in range(WORLD)]
     for engine in engines:
         engine.ops = WaitingOps(defer_checks=True) if as_on_a_gpu else engine.ops
     decode_all(engines, names, shapes, compress_all(engines, names, gradients(shapes, WORLD, 0, "cpu")))
     after_step0 = [{n: {k: v.clone() for k, v in s.items()} for n, s in e.state_dict()["states"].items()}
                    for e in engines]
     grads = gradients(shapes, WORLD, 1, "cpu")
-    grads[1][1][5, 0, 1, 2] = float("nan")
+    grads[1][names.index(nan_in)].view(-1)[5] = float("nan")
     outputs = compress_all(engines, names, grads)
     if policy == "raise":
-        with pytest.raises(NonFiniteGradientError, match="'t1' on rank 1"):
+        with pytest.raises(NonFiniteGradientError, match=f"'{nan_in}'"):
             decode_all(engines, names, shapes, outputs)
+        # Ranks emulated in one process: the first to raise stops the others mid-step, which
+        # in a real job would each raise at the same point. A job that goes on after it (an
+        # elastic reset) drops the step that will not finish, as here.
+        for engine in engines:
+            engine.abandon_step()
     else:
         averages = decode_all(engines, names, shapes, outputs)
         for rank_averages in averages:
-            assert not torch.isnan(rank_averages[0]).any() and torch.isnan(rank_averages[1]).all()
+            for name, average in zip(names, rank_averages):
+                if name != nan_in:
+                    assert not torch.isnan(average).any(), name
+                elif name == "t1":  # a compressed tensor some rank flagged is NaN throughout
+                    assert torch.isnan(average).all()
+                else:  # an all-reduce carries the NaN where it was, as a dense step would
+                    assert torch.isnan(average.view(-1)[5])
     for engine, before in zip(engines, after_step0):
-        for name, state in engine.state_dict()["states"].items():
+        states = engine.state_dict()["states"]
+        assert states.keys() == before.keys() and "t2" in states
+        for name, state in states.items():
             for key, value in state.items():
                 assert torch.equal(value, before[name][key]), (engine.rank, name, key)
     outputs = compress_all(engines, names, gradients(shapes, WORLD, 2, "cpu"))

@@ -140,7 +140,8 @@ class SparseConfig(CompressionConfig):
 
     def density_for(self, step: int, epoch: float, small: bool = False) -> float:
         density = self.schedule.density(self.schedule.epoch_at(step, epoch))
-        return max(density, self.small_density) if small else density
+        # With small_density None a small tensor travels dense: its density is never used.
+        return max(density, self.small_density) if small and self.small_density is not None else density
 
     def density_floor(self, shape: tuple) -> Optional[float]:
         return self.small_density if self.is_small(shape) else None
