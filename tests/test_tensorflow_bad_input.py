@@ -13,7 +13,7 @@ from horovod_dgc.tensorflow import Compression
 from horovod_dgc.tensorflow.callbacks import CompressionWarmup
 from horovod_dgc.tensorflow.engine import Engine
 from horovod_dgc.tensorflow.twostage import TwoStageEngine
-from tf_emulation import single_worker as emulated_single_worker
+from tf_emulation import graph_function, single_worker as emulated_single_worker
 
 
 @pytest.mark.parametrize("factory,options,field", [
@@ -81,7 +81,7 @@ def _engine(name: str, shapes=SHAPES):
 
 def _stepper(engine):
     """A tf.function running one step of every tensor; returns the updates."""
-    @tf.function
+    @graph_function
     def step(grads):
         updates = []
         for tensor, grad in zip(SHAPES, grads):

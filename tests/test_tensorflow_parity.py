@@ -22,7 +22,7 @@ from horovod_dgc.core.scalecom import ScaleCom, ScaleComConfig
 from horovod_dgc.core.selection import top_count
 from horovod_dgc.tensorflow.engine import Engine
 from horovod_dgc.tensorflow.twostage import TwoStageEngine
-from tf_emulation import single_worker as emulated_single_worker
+from tf_emulation import graph_function, single_worker as emulated_single_worker
 from horovod_dgc.torch.engine import Engine as TorchEngine
 from horovod_dgc.torch.ops import TorchOps
 
@@ -73,7 +73,7 @@ def test_core_methods_give_identical_messages_and_memories_for_10_steps(name, mo
         return result.message, result.state
 
     if mode == "function":
-        tf_compress = tf.function(tf_compress)
+        tf_compress = graph_function(tf_compress)
     for t, grad in enumerate(grads):
         ctx = CompressCall("w", 0, 1, t, method.config.density, torch.from_numpy(param))
         expected = method.compress(torch_ops, torch_state, torch.from_numpy(grad), ctx)
@@ -117,7 +117,7 @@ def test_engines_agree_in_tf_function_through_warm_up(name):
     torch_engine = TorchEngine(method, world_size=1, rank=0)
     tf_engine = Engine(method, [tf.TensorSpec(shape, tf.float32, "w")], world_size=1, rank=0)
 
-    @tf.function
+    @graph_function
     def tf_step(grad):
         outcome = tf_engine.compress("w", grad, None)
         return tf_engine.decompress(outcome.message, outcome)
@@ -146,7 +146,7 @@ def test_16_bit_gradients_agree_with_torch(dtype):
     torch_engine = TorchEngine(method, world_size=1, rank=0)
     tf_engine = Engine(method, [tf.TensorSpec((32, 64), dtype, "w")], world_size=1, rank=0)
 
-    @tf.function
+    @graph_function
     def tf_step(grad):
         outcome = tf_engine.compress("w", grad, None)
         return tf_engine.decompress(outcome.message, outcome)
@@ -184,7 +184,7 @@ def test_block_pieces_match_torch_with_nan_padding(mode):
     def pieces(x, blocks):
         return tf_ops.block_abs_max(x, 8), tf_ops.gather_blocks(x, blocks, 8)
 
-    fn = tf.function(pieces) if mode == "function" else pieces
+    fn = graph_function(pieces) if mode == "function" else pieces
     maxima, gathered = fn(tf.constant(x), tf.constant(blocks))
     np.testing.assert_array_equal(maxima.numpy(), torch_ops.block_abs_max(torch.from_numpy(x), 8).numpy())
     np.testing.assert_array_equal(gathered.numpy(), torch_ops.gather_blocks(
@@ -193,7 +193,7 @@ def test_block_pieces_match_torch_with_nan_padding(mode):
 
 
 def test_strided_sample_with_run_time_offset_has_static_length():
-    @tf.function
+    @graph_function
     def sample(x, offset):
         s = tf_ops.strided_sample(x, offset, 7)
         assert s.shape == [100 // 7]
@@ -296,7 +296,7 @@ def test_malformed_message_is_refused_eagerly_with_rank_and_tensor(case):
 @pytest.mark.parametrize("case", list(MALFORMED))
 def test_malformed_message_is_refused_in_graph_mode_with_rank_and_tensor(case):
     engine, gathered, outcome = _corrupt(case)
-    decompress = tf.function(lambda data: engine.decompress(data, outcome),
+    decompress = graph_function(lambda data: engine.decompress(data, outcome),
                              input_signature=[tf.TensorSpec([None], tf.uint8)])
     with pytest.raises(tf.errors.InvalidArgumentError, match="MessageError: .*" + MALFORMED[case]):
         decompress(tf.constant(gathered))
@@ -315,7 +315,7 @@ def _exchange_with_a_nan_on_rank_1(nonfinite: str, graph: bool):
         gathered = tf.concat([m.message for m in messages], 0)
         return [e.decompress(gathered, m) for e, m in zip(engines, messages)][0]
 
-    step = tf.function(step) if graph else step
+    step = graph_function(step) if graph else step
     return step([tf.constant(good), tf.constant(bad)]), engines
 
 
@@ -339,7 +339,7 @@ def test_skipped_non_finite_gradient_leaves_memory_and_passes_nan_on():
     method = TopK(TopKConfig(density=0.01, nonfinite="skip"))
     engine = Engine(method, [tf.TensorSpec([50, 100], tf.float32, "w")], 1, 0)
 
-    @tf.function
+    @graph_function
     def step(grad):
         outcome = engine.compress("w", grad, None)
         return engine.decompress(outcome.message, outcome)
@@ -355,7 +355,7 @@ def test_gradients_map_to_variables_by_order_and_shape_within_each_trace():
     compression = SparseCompressor(TopK(), variables)
     seen = []
 
-    @tf.function
+    @graph_function
     def trace(grads):
         for grad in grads:
             seen.append(compression._lookup(grad)[0::2])
@@ -369,7 +369,7 @@ def test_gradients_map_to_variables_by_order_and_shape_within_each_trace():
     trace([tf.zeros(s) for s in shapes[:3]])
     assert seen == [("a", 0), ("b", 0), ("c", 0)]
     with pytest.raises(ValueError, match="matches no variable"):
-        tf.function(lambda: compression._lookup(tf.zeros([9])))()
+        graph_function(lambda: compression._lookup(tf.zeros([9])))()
 
 
 # -- the operations of the two-stage methods --------------------------------------------------
@@ -461,7 +461,7 @@ def test_two_stage_engine_in_tf_function_matches_the_torch_simulation(name):
     shape = (311, 97)
     engine = TwoStageEngine(method, [tf.TensorSpec(shape, tf.float32, "w")], world_size=1, rank=0)
 
-    @tf.function
+    @graph_function
     def tf_step(grad):
         return engine.exchange("w", grad, None, emulated_single_worker, "w")[0]
 
@@ -495,7 +495,7 @@ def _tampered(field: str, value: int):
                                                     ("blocksign", "tensor id", 5, "tensor id is 5")])
 def test_two_stage_malformed_message_is_refused_in_graph_mode_with_rank_and_tensor(name, field, value, match):
     engine = TwoStageEngine(TWO_STAGE[name](), [tf.TensorSpec([50, 100], tf.float32, "fc.weight")], 1, 0)
-    step = tf.function(lambda g: engine.exchange("fc.weight", g, None, _tampered(field, value), "x")[0])
+    step = graph_function(lambda g: engine.exchange("fc.weight", g, None, _tampered(field, value), "x")[0])
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"rank 0 .*fc\.weight.*" + match):
         step(tf.ones([50, 100]))
 
