@@ -157,6 +157,24 @@ def test_options_and_saved_states_keep_the_aggregation():
         BY_NAME["dgc"].build(aggregation="auto")
     assert BY_NAME["dgc"].build(2, aggregation="auto").family == "sparse"
     assert BY_NAME["dgc"].build(16, aggregation="auto").family == "two-stage"
+
+
+@pytest.mark.parametrize("name,first_workers", [("dgc", 8), ("topk", 7), ("gaussiank", 7)])
+def test_auto_takes_the_sparse_allreduce_only_where_it_halves_the_bytes(name, first_workers):
+    """At 4 workers the sparse all-reduce already sends fewer bytes, but not half: "auto"
+    keeps the allgather there and switches where the model says at most half."""
+    numel = 2 ** 20
+
+    def per_worker(workers: int, aggregation: str) -> float:
+        method = BY_NAME[name].build(workers, aggregation=aggregation)
+        return method.network_bytes(numel, "float32", method.config.density, workers)
+
+    assert per_worker(4, "sparse_allreduce") < per_worker(4, "allgather")
+    for workers in (2, 4, first_workers - 1, first_workers, 16):
+        share = per_worker(workers, "sparse_allreduce") / per_worker(workers, "allgather")
+        expected = "two-stage" if share <= 0.5 else "sparse"
+        assert BY_NAME[name].build(workers, aggregation="auto").family == expected, (workers, share)
+        assert (expected == "two-stage") == (workers >= first_workers)
     method = build("dgc", density=0.001)
     assert method.table_class == "DGC"
     again = from_saved("DGC", dataclasses.asdict(method.config))
@@ -212,7 +230,7 @@ def test_the_torch_factory_resolves_auto_by_the_number_of_workers(monkeypatch):
     monkeypatch.setattr(adapter, "_workers", lambda: None)
     with pytest.raises(ValueError, match="hvd.init"):
         Compression.dgc(aggregation="auto")
-    for workers, family in ((2, "sparse"), (8, "two-stage")):
+    for workers, family in ((2, "sparse"), (4, "sparse"), (8, "two-stage")):
         monkeypatch.setattr(adapter, "_workers", lambda: workers)
         assert Compression.dgc(aggregation="auto").method.family == family
     assert Compression.topk(aggregation="sparse_allreduce").method.family == "two-stage"

@@ -162,8 +162,9 @@ class GatheredConfig(SparseConfig):
             brings every worker's entries of region j to worker j, which sums them, adds
             what it kept from earlier steps, and forwards its largest to everyone by an
             allgather (``core/sparse_allreduce.py``): about the same bytes whatever N.
-            ``"auto"``: whichever of the two sends fewer bytes for the number of workers
-            the compressor is built for (``sparse_allreduce.aggregated``).
+            ``"auto"``: the sparse all-reduce where it sends at most half the allgather's
+            bytes for the number of workers the compressor is built for (from 8 workers at
+            the defaults), else the allgather (``sparse_allreduce.aggregated``).
     """
 
     aggregation: str = "allgather"

@@ -45,6 +45,11 @@ FORWARD_SLACK = 2.0
 METHOD_ID_OFFSET = 16
 # The tensor size "auto" compares the two aggregations on.
 AUTO_NUMEL = 2 ** 20
+# "auto" takes the sparse all-reduce only where it sends at most this share of the
+# allgather's bytes: it costs a second collective, about twice the compute, and part of each
+# update a step's delay in the owners' residuals, which a few percent of bytes do not repay
+# (at 4 workers it sent 5% fewer bytes in steps 3x as long; docs/benchmarks.md).
+AUTO_MOST_BYTES_SHARE = 0.5
 
 
 class SparseAllreduce(TwoStageMethod):
@@ -193,13 +198,13 @@ class SparseAllreduce(TwoStageMethod):
                         lambda: nan_like(ops, handover.numel, handover.dtype, update)), finite
 
 
-def sends_less(inner: SparseMethod, world_size: int, numel: int = AUTO_NUMEL) -> bool:
-    """Whether a sparse all-reduce sends fewer bytes per worker than an allgather for a
+def bytes_share(inner: SparseMethod, world_size: int, numel: int = AUTO_NUMEL) -> float:
+    """The bytes a worker sends by sparse all-reduce over those it sends by allgather, for a
     float32 tensor of ``numel`` elements at the config's density among ``world_size``."""
     def per_worker(method: Method) -> float:
         return method.network_bytes(numel, "float32", inner.config.density, world_size)
 
-    return world_size > 1 and per_worker(SparseAllreduce(inner)) < per_worker(inner)
+    return per_worker(SparseAllreduce(inner)) / per_worker(inner)
 
 
 def aggregated(inner: SparseMethod, world_size: Optional[int]) -> Method:
@@ -211,5 +216,6 @@ def aggregated(inner: SparseMethod, world_size: Optional[int]) -> Method:
             raise ValueError("aggregation='auto' picks by the number of workers: build the "
                              "compressor after hvd.init() (or give aggregation='allgather' or "
                              "'sparse_allreduce')")
-        choice = "sparse_allreduce" if sends_less(inner, world_size) else "allgather"
+        pays = world_size > 1 and bytes_share(inner, world_size) <= AUTO_MOST_BYTES_SHARE
+        choice = "sparse_allreduce" if pays else "allgather"
     return SparseAllreduce(inner) if choice == "sparse_allreduce" else inner
