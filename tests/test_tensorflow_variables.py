@@ -69,3 +69,25 @@ def test_a_compressor_built_inside_a_tf_function_is_built_once_per_function():
     second(tf.constant(1.0))
     assert built[0] is built[1] and built[2] is not built[0]
     assert Compression.topk(density=0.01) is not Compression.topk(density=0.01)  # eagerly: new
+
+
+def test_autograph_converts_none_of_horovod_dgc_in_a_users_function(monkeypatch):
+    """A user's ``tf.function`` (autograph on) reaches the compressor through Horovod's tape:
+    autograph must stop at ``compress``/``decompress``, or every trace converts thousands of
+    the core's functions (tens of seconds per tensor with warm-up) and runs converted code
+    nobody tested."""
+    from tensorflow.python.autograph.impl import api
+
+    converted = []
+    convert = api._convert_actual
+
+    def counting(entity, program_ctx):
+        converted.append(getattr(entity, "__module__", "") or "")
+        return convert(entity, program_ctx)
+
+    monkeypatch.setattr(api, "_convert_actual", counting)
+    weight = tf.Variable(tf.ones([50, 40]), name="weight")
+    trace_step(Compression.dgc(density=0.01), [weight], used=[weight])
+    assert converted, "autograph converted nothing: the probe no longer sees conversions"
+    ours = [module for module in converted if module.startswith("horovod_dgc")]
+    assert not ours, ours
