@@ -57,6 +57,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="final fraction of each compressed tensor sent per step")
     p.add_argument("--warmup-epochs", type=int, default=1,
                    help="epochs of warm-up sparsity (densities rho^(e+1)/(W+1), e < W)")
+    p.add_argument("--steps-per-epoch", type=int,
+                   help="the warm-up schedule's epoch in the compressor's own steps (e.g. 58 with "
+                   "--warmup-epochs 4: the paper's four densities within the first real epoch); "
+                   "default: the real epoch, advanced by set_epoch")
     p.add_argument("--value-dtype", choices=VALUE_FORMATS,
                    help="how values travel (default: the method's)")
     add_aggregation_flag(p)
@@ -99,7 +103,7 @@ class Net(nn.Module):
 def make_compression(args: argparse.Namespace, model: nn.Module):
     if args.compression in BASELINES:
         return getattr(hdgc.Compression, BASELINES[args.compression])
-    options = given(args, "min_numel")
+    options = given(args, "min_numel", "steps_per_epoch")
     options.update(compression_options(args, args.warmup_epochs))
     if args.compression in MOMENTUM_IN_COMPRESSOR and args.path != "fused" and args.optimizer == "sgd":
         options["momentum"] = args.momentum
