@@ -263,11 +263,17 @@ class Engine:
         floor = self.config.density_floor(tuple(tf.TensorShape(shape).as_list()))
         return self.densities[i] if floor is None else max(self.densities[i], floor)
 
-    def _by_density(self, index: tf.Tensor, fn: Callable[[int], Any]) -> Any:
-        """``fn(i)`` for the density index ``index`` in force at run time."""
-        if len(self.densities) == 1:
-            return fn(0)
-        return tf.switch_case(index, [functools.partial(fn, i) for i in range(len(self.densities))])
+    def _by_density(self, index: tf.Tensor, shape: Any, fn: Callable[[int], Any]) -> Any:
+        """``fn(i)`` for the density index ``index`` in force at run time, for a tensor of
+        ``shape``: one branch per distinct density it takes (a small tensor's floor merges
+        warm-up densities; each branch is a whole exchange in the traced graph)."""
+        densities = [self._density(i, shape) for i in range(len(self.densities))]
+        firsts = sorted({densities.index(d) for d in densities})
+        if len(firsts) == 1:
+            return fn(firsts[0])
+        branch_of = [firsts.index(densities.index(d)) for d in densities]
+        return tf.switch_case(tf.gather(tf.constant(branch_of, tf.int32), index),
+                              [functools.partial(fn, i) for i in firsts])
 
     # -- the two paths ------------------------------------------------------------------------
     def compress(self, name: str, grad: tf.Tensor, param: Optional[Any]) -> TracedMessage:
@@ -287,7 +293,7 @@ class Engine:
             return result.message, result.state, tf.cast(result.count, tf.int64)
 
         with tf.control_dependencies([started]):
-            message, new_state, count = self._by_density(index, at_density)
+            message, new_state, count = self._by_density(index, grad.shape, at_density)
         with tf.control_dependencies([message, count]):
             elapsed = tf.timestamp() - started
         nbytes = tf.gather(tf.constant([layout.nbytes for layout in layouts], tf.int64), index)
@@ -328,7 +334,7 @@ class Engine:
             with tf.control_dependencies(guards):
                 return tf.identity(flats[0]), tf.identity(finite)
 
-        flat, finite = self._by_density(message.density_index, decode)
+        flat, finite = self._by_density(message.density_index, message.shape, decode)
         kept = self._keep_if(finite, message.name, message.old_state, message.new_state)
         with tf.control_dependencies([kept]):
             flat = flat * tf.cast(message.loss_scale, flat.dtype)

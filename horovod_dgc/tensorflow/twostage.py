@@ -49,7 +49,7 @@ class TwoStageEngine(Engine):
                 return tf.identity(update), new_state, nbytes, tf.identity(finite)
 
         with tf.control_dependencies([started]):
-            update, new_state, nbytes, finite = self._by_density(index, at_density)
+            update, new_state, nbytes, finite = self._by_density(index, grad.shape, at_density)
         with tf.control_dependencies([self._keep_if(finite, name, state, new_state)]):
             update = update * tf.cast(scale, update.dtype)
         with tf.control_dependencies([update]):
