@@ -163,7 +163,7 @@ class GatheredConfig(SparseConfig):
             what it kept from earlier steps, and forwards its largest to everyone by an
             allgather (``core/sparse_allreduce.py``): about the same bytes whatever N.
             ``"auto"``: the sparse all-reduce where it sends at most half the allgather's
-            bytes for the number of workers the compressor is built for (from 8 workers at
+            bytes for the number of workers the compressor is built for (from 7 or 8 workers at
             the defaults), else the allgather (``sparse_allreduce.aggregated``).
     """
 
