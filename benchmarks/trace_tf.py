@@ -55,9 +55,15 @@ def exchange(method_name: str, shape: Sequence[int]) -> Callable[[tf.Tensor], tf
     return tf.function(tf.autograph.experimental.do_not_convert(step))
 
 
+def graph_nodes(graph_def: Any) -> List[Any]:
+    """The ops of a graph, those of the functions it calls (tf.cond branches, loop bodies)
+    included."""
+    return [*graph_def.node, *(n for f in graph_def.library.function for n in f.node_def)]
+
+
 def graph_ops(graph_def: Any) -> int:
-    """Ops of a graph, those of the functions it calls (tf.cond branches, loop bodies) included."""
-    return len(graph_def.node) + sum(len(f.node_def) for f in graph_def.library.function)
+    """How many ops :func:`graph_nodes` finds."""
+    return len(graph_nodes(graph_def))
 
 
 def trace(method_name: str, shape: Sequence[int]) -> Tuple[int, float, float]:

@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 import torch
 
+from benchmarks.trace_tf import graph_nodes
 from horovod_dgc.core import (DGC, DGCConfig, GaussianK, GaussianKConfig, MessageError,
                               NonFiniteGradientError, CompressCall, TopK, TopKConfig, wire)
 from horovod_dgc.tensorflow import Compression, TFOps
@@ -110,9 +111,8 @@ WARM_UP = {"topk": TopK(TopKConfig(density=0.01, warmup_epochs=2)),
 
 def _case_branches(graph) -> list:
     """The number of branches of every ``tf.switch_case`` of a traced graph."""
-    graph_def = graph.as_graph_def()
-    nodes = [*graph_def.node, *(n for f in graph_def.library.function for n in f.node_def)]
-    return sorted(len(n.attr["branches"].list.func) for n in nodes if n.op in ("Case", "StatelessCase"))
+    return sorted(len(n.attr["branches"].list.func) for n in graph_nodes(graph.as_graph_def())
+                  if n.op in ("Case", "StatelessCase"))
 
 
 @pytest.mark.parametrize("name", list(WARM_UP))
