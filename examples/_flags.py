@@ -43,9 +43,26 @@ def add_compression_flags(p: argparse.ArgumentParser) -> None:
     comp.add_argument("--min-numel", type=int,
                       help="tensors with fewer elements are sent at their own small density "
                       "(default: the method's)")
+    add_small_density_flag(comp)
     comp.add_argument("--beta", type=float, default=1.0, help="scalecom: low-pass filter of the memory")
     comp.add_argument("--block-size", type=int, help="blocksign: elements per scaled sign block "
                       "(default: one block per tensor)")
+
+
+def add_small_density_flag(p) -> None:
+    """``--small-density``: a density, or ``dense`` for ``small_density=None``."""
+    p.add_argument("--small-density", type=_density_or_dense,
+                   help="density of the small tensors (under --min-numel elements, and 1-D "
+                   "ones), or 'dense' to all-reduce them uncompressed (sparse methods; default: "
+                   "the method's)")
+
+
+def _density_or_dense(text: str):
+    return DENSE if text == DENSE else float(text)
+
+
+# ``--small-density dense``: the small tensors travel dense (``small_density=None``).
+DENSE = "dense"
 
 
 def add_aggregation_flag(p) -> None:
@@ -63,6 +80,9 @@ def compression_options(args: argparse.Namespace, warmup_epochs: int) -> dict:
                    **given(args, "value_dtype"))
     if args.compression in GATHERED_METHODS:
         options.update(given(args, "aggregation"))
+    small = getattr(args, "small_density", None)
+    if small is not None:
+        options["small_density"] = None if small == DENSE else small
     return options
 
 

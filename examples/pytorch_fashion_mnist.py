@@ -32,7 +32,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _fashion_mnist as data  # noqa: E402
 from _flags import (BASELINES, METHODS, MOMENTUM_IN_COMPRESSOR, add_aggregation_flag,  # noqa: E402
-                    compression_options, given)
+                    add_small_density_flag, compression_options, given)
 from horovod_dgc.core.wire import VALUE_FORMATS  # noqa: E402
 import horovod_dgc.torch as hdgc  # noqa: E402
 from horovod_dgc.torch import ddp  # noqa: E402
@@ -64,8 +64,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--value-dtype", choices=VALUE_FORMATS,
                    help="how values travel (default: the method's)")
     add_aggregation_flag(p)
-    p.add_argument("--min-numel", type=int, help="tensors with fewer elements travel dense "
-                   "(default: the method's)")
+    p.add_argument("--min-numel", type=int, help="tensors with fewer elements are small: "
+                   "sent at --small-density (default: the method's)")
+    add_small_density_flag(p)
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=64, help="images per step, per rank")
     p.add_argument("--lr", type=float, help="peak learning rate (SGD 0.05 x workers/4, "
