@@ -7,7 +7,7 @@ DEVICE ?= cpu
 # gpu-check's interpreter: one whose PyTorch has CUDA (Horovod is not needed).
 GPU_PYTHON ?= python3
 
-.PHONY: setup test test-slow demo imagenet-demo bench-compress gpu-check bench-trace-tf bench-convergence cluster-bench cluster-scaling traffic-model compose-test horovod-examples clean-venv
+.PHONY: setup test test-slow demo imagenet-demo bench-compress gpu-check bench-trace-tf bench-convergence bench-regions cluster-bench cluster-scaling traffic-model compose-test horovod-examples clean-venv
 
 setup:
 	@bash scripts/setup_env.sh
@@ -54,6 +54,11 @@ bench-trace-tf: setup
 ## (Markdown), curves (PNG) and wall times in results/convergence/
 bench-convergence: setup
 	$(PYTHON) -m benchmarks.convergence --np 4
+
+## What the sparse all-reduce's fixed regions hold back on real gradients, against re-balanced
+## ones (Fashion-MNIST CNN, 4 workers simulated in one process; minutes): a Markdown table.
+bench-regions: setup
+	$(PYTHON) -m benchmarks.region_balance
 
 ## Training-step benchmark of every method on a 4-host network-namespace cluster at three link
 ## rates (needs root): results/cluster/ (CSV, Markdown, PNG). QUICK=1: 2 hosts, unshaped and
