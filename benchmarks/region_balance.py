@@ -142,8 +142,8 @@ def main() -> None:
     p.add_argument("--density", type=float, default=0.001)
     args = p.parse_args()
     torch.set_num_threads(1)
-    print(f"| method | held back, contiguous regions | held back, strided | owners forward "
-          f"(share of energy) | one top over the tensor |\n|---|---:|---:|---:|---:|")
+    print("| method | held back, contiguous regions | held back, strided | owners forward "
+          "(share of energy) | one top over the tensor |\n|---|---:|---:|---:|---:|")
     for name in args.methods.split(","):
         recorder = train(name, args.workers, args.steps, args.density)
         fixed, ideal = forwarded_energy(recorder)
