@@ -50,7 +50,7 @@ gpu-check:
 bench-trace-tf: setup
 	$(PYTHON) -m benchmarks.trace_tf
 
-## Dense vs every method on Fashion-MNIST, 4 workers, 4 epochs (18 runs, hours on 2 cores): final accuracies
+## Dense vs every method on Fashion-MNIST, 4 workers, 4 epochs (19 runs, hours on 2 cores): final accuracies
 ## (Markdown), curves (PNG) and wall times in results/convergence/
 bench-convergence: setup
 	$(PYTHON) -m benchmarks.convergence --np 4

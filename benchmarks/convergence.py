@@ -5,7 +5,7 @@ Runs ``examples/pytorch_fashion_mnist.py`` (a 1.03M-parameter CNN, 99.9% of it i
 tensors) once per configuration with ``horovodrun`` (same seed, epochs, data and workers):
 dense; every method of the table at the papers' settings (density 0.001 with warm-up for
 the sparse ones) on the stock and on the fused path; dgc through the DDP hook; dgc with
-8-bit values; dgc under bfloat16 autocast and under float16 autocast with a GradScaler;
+8-bit values; dgc with its small tensors dense (the paper's choice); dgc under bfloat16 autocast and under float16 autocast with a GradScaler;
 topk and dense under Adam. Writes to ``--out`` (default ``results/convergence/``) one ``<run>.json`` and ``<run>.log`` per run, ``convergence.md``
 (the table and the checks) and ``convergence.png`` (test accuracy per epoch).
 
@@ -58,6 +58,7 @@ def all_runs() -> List[Run]:
             runs.append(Run(f"{spec.name}-{path}", {"compression": spec.name, "path": path}))
     runs += [Run("dgc-ddp", {"compression": "dgc", "path": "ddp"}),
              Run("dgc-int8", {"compression": "dgc", "value-dtype": "int8"}),
+             Run("dgc-small-dense", {"compression": "dgc", "small-density": "dense"}),
              Run("dgc-sparse-allreduce", {"compression": "dgc", "aggregation": "sparse_allreduce"}),
              Run("dgc-bf16", {"compression": "dgc", "precision": "bf16"}),
              Run("dgc-fp16-gradscaler", {"compression": "dgc", "precision": "fp16"}),
