@@ -6,7 +6,9 @@ import torch
 
 from horovod_dgc.core import (DGC, DGCConfig, GaussianK, GaussianKConfig, NonFiniteGradientError,
                               CompressCall, TopK, TopKConfig)
+from horovod_dgc.core.methods import BY_NAME
 from horovod_dgc.core.selection import top_count
+from horovod_dgc.torch.engine import Engine
 from horovod_dgc.torch.ops import TorchOps
 
 from conftest import randn
@@ -19,10 +21,11 @@ def step(method, state, grad, t, world_size=1, name="w", param=None):
     return bounded_step(method, state, grad, t, world_size, name, param)[:2]
 
 
-def bounded_step(method, state, grad, t, world_size=1, name="w", param=None, candidate_bound=None):
+def bounded_step(method, state, grad, t, world_size=1, name="w", param=None, candidate_bound=None,
+                 small=False):
     """One compress given a candidate bound; (decoded, new state, the next step's bound)."""
-    ctx = CompressCall(name=name, rank=0, world_size=world_size, step=t,
-                      density=method.config.density, param=param, candidate_bound=candidate_bound)
+    ctx = CompressCall(name=name, rank=0, world_size=world_size, step=t, density=method.config.density,
+                      param=param, small=small, candidate_bound=candidate_bound)
     result = method.compress(ops, state, grad, ctx)
     sent = method.decompress(ops, result.message, [result.layout], 1, t, [ops.dtype(grad)])[0][0]
     return sent, result.state, result.next_bound
@@ -83,8 +86,9 @@ def test_the_conservation_test_fails_for_a_selector_that_ignores_magnitudes(devi
         conservation_run(Blind(TopKConfig(density=0.01)), device, steps=5)
 
 
-def reference_dgc(grads, k, momentum, nesterov, clip_norm, world_size):
-    """DGC's equations written out with dense tensors and a sort."""
+def reference_dgc(grads, k, momentum, nesterov, clip_norm, world_size, masked=True):
+    """DGC's equations written out with dense tensors and a sort (``masked``: momentum
+    factor masking)."""
     u = torch.zeros_like(grads[0])
     v = torch.zeros_like(grads[0])
     out = []
@@ -100,7 +104,8 @@ def reference_dgc(grads, k, momentum, nesterov, clip_norm, world_size):
         mask = naive_topk_mask(v, k)
         out.append((torch.where(mask, v, torch.zeros_like(v)), u, v))
         v = torch.where(mask, torch.zeros_like(v), v)
-        u = torch.where(mask, torch.zeros_like(u), u)
+        if masked:
+            u = torch.where(mask, torch.zeros_like(u), u)
         out[-1] = (out[-1][0], u, v)
     return out
 
@@ -147,6 +152,37 @@ def test_dgc_momentum_correction_and_masking_match_the_equations_for_10_steps(ne
         assert sampled_at == list(range(len(sampled_at))) and len(sampled_at) <= 6, sampled_at
     else:
         assert sampled_at == list(range(10))
+
+
+def test_dgc_small_tensors_keep_their_momentum_when_sent_for_10_steps(device):
+    """The paper sends small tensors dense, their momentum whole; compressed, they keep it
+    unmasked (momentum SGD with error feedback), where large tensors are masked."""
+    n, density = 300, 0.05
+    gen = torch.Generator().manual_seed(2)
+    grads = [randn(n, generator=gen, device=device) for _ in range(10)]
+    method = DGC(DGCConfig(density=density, momentum=0.9, value_dtype="float32"))
+    state = method.init_state(ops, grads[0], True, 1)
+    expected = reference_dgc(grads, top_count(density, n), 0.9, False, None, 1, masked=False)
+    for t, (grad, (ref_sent, ref_u, ref_v)) in enumerate(zip(grads, expected)):
+        sent, state, _ = bounded_step(method, state, grad, t, small=True)
+        assert torch.equal(sent != 0, ref_sent != 0), f"step {t}: different entries selected"
+        torch.testing.assert_close(sent, ref_sent, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(state["momentum"], ref_u, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(state["velocity"], ref_v, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape, masked", [((64,), False), ((64, 64), True)], ids=["small", "large"])
+def test_the_torch_engine_masks_the_momentum_of_large_tensors_only(shape, masked):
+    engine = Engine(BY_NAME["dgc"].build(density=0.01, small_density=0.05, value_dtype="float32"),
+                    world_size=1, rank=0)
+    grad = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    # First step: u = v = g, the top-k of |g| sent; masking zeroes u there.
+    expected = grad.reshape(-1).clone()  # the decode is written over the gradient
+    outgoing = engine.compress("w", grad, None)
+    engine.decompress(outgoing.message, [outgoing])
+    if masked:
+        expected[torch.topk(expected.abs(), top_count(0.01, grad.numel())).indices] = 0.0
+    assert torch.equal(engine.state_dict()["states"]["w"]["momentum"], expected)
 
 
 def test_dgc_weight_decay_is_folded_into_the_gradient(device):

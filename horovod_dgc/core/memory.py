@@ -80,15 +80,21 @@ class MomentumCorrectionMemory:
     """DGC's momentum correction with momentum factor masking (docs/algorithms.md#dgc).
 
     ``u = m * u + g; v = v + u`` (Nesterov: ``u = m * (u + g); v = v + u + g``); after
-    sending ``v[I]``: ``v[I] -= sent`` and ``u[I] = 0``.
+    sending ``v[I]``: ``v[I] -= sent`` and, when ``masked``, ``u[I] = 0``.
+
+    Unmasked, every gradient's whole momentum is sent sooner or later: momentum SGD with
+    error feedback, the same updates as the dense momentum SGD, delayed. Masking cuts an
+    entry's momentum each time it is sent, so an entry sent every s steps moves
+    ``1 - m (1 - m^s) / (s (1 - m))`` of momentum SGD's pace (0.61 at s = 20, 0.23 at s = 4).
     """
 
     state_names: Tuple[str, ...] = ("momentum", "velocity")
     dense_state_names: Tuple[str, ...] = ("momentum",)
 
-    def __init__(self, momentum: float, nesterov: bool):
+    def __init__(self, momentum: float, nesterov: bool, masked: bool = True):
         self.momentum = momentum
         self.nesterov = nesterov
+        self.masked = masked
 
     def accumulate(self, ops: TensorOps, state: State, grad: Tensor, grad_scale: Scalar = 1.0,
                    spare: Optional[State] = None, block: int = 0, bound: Optional[float] = None,
@@ -103,8 +109,8 @@ class MomentumCorrectionMemory:
                            candidates)
 
     def update(self, ops: TensorOps, state: State, indices: Tensor, sent: Tensor) -> State:
-        return {"momentum": ops.scatter_zero(state["momentum"], indices),
-                "velocity": ops.scatter_sub(state["velocity"], indices, sent)}
+        momentum = ops.scatter_zero(state["momentum"], indices) if self.masked else state["momentum"]
+        return {"momentum": momentum, "velocity": ops.scatter_sub(state["velocity"], indices, sent)}
 
     def dense(self, ops: TensorOps, state: State, grad: Tensor, grad_scale: Scalar = 1.0,
               spare: Optional[State] = None) -> Tuple[Tensor, State]:

@@ -37,6 +37,9 @@ class CompressCall:
         spare: memories of this tensor that nothing needs any more (those two steps old),
             whose storage the new memories may take, by name; None: new tensors. A fresh
             gradient-size tensor costs several read passes in page faults on its first touch.
+        small: whether the tensor is small (``SparseConfig.is_small``), compressed at the
+            small density; a method may keep its memory differently for those
+            (:meth:`SparseMethod.memory_for`).
         candidate_bound: a magnitude predicted to lie a little below this step's k-th
             largest, from the tensor's last step (``Compressed.next_bound``; ScaleCom's
             ``StageHandover.next_bound``, from the rank's last step as leader), or None. Only
@@ -54,6 +57,7 @@ class CompressCall:
     loss_scale: Any = 1.0
     weight_decay: Optional[float] = None
     spare: Optional[State] = None
+    small: bool = False
     candidate_bound: Optional[float] = None
 
     @property

@@ -58,6 +58,10 @@ class SparseMethod(Method):
     def make_memory(self) -> Any:
         """The error-feedback memory (an object of :mod:`.memory`)."""
 
+    def memory_for(self, call: CompressCall) -> Any:
+        """The memory that keeps ``call``'s tensor (the same state layout for every tensor)."""
+        return self.memory
+
     @abstractmethod
     def select(self, ops: TensorOps, x: Tensor, k: int, call: CompressCall,
                accumulated: Accumulated) -> Tensor:
@@ -100,7 +104,7 @@ class SparseMethod(Method):
         bounded = self.collects_candidates and block and uses_bounds(ops, grad)
         bound = call.candidate_bound if bounded else None
         capacity = candidate_capacity(bound, k, numel)
-        return self.memory.accumulate(ops, state, *self.prepare(ops, grad, call), spare=call.spare,
+        return self.memory_for(call).accumulate(ops, state, *self.prepare(ops, grad, call), spare=call.spare,
                                       block=block, bound=bound if capacity else None,
                                       capacity=capacity), k
 
@@ -120,7 +124,8 @@ class SparseMethod(Method):
             next_bound = 0.0
             if self.collects_candidates and uses_bounds(ops, x):
                 next_bound = predict_bound(ops, ops.min_abs(selected), k, accumulated.candidates)
-            return self.memory.update(ops, accumulated.state, positions, sent), message, count, next_bound
+            return (self.memory_for(call).update(ops, accumulated.state, positions, sent), message, count,
+                    next_bound)
 
         def skip():
             header = layout.header(call.rank, call.step, 0, wire.FLAG_NONFINITE)

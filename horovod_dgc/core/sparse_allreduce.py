@@ -127,8 +127,8 @@ class SparseAllreduce(TwoStageMethod):
                 messages.append(message)
                 sent_positions.append(mine)
                 sent_values.append(ops.cast(ops.slice(decoded, 0, count), ops.dtype(x)))
-            worker = self.inner.memory.update(ops, accumulated.state, ops.concat(sent_positions),
-                                              ops.concat(sent_values))
+            worker = self.inner.memory_for(call).update(ops, accumulated.state, ops.concat(sent_positions),
+                                                        ops.concat(sent_values))
             return {**state, **worker}, ops.concat(messages)
 
         def skip() -> Tuple[State, Tensor]:

@@ -246,10 +246,12 @@ class Engine:
                          for key in new])
 
     def _call(self, name: str, step: tf.Tensor, density: float, param: Optional[Any],
-              loss_scale: Any) -> CompressCall:
+              loss_scale: Any, shape: Any = None) -> CompressCall:
+        """``shape``: the gradient's, for a compressed tensor (None: a dense one)."""
         flat_param = None if param is None else tf.reshape(tf.convert_to_tensor(param), [-1])
+        small = shape is not None and self.config.is_small(tuple(tf.TensorShape(shape).as_list()))
         return CompressCall(name=name, rank=self.rank, world_size=self.world_size, step=step,
-                            density=density, param=flat_param, loss_scale=loss_scale)
+                            density=density, param=flat_param, loss_scale=loss_scale, small=small)
 
     def _traced_step(self, name: str) -> tf.Tensor:
         warning = self._watch.warning(0)
@@ -289,7 +291,8 @@ class Engine:
 
         def at_density(i: int) -> Tuple[tf.Tensor, Dict[str, tf.Tensor], tf.Tensor]:
             result = self.method.compress(self.ops, state, flat,
-                                          self._call(name, step, self._density(i, grad.shape), param, scale))
+                                          self._call(name, step, self._density(i, grad.shape), param, scale,
+                                                     grad.shape))
             return result.message, result.state, tf.cast(result.count, tf.int64)
 
         with tf.control_dependencies([started]):

@@ -41,7 +41,7 @@ class TwoStageEngine(Engine):
         step_value = int(step) if tf.executing_eagerly() else step
 
         def at_density(i: int) -> Tuple[tf.Tensor, Dict[str, tf.Tensor], tf.Tensor, tf.Tensor]:
-            call = self._call(name, step_value, self._density(i, grad.shape), param, scale)
+            call = self._call(name, step_value, self._density(i, grad.shape), param, scale, grad.shape)
             with self.ops.guards() as guards:
                 update, new_state, nbytes, finite = self._stages(state, flat, call, collective,
                                                                  f"{collective_name}.d{i}")

@@ -153,12 +153,13 @@ class Engine:
     def _call(self, name: str, step: int, grad: torch.Tensor, param: Optional[torch.Tensor],
               loss_scale: float) -> CompressCall:
         flat_param = None if param is None else param.detach().reshape(-1)
-        density = self.config.density_for(step, self.epoch, self.config.is_small(tuple(grad.shape)))
+        small = self.config.is_small(tuple(grad.shape))
+        density = self.config.density_for(step, self.epoch, small)
         with self._lock:
             spare = self._spares.pop(name, None)
         return CompressCall(name=name, rank=self.rank, world_size=self.world_size, step=step,
                             density=density, param=flat_param, loss_scale=loss_scale,
-                            weight_decay=self._weight_decays.get(name), spare=spare,
+                            weight_decay=self._weight_decays.get(name), spare=spare, small=small,
                             candidate_bound=self._bounds.get(name))
 
     def _keep_bound(self, name: str, next_bound: Optional[Any]) -> None:
