@@ -64,8 +64,9 @@ def run(kind: str, mode: str) -> None:
         got = dict(zip(names, step_fn({n: tf.constant(g) for n, g in everyone[rank].items()})))
         for name in names:
             if name in compressed:
-                density = method.config.density_for(step, 0, method.config.is_small(names[name]))
-                ctxs = [CompressCall(name, r, size, step, density) for r in range(size)]
+                small = method.config.is_small(names[name])
+                density = method.config.density_for(step, 0, small)
+                ctxs = [CompressCall(name, r, size, step, density, small=small) for r in range(size)]
                 grads = [tf.constant(g[name].reshape(-1)) for g in everyone]
                 results, states[name] = simulate_step(ops, method, states[name], grads, ctxs)
                 want = results[rank].numpy().reshape(names[name])

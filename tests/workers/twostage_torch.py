@@ -46,10 +46,10 @@ def simulation(method, all_grads, units, size):
     for step in range(STEPS):
         per_param = {}
         for unit, names in units.items():
-            (name,) = names  # small tensors (biases) have a density of their own
-            density = method.config.density_for(
-                step, 0, method.config.is_small(tuple(all_grads[0][name].shape)))
-            ctxs = [CompressCall(unit, r, size, step, density) for r in range(size)]
+            (name,) = names  # small tensors (biases) have a density and a memory of their own
+            small = method.config.is_small(tuple(all_grads[0][name].shape))
+            density = method.config.density_for(step, 0, small)
+            ctxs = [CompressCall(unit, r, size, step, density, small=small) for r in range(size)]
             results, states[unit] = simulate_step(ops, method, states[unit], flat[unit], ctxs)
             sizes = [all_grads[0][n].numel() for n in names]
             for name, part in zip(names, results[0].split(sizes)):
