@@ -104,9 +104,10 @@ class SparseMethod(Method):
         bounded = self.collects_candidates and block and uses_bounds(ops, grad)
         bound = call.candidate_bound if bounded else None
         capacity = candidate_capacity(bound, k, numel)
-        return self.memory_for(call).accumulate(ops, state, *self.prepare(ops, grad, call), spare=call.spare,
-                                      block=block, bound=bound if capacity else None,
-                                      capacity=capacity), k
+        memory = self.memory_for(call)
+        return memory.accumulate(ops, state, *self.prepare(ops, grad, call), spare=call.spare,
+                                 block=block, bound=bound if capacity else None,
+                                 capacity=capacity), k
 
     def compress(self, ops: TensorOps, state: State, grad: Tensor, call: CompressCall) -> Compressed:
         """Message for a flat gradient, and the memory after sending it."""
