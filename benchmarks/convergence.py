@@ -5,8 +5,8 @@ Runs ``examples/pytorch_fashion_mnist.py`` (a 1.03M-parameter CNN, 99.9% of it i
 tensors) once per configuration with ``horovodrun`` (same seed, epochs, data and workers):
 dense; every method of the table at the papers' settings (density 0.001 with warm-up for
 the sparse ones) on the stock and on the fused path; dgc through the DDP hook; dgc with
-8-bit values; dgc with its small tensors dense (the paper's choice); dgc under bfloat16 autocast and under float16 autocast with a GradScaler;
-topk and dense under Adam. Writes to ``--out`` (default ``results/convergence/``) one ``<run>.json`` and ``<run>.log`` per run, ``convergence.md``
+8-bit values; dgc with its small tensors dense (the paper's choice); dgc under bfloat16
+autocast and under float16 autocast with a GradScaler; topk and dense under Adam. Writes to ``--out`` (default ``results/convergence/``) one ``<run>.json`` and ``<run>.log`` per run, ``convergence.md``
 (the table and the checks) and ``convergence.png`` (test accuracy per epoch).
 
     .venv/bin/python -m benchmarks.convergence [--np 4] [--epochs 4] [--runs NAME ...] [--reuse]

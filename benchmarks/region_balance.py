@@ -7,7 +7,7 @@ update; the small tensors averaged densely) and, at the final density, measures 
 step:
 
 * **held back at the alltoall**: the share of a worker's selected entries beyond the fixed
-  room per destination (``REGION_SLACK`` x an even share), which wait in its memory; for the
+  room per destination (the alltoall message's capacity), which wait in its memory; for the
   regions as built (contiguous slices) and for strided ones (entry i to worker i mod N);
 * **forwarded by the owners**: the energy (sum of squares) of what the N owners forward, each
   ``C_out`` entries of its own region, against the same number of entries taken as one top
@@ -19,7 +19,6 @@ step:
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 
 from horovod_dgc.core import CompressCall
 from horovod_dgc.core.methods import BY_NAME
-from horovod_dgc.core.sparse_allreduce import REGION_SLACK, SparseAllreduce
+from horovod_dgc.core.sparse_allreduce import SparseAllreduce
 from horovod_dgc.core.twostage import simulate_step
 from horovod_dgc.torch.ops import TorchOps
 
@@ -50,13 +49,15 @@ class Recorder:
     """Wraps a sparse all-reduce's selection and owner stage to keep what they saw."""
 
     def __init__(self, method: SparseAllreduce):
-        self.selections: List[tuple] = []  # (step, positions, numel, k)
+        self.selections: List[tuple] = []  # (step, positions, region length, room per destination)
         self.owner_sums: Dict[tuple, List[tuple]] = defaultdict(list)  # (name, step) -> (rank, P, C_out)
         select, second = method.inner.select, method.second
 
         def recorded_select(ops, x, k, call, accumulated):
             positions = select(ops, x, k, call, accumulated)
-            self.selections.append((call.step, positions.clone(), x.numel(), k))
+            to_owner, _ = method.region_layouts(call.name, x.numel(), ops.dtype(x), call.density,
+                                                call.world_size)
+            self.selections.append((call.step, positions.clone(), to_owner.numel, to_owner.capacity))
             return positions
 
         def recorded_second(ops, state, received, handover):
@@ -75,8 +76,7 @@ class Recorder:
 
 def train(method_name: str, workers: int, steps: int, density: float) -> Recorder:
     torch.manual_seed(0)
-    options = {"momentum": 0.9} if method_name == "dgc" else {}
-    method = BY_NAME[method_name].build(aggregation="sparse_allreduce", **options)
+    method = BY_NAME[method_name].build(aggregation="sparse_allreduce")
     recorder = Recorder(method)
     train_split, _ = data.load()
     shards = [train_split.shard(r, workers) for r in range(workers)]
@@ -107,11 +107,10 @@ def train(method_name: str, workers: int, steps: int, density: float) -> Recorde
 def held_back(recorder: Recorder, workers: int, regions: str) -> float:
     """Share of the selected entries beyond the room per destination."""
     over = total = 0
-    for step, positions, numel, k in recorder.selections:
+    for step, positions, region, room in recorder.selections:
         if step < WARMUP_STEPS:
             continue
-        room = math.ceil(REGION_SLACK * k / workers)
-        owner = positions // math.ceil(numel / workers) if regions == "contiguous" else positions % workers
+        owner = positions // region if regions == "contiguous" else positions % workers
         counts = torch.bincount(owner, minlength=workers)
         over += int((counts - room).clamp(min=0).sum())
         total += positions.numel()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 from horovod_dgc.core.config import AGGREGATIONS, GatheredConfig
 from horovod_dgc.core.methods import METHODS as TABLE
@@ -49,6 +49,10 @@ def add_compression_flags(p: argparse.ArgumentParser) -> None:
                       "(default: one block per tensor)")
 
 
+# ``--small-density dense``: the small tensors travel dense (``small_density=None``).
+DENSE = "dense"
+
+
 def add_small_density_flag(p) -> None:
     """``--small-density``: a density, or ``dense`` for ``small_density=None``."""
     p.add_argument("--small-density", type=_density_or_dense,
@@ -57,12 +61,8 @@ def add_small_density_flag(p) -> None:
                    "the method's)")
 
 
-def _density_or_dense(text: str):
+def _density_or_dense(text: str) -> Union[float, str]:
     return DENSE if text == DENSE else float(text)
-
-
-# ``--small-density dense``: the small tensors travel dense (``small_density=None``).
-DENSE = "dense"
 
 
 def add_aggregation_flag(p) -> None:

@@ -86,6 +86,14 @@ def test_the_conservation_test_fails_for_a_selector_that_ignores_magnitudes(devi
         conservation_run(Blind(TopKConfig(density=0.01)), device, steps=5)
 
 
+def assert_matches_reference(t, sent, state, ref_sent, ref_u, ref_v):
+    """A DGC step's decoded message and memories against :func:`reference_dgc`'s."""
+    assert torch.equal(sent != 0, ref_sent != 0), f"step {t}: different entries selected"
+    torch.testing.assert_close(sent, ref_sent, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(state["momentum"], ref_u, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(state["velocity"], ref_v, rtol=1e-5, atol=1e-6)
+
+
 def reference_dgc(grads, k, momentum, nesterov, clip_norm, world_size, masked=True):
     """DGC's equations written out with dense tensors and a sort (``masked``: momentum
     factor masking)."""
@@ -140,10 +148,7 @@ def test_dgc_momentum_correction_and_masking_match_the_equations_for_10_steps(ne
             assert bound == 0.0
         else:
             assert 0.0 < float(bound) <= float(ref_sent[ref_sent != 0].abs().min())
-        assert torch.equal(sent != 0, ref_sent != 0), f"step {t}: different entries selected"
-        torch.testing.assert_close(sent, ref_sent, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(state["momentum"], ref_u, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(state["velocity"], ref_v, rtol=1e-5, atol=1e-6)
+        assert_matches_reference(t, sent, state, ref_sent, ref_u, ref_v)
     if by_blocks:
         assert sampled_at == []
     elif hinted:
@@ -165,10 +170,7 @@ def test_dgc_small_tensors_keep_their_momentum_when_sent_for_10_steps(device):
     expected = reference_dgc(grads, top_count(density, n), 0.9, False, None, 1, masked=False)
     for t, (grad, (ref_sent, ref_u, ref_v)) in enumerate(zip(grads, expected)):
         sent, state, _ = bounded_step(method, state, grad, t, small=True)
-        assert torch.equal(sent != 0, ref_sent != 0), f"step {t}: different entries selected"
-        torch.testing.assert_close(sent, ref_sent, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(state["momentum"], ref_u, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(state["velocity"], ref_v, rtol=1e-5, atol=1e-6)
+        assert_matches_reference(t, sent, state, ref_sent, ref_u, ref_v)
 
 
 @pytest.mark.parametrize("shape, masked", [((64,), False), ((64, 64), True)], ids=["small", "large"])

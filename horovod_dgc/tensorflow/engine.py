@@ -246,10 +246,10 @@ class Engine:
                          for key in new])
 
     def _call(self, name: str, step: tf.Tensor, density: float, param: Optional[Any],
-              loss_scale: Any, shape: Any = None) -> CompressCall:
-        """``shape``: the gradient's, for a compressed tensor (None: a dense one)."""
+              loss_scale: Any, shape: Any) -> CompressCall:
+        """``shape``: the gradient's."""
         flat_param = None if param is None else tf.reshape(tf.convert_to_tensor(param), [-1])
-        small = shape is not None and self.config.is_small(tuple(tf.TensorShape(shape).as_list()))
+        small = self.config.is_small(tuple(tf.TensorShape(shape).as_list()))
         return CompressCall(name=name, rank=self.rank, world_size=self.world_size, step=step,
                             density=density, param=flat_param, loss_scale=loss_scale, small=small)
 
@@ -312,7 +312,7 @@ class Engine:
         step = self._next_step(name)
         old, scale = self._read_state(name), self._current_loss_scale()
         update, state = self.method.dense(self.ops, old, flat,
-                                          self._call(name, step, self.density, param, scale))
+                                          self._call(name, step, self.density, param, scale, grad.shape))
         update = tf.cast(update, REDUCIBLE.get(grad.dtype, grad.dtype)) * tf.cast(scale, update.dtype)
         nbytes = flat.shape.num_elements() * update.dtype.size
         self._record([(ALLREDUCE, nbytes)], flat.shape.num_elements() * grad.dtype.size)
