@@ -20,7 +20,8 @@ setup(
         # Horovod itself is compiled against the framework: see scripts/setup_env.sh.
         "torch": ["torch>=2.1"],
         "tensorflow": ["tensorflow-cpu>=2.16", "tf_keras>=2.16"],
-        "test": ["pytest>=8", "hypothesis>=6", "mpi4py>=4", "pyflakes>=3"],
+        "test": ["pytest>=8", "hypothesis>=6", "mpi4py>=4", "pyflakes>=3",
+                 "triton>=3"],  # runs the GPU kernel's tests under its interpreter on a CPU
         "examples": ["tqdm>=4.60", "mnist1d>=0.0.2", "matplotlib>=3.7"],
     },
     classifiers=[

@@ -44,6 +44,8 @@ from horovod_dgc.core.collectives import emulate
 from horovod_dgc.core.methods import BY_NAME, METHODS
 from horovod_dgc.core.selection import (candidate_capacity, filter_block, select_gaussian,
                                         select_sampled, top_count)
+from horovod_dgc.core.ops import TensorOps
+from horovod_dgc.torch.kernels import triton_memory
 from horovod_dgc.torch.ops import TorchOps
 
 RESNET50_NUMEL = 25_557_032
@@ -60,6 +62,7 @@ READ_PASS = "read pass x.sum()"
 EXACT_TOPK = "exact torch.topk(|x|, k)"
 DGC_SELECTION = "DGC select_sampled"
 DGC_PASS = "dgc memory pass alone (its floor)"
+DGC_COMPOSED_PASS = "dgc memory pass as composed framework ops"
 # Most read passes (medians) each row may cost: a step's unavoidable traffic is about one
 # read of every input and one write of every new memory.
 TARGETS = {"cpu": {DGC_SELECTION: MAX_READ_PASSES, "dgc compress": 6.0, "blocksign stage 1": 8.0,
@@ -204,20 +207,25 @@ def predicted_bound(ops: TorchOps, method: Method, like: torch.Tensor, density: 
     return None if step.next_bound is None else float(step.next_bound)
 
 
-def dgc_pass_case(ops: TorchOps, x: torch.Tensor, density: float) -> Case:
+def dgc_pass_case(ops: TorchOps, x: torch.Tensor, density: float, name: str = DGC_PASS,
+                  accumulate: Callable = TorchOps.momentum_accumulate) -> Case:
     """DGC's memory pass alone, with its block maxima: the floor of its compress step (it
     reads the gradient and both memories and writes both new memories, whatever else the
-    step does)."""
+    step does). ``accumulate``: TorchOps's (the kernels where they apply), or the core's
+    composition."""
     k = top_count(density, x.numel())
     momentum, velocity = torch.zeros_like(x), torch.zeros_like(x)  # as the compress rows'
     outs = (torch.empty_like(x), torch.empty_like(x))
-    return Case("full compress (memory + selection + encoding)", DGC_PASS,
-                lambda rep: ops.momentum_accumulate(momentum, velocity, x, DGC_DEFAULTS.momentum, 1.0,
-                                                    False, outs, filter_block(k, x.numel())))
+    return Case("full compress (memory + selection + encoding)", name,
+                lambda rep: accumulate(ops, momentum, velocity, x, DGC_DEFAULTS.momentum, 1.0,
+                                       False, outs, filter_block(k, x.numel())))
 
 
 def compress_cases(ops: TorchOps, x: torch.Tensor, density: float) -> List[Case]:
     cases = [dgc_pass_case(ops, x, density)]
+    if triton_memory.supports(x, x):
+        # Beside the GPU's one-kernel pass, the composition of framework ops it replaces.
+        cases.append(dgc_pass_case(ops, x, density, DGC_COMPOSED_PASS, TensorOps.momentum_accumulate))
     for name, make in COMPRESSORS:
         method = make()
         if getattr(method, "collects_candidates", False):

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The GPU checks (`make gpu-check`): the device-parametrized core and adapter tests on CUDA,
-# `benchmarks.compress --device cuda` and `benchmarks.host_syncs`. Needs PyTorch with CUDA,
-# not Horovod. Each part has its own time limit, so that one that hangs leaves the others'
-# results; the exit status is that of the first part that failed.
+# `benchmarks.compress --device cuda`, `benchmarks.host_syncs` and `benchmarks.gpu_profile`.
+# Needs PyTorch with CUDA, not Horovod. Each part has its own time limit, so that one that
+# hangs leaves the others' results; the exit status is that of the first part that failed.
 #
-#   benchmarks/gpu_check.sh [OUT_DIR] [PARTS...]    (PARTS: tests compress syncs; default: all;
+#   benchmarks/gpu_check.sh [OUT_DIR] [PARTS...]    (PARTS: tests compress syncs profile; default: all;
 #                                                 TESTS=... overrides the test files)
 set -u
 OUT=${1:-results/gpu}
 shift || true
-PARTS=${*:-tests compress syncs}
+PARTS=${*:-tests compress syncs profile}
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
@@ -42,10 +42,11 @@ EOF
 # The in-process tests that take the `device` fixture (tests/conftest.py), and the device parity.
 TESTS=${TESTS:-tests/test_core_references.py tests/test_core_selection.py tests/test_core_methods.py
     tests/test_codecs.py tests/test_core_twostage.py tests/test_core_sparse_allreduce.py
-    tests/test_core_warmup.py tests/test_bad_input.py tests/test_device_torch.py}
+    tests/test_core_warmup.py tests/test_bad_input.py tests/test_device_torch.py tests/test_triton_memory.py}
 # shellcheck disable=SC2086
-part tests 300 "$PYTHON" -m pytest -q -p no:cacheprovider -rfEs -k "cuda or device_torch" \
+part tests 300 "$PYTHON" -m pytest -q -p no:cacheprovider -rfEs -k "cuda or device_torch or triton" \
     --junitxml="$OUT/tests.xml" $TESTS
 part compress 120 "$PYTHON" -m benchmarks.compress --device cuda --json "$OUT/compress.json"
 part syncs 150 "$PYTHON" -m benchmarks.host_syncs --steps 2 --sparse-allreduce --json "$OUT/syncs.json"
+part profile 120 "$PYTHON" -m benchmarks.gpu_profile --json "$OUT/profile.json"
 exit "$status"

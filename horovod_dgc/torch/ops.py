@@ -11,6 +11,7 @@ import torch
 
 from ..core.ops import Candidates, Scalar, TensorOps
 from . import kernels
+from .kernels import triton_memory
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64, "int32": torch.int32, "int64": torch.int64,
@@ -242,6 +243,13 @@ class TorchOps(TensorOps):
         when the compositions a GPU runs take it instead."""
         return x.device.type == "cpu" and not self.sizes_cost_a_wait(x)
 
+    def _fuses(self, grad_scale: Scalar, bound: Optional[float], grad: torch.Tensor,
+               *memories: Optional[torch.Tensor]) -> bool:
+        """Whether a memory's pass runs as one Triton kernel (a GPU's tensors, a grad scale
+        known on the host, no candidates to collect) instead of the composition."""
+        return (isinstance(grad_scale, (int, float)) and bound is None and not self._kernels(grad)
+                and triton_memory.supports(grad, *memories))
+
     def positions_at_least(self, x: torch.Tensor, threshold: Scalar) -> torch.Tensor:
         if self._kernels(x) and kernels.supports(x) and x.dim() == 1:
             return kernels.positions_at_least(x, float(threshold))
@@ -264,6 +272,10 @@ class TorchOps(TensorOps):
                 grad.reshape(-1), float(grad_scale), memory, out, block, stat, bound, capacity)
             return (total, None if stats is None else stats.to(memory.dtype), finite,
                     None if candidates is None else Candidates(*candidates, bound))
+        if self._fuses(grad_scale, bound, grad, memory, out) and stat in (None, "max"):
+            _, total, maxima, finite = triton_memory.memory_pass(
+                grad, float(grad_scale), memory, out, block if stat else 0)
+            return total, maxima, finite, None
         return super().accumulate(memory, grad, grad_scale, out, block, stat, bound, capacity)
 
     def momentum_accumulate(self, momentum: torch.Tensor, velocity: torch.Tensor,
@@ -279,6 +291,10 @@ class TorchOps(TensorOps):
                 grad.reshape(-1), float(grad_scale), momentum, velocity, m, nesterov, *outs, block,
                 bound, capacity)
             return (*result, None if candidates is None else Candidates(*candidates, bound))
+        if self._fuses(grad_scale, bound, grad, momentum, velocity, *outs):
+            u, v, maxima, finite = triton_memory.memory_pass(
+                grad, float(grad_scale), velocity, outs[1], block, momentum, outs[0], m, nesterov)
+            return u, v, maxima, finite, None
         return super().momentum_accumulate(momentum, velocity, grad, m, grad_scale, nesterov, outs,
                                            block, bound, capacity)
 
@@ -473,7 +489,11 @@ class TorchOps(TensorOps):
         on_device = [f for f in flags if isinstance(f, torch.Tensor)]
         if not pending and not on_device:
             return [bool(f) for f in flags]
-        read = torch.stack([t.reshape(()).to(torch.bool) for t in [p for p, _, _ in pending] + on_device])
+        tensors = [p for p, _, _ in pending] + on_device
+        # One device for the single read: a check made on the host joins the GPU's by a copy
+        # that does not wait (a GPU value read on its own would).
+        target = next((t.device for t in tensors if t.device.type != "cpu"), _HOST)
+        read = torch.stack([_to_device(t.reshape(()).to(torch.bool), target) for t in tensors])
         values = iter(read.tolist())
         for (_, inputs, explain), ok in zip(pending, values):
             if not ok:
