@@ -389,6 +389,11 @@ class TorchOps(TensorOps):
         return ((bits * _GATHER_BITS) >> 56).to(torch.uint8)
 
     def unpack_signs(self, packed: torch.Tensor, dtype: str) -> torch.Tensor:
+        # A gather of 32-byte rows from the sign table is the CPU's fastest way; on a GPU it
+        # took 2.0 ms for 3.2 M bytes, ten times the gather of 8-byte rows of bits and a where.
+        if packed.device.type != "cpu":
+            signs = torch.where(self.unpack_bits(packed), 1.0, -1.0)
+            return signs if dtype == "float32" else signs.to(DTYPES[dtype])
         table = _table("signs", packed.device, DTYPES[dtype])
         return table.index_select(0, packed.to(torch.int64)).reshape(-1)
 
