@@ -10,8 +10,10 @@ fixed-size selection (``selection.select_by_blocks``), without a wait for the ho
 
 It is used for CUDA tensors when Triton imports, the grad scale is a Python number and no
 candidate bound is asked for (a GPU's engine passes none); everything else takes the
-composition, which is what the kernel is tested against (``tests/test_device_torch.py``).
-Arithmetic is in float32 whatever the tensors' dtypes; results are stored in the memories'.
+composition. ``tests/test_triton_memory.py`` checks the kernel against the equations, and
+``tests/test_device_torch.py`` whole runs on CUDA against the CPU's. Arithmetic is in float32
+whatever the tensors' dtypes; results are stored in the memories' dtype. The finiteness flag
+is per entry, where the composition's is the finiteness of a float32 sum.
 """
 from __future__ import annotations
 
@@ -32,20 +34,16 @@ FLAT_BLOCK = 2048
 ENTRIES_PER_PROGRAM = 2048
 
 ERROR_FEEDBACK, MOMENTUM, NESTEROV = 0, 1, 2
-# Triton reads this when a kernel is defined: a module loaded under it runs on CPU tensors.
+# Triton reads this switch when it is imported: in a process started under it, kernels run
+# on CPU tensors through Triton's interpreter (the CPU tests' way to run this kernel).
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def available() -> bool:
-    """Whether the kernel can run (Triton imports)."""
-    return triton is not None
 
 
 def supports(grad: torch.Tensor, *memories: Optional[torch.Tensor]) -> bool:
     """Whether the kernel takes these tensors: contiguous, floating point, on one CUDA device
     (or on the CPU under Triton's interpreter, which the CPU tests use)."""
     tensors = [grad, *[m for m in memories if m is not None]]
-    if triton is None or not all(t.is_contiguous() and t.is_floating_point() for t in tensors):
+    if triton is None or grad.numel() == 0 or not all(t.is_contiguous() and t.is_floating_point() for t in tensors):
         return False
     if any(t.dtype == torch.float64 for t in tensors):
         return False
