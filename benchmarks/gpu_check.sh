@@ -48,5 +48,5 @@ part tests 300 "$PYTHON" -m pytest -q -p no:cacheprovider -rfEs -k "cuda or devi
     --junitxml="$OUT/tests.xml" $TESTS
 part compress 120 "$PYTHON" -m benchmarks.compress --device cuda --json "$OUT/compress.json"
 part syncs 150 "$PYTHON" -m benchmarks.host_syncs --steps 2 --sparse-allreduce --json "$OUT/syncs.json"
-part profile 120 "$PYTHON" -m benchmarks.gpu_profile --json "$OUT/profile.json"
+part profile 120 "$PYTHON" -m benchmarks.gpu_profile --graph --json "$OUT/profile.json"
 exit "$status"
