@@ -92,9 +92,9 @@ def test_bfloat16_gradients_send_on_cuda_as_much_as_on_the_cpu(name, options):
 
 # Host reads per rank per step with the GPU's choices (compress, decode), for the two tensors
 # below: today's counts (benchmarks/host_syncs.py, whose count gave the H200's measured waits
-# exactly). dgc and topk read once per step, where the engine settles the step's checks and
+# exactly). These methods read once per step, where the engine settles the step's checks and
 # flags. A change that adds a read of GPU data fails here; one that removes reads lowers them.
-MOST_HOST_READS = {"dgc": (0, 1), "topk": (0, 1), "blocksign": (0, 3)}
+MOST_HOST_READS = {"dgc": (0, 1), "topk": (0, 1), "scalecom": (0, 1), "blocksign": (0, 1)}
 
 
 @pytest.mark.parametrize("name", sorted(MOST_HOST_READS))
@@ -113,18 +113,21 @@ def test_a_gpu_step_reads_back_no_more_than_today(name):
         assert decode.total <= most_decode * WORLD, (step, decode.sites)
 
 
+@pytest.mark.parametrize("method", ["dgc", "scalecom", "blocksign"])
 @pytest.mark.parametrize("policy", ["skip", "raise"])
 @pytest.mark.parametrize("nan_in", ["t1", "t2"], ids=["compressed", "dense"])
 @pytest.mark.parametrize("as_on_a_gpu", [False, True], ids=["own-choice", "as-on-a-gpu"])
-def test_a_step_with_a_nan_on_one_rank_is_dropped_by_every_rank(policy, nan_in, as_on_a_gpu):
+def test_a_step_with_a_nan_on_one_rank_is_dropped_by_every_rank(method, policy, nan_in, as_on_a_gpu):
     """Step 1 of 3 has a NaN in rank 1's gradient of a compressed tensor (t1) or of one that
     travels dense (t2, all-reduced). Every rank drops the step (each memory, the dense tensor's
     momentum included, stays as after step 0), passes NaN on for that tensor only (skip) or
     raises naming it at the step's end (raise); step 2 then runs as if step 1 had not happened,
-    on both choices (the GPU's reads the flags once at the step's end)."""
+    on both choices (the GPU's reads the flags once at the step's end). For ScaleCom, rank 1
+    leads step 1: the NaN is in the leader's own selection."""
     shapes = [(300, 4096), (256, 64, 3, 3), (37,)]
     names = ["t0", "t1", "t2"]
-    engines = [Engine(BY_NAME["dgc"].build(nonfinite=policy, small_density=None), world_size=WORLD, rank=r)
+    dense_small = {"small_density": None} if method == "dgc" else {}  # t2 travels dense
+    engines = [Engine(BY_NAME[method].build(nonfinite=policy, **dense_small), world_size=WORLD, rank=r)
                for r in range(WORLD)]
     for engine in engines:
         engine.ops = WaitingOps(defer_checks=True) if as_on_a_gpu else engine.ops

@@ -21,7 +21,7 @@ from .collectives import ALLGATHER, ALLTOALL
 from .config import CompressionConfig
 from .method import CompressCall, State, StateLayout, shard_entries, state_dtype
 from .memory import reuse
-from .nonfinite import flag, nan_like, none_flagged, received_finite
+from .nonfinite import flag, nan_unless, none_flagged, received_finite
 from .ops import Scalar, Tensor, TensorOps
 from .twostage import StageHandover, TwoStageMethod
 from .validation import require_momentum, require_positive_int
@@ -189,5 +189,4 @@ class BlockSign(TwoStageMethod):
         messages = [(packed, scales, self._scale_block(ops, packed, scales), count)
                     for (packed, scales), count in zip(received.parts, valid) if count]
         update = ops.cast(ops.sign_decode_all(messages, dtype), handover.dtype)
-        return ops.cond(finite, lambda: update,
-                        lambda: nan_like(ops, handover.numel, handover.dtype, update)), finite
+        return nan_unless(ops, finite, update, handover.dtype), finite

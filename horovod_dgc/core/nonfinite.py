@@ -52,6 +52,15 @@ def nan_like(ops: TensorOps, n: int, dtype: str, like: Tensor) -> Tensor:
     return ops.scale(ops.zeros(n, dtype, like=like), float("nan"))
 
 
+def nan_unless(ops: TensorOps, finite: Scalar, x: Tensor, dtype: str) -> Tensor:
+    """``x`` where ``finite``, else NaNs like it in ``dtype`` (what a dense all-reduce hands
+    every rank when some rank's gradient was not finite). Where checks are deferred (a GPU),
+    no branch reads the flag: ``x`` is multiplied in place by 1 or by NaN."""
+    if ops.defers_checks(x):
+        return ops.scale(x, ops.where(finite, 1.0, float("nan")))
+    return ops.cond(finite, lambda: x, lambda: nan_like(ops, ops.numel(x), dtype, x))
+
+
 def none_flagged(ops: TensorOps, flags: Tensor) -> Scalar:
     """Whether every flags word is 0."""
     zeros = ops.zeros(ops.numel(flags), "int32", like=flags)

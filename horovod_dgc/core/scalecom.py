@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Any, Tuple
 
 from . import wire
 from .codecs import value_coding
@@ -19,7 +19,7 @@ from .collectives import ALLREDUCE, BROADCAST
 from .config import SparseConfig
 from .memory import Accumulated, LowPassMemory
 from .method import CompressCall, State, StateLayout, state_dtype
-from .nonfinite import flag, nan_like, settle
+from .nonfinite import flag, nan_unless, settle
 from .ops import Scalar, Tensor, TensorOps
 from .selection import (MAX_RETRIES, RETRY_FACTOR, SAMPLE_RATIO, candidate_capacity, filter_block,
                         predict_bound, select_exact, select_sampled, top_count, uses_bounds)
@@ -138,14 +138,18 @@ class ScaleCom(TwoStageMethod):
         kept_bound = bound if bound is not None else 0.0
 
         def leader_message() -> Tuple[Tensor, Scalar]:
-            def chosen() -> Tuple[Tensor, Scalar]:
+            def chosen(flags: Any = 0) -> Tuple[Tensor, Scalar]:
                 positions = self.leader_indices(ops, p, k, call, accumulated)
-                header = layout.header(call.rank, call.step, k, 0)
+                header = layout.header(call.rank, call.step, k, flags)
                 next_bound = (predict_bound(ops, ops.min_abs(ops.gather(p, positions)), k,
                                             accumulated.candidates)
                               if bounded else kept_bound)
                 return layout.encode(ops, header, positions, k)[0], next_bound
 
+            if ops.defers_checks(grad):
+                # No branch on the device's flag: a leader whose gradient is not finite sends
+                # its selection flagged; its NaN values in stage 2 drop the step everywhere.
+                return chosen(flag(ops, finite))
             header = layout.header(call.rank, call.step, 0, flag(ops, False))
             return ops.cond(finite, chosen, lambda: (layout.empty(ops, header, like=grad), 0.0))
 
@@ -171,8 +175,7 @@ class ScaleCom(TwoStageMethod):
         (values,), decoded = value_coding(dtype, layout.capacity).encode(
             ops, ops.gather(handover.data["p"], indices))
         state = self.memory.update(ops, state, indices, ops.cast(decoded, state_dtype(handover.dtype)))
-        values = ops.cond(handover.data["finite"], lambda: values,
-                          lambda: nan_like(ops, ops.numel(values), dtype, values))
+        values = nan_unless(ops, handover.data["finite"], values, dtype)
         handover.data["indices"] = indices
         return values, state
 
@@ -183,5 +186,4 @@ class ScaleCom(TwoStageMethod):
         dense = ops.zeros(handover.numel, state_dtype(handover.dtype), like=received)
         dense = ops.scatter_add(dense, handover.data["indices"], ops.cast(received, ops.dtype(dense)))
         update = ops.cast(dense, handover.dtype)
-        return ops.cond(finite, lambda: update,
-                        lambda: nan_like(ops, handover.numel, handover.dtype, update)), finite
+        return nan_unless(ops, finite, update, handover.dtype), finite

@@ -19,7 +19,7 @@ from .collectives import ALLGATHER
 from .config import SparseConfig
 from .memory import Accumulated
 from .method import CompressCall, Method, State, StateLayout, state_dtype
-from .nonfinite import flag, nan_like, none_flagged, received_finite
+from .nonfinite import flag, nan_unless, none_flagged, received_finite
 from .ops import Scalar, Tensor, TensorOps
 from .selection import candidate_capacity, filter_block, predict_bound, top_count, uses_bounds
 
@@ -178,11 +178,8 @@ class SparseMethod(Method):
 
         def poisoned() -> List[Tensor]:
             # Only the tensors some rank flagged become NaN.
-            return [ops.cond(unflagged(t), lambda a=a: a, lambda a=a, d=d: nan_like(ops, ops.numel(a), d, a))
-                    for t, (a, d) in enumerate(zip(averaged, out_dtypes))]
+            return [nan_unless(ops, unflagged(t), a, d) for t, (a, d) in enumerate(zip(averaged, out_dtypes))]
 
         if ops.defers_checks(gathered):
-            # No branch on the flags: each average is multiplied by 1, or by NaN where flagged.
-            return [ops.scale(a, ops.where(unflagged(t), 1.0, float("nan")))
-                    for t, a in enumerate(averaged)], finite
+            return poisoned(), finite  # no branch on the flags: see nan_unless
         return ops.cond(finite, lambda: averaged, poisoned), finite
