@@ -42,9 +42,9 @@ from horovod_dgc.core import CompressCall, DGCConfig, Method
 from horovod_dgc.core.codecs import bits_per_entry
 from horovod_dgc.core.collectives import emulate
 from horovod_dgc.core.methods import BY_NAME, METHODS
+from horovod_dgc.core.ops import TensorOps
 from horovod_dgc.core.selection import (candidate_capacity, filter_block, select_gaussian,
                                         select_sampled, top_count)
-from horovod_dgc.core.ops import TensorOps
 from horovod_dgc.torch.kernels import triton_memory
 from horovod_dgc.torch.ops import TorchOps
 
