@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import ClassVar, Optional, Tuple
 
 from . import wire
 from .collectives import ALLGATHER, ALLTOALL
@@ -39,6 +39,9 @@ class BlockSignConfig(CompressionConfig):
 
     block_size: Optional[int] = None
     momentum: float = 0.0
+    # dist-EF-blockSGDM's momentum is Nesterov's, not an option (what the fused optimizer checks
+    # an SGD's flag against before moving its momentum here).
+    nesterov: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -181,6 +181,9 @@ def _move_sgd_hyperparameters(optimizer: torch.optim.Optimizer, compression: Met
             raise ValueError(f"param_groups disagree on {key} ({sorted(found)}); "
                              f"{spec_of(compression.method).name} applies one {key} to every tensor")
     chosen = {key: found.pop() for key, found in values.items()}
+    if chosen["momentum"]:
+        _check_momentum_form(optimizer, config, spec_of(compression.method).name,
+                             settable_nesterov="nesterov" in fields)
     moved = {}
     if chosen["momentum"]:
         moved["momentum"] = float(chosen["momentum"])
@@ -201,6 +204,25 @@ def _move_sgd_hyperparameters(optimizer: torch.optim.Optimizer, compression: Met
     if moved:
         compression.reconfigure(**moved)
     return compression
+
+
+def _check_momentum_form(optimizer: torch.optim.SGD, config, method: str,
+                         settable_nesterov: bool) -> None:
+    """Raise ValueError where the compressor's momentum would differ from the SGD's it takes
+    over: a dampening (no method has one), or a Nesterov flag the method cannot follow."""
+    groups = optimizer.param_groups
+    dampening = max(g.get("dampening", 0.0) for g in groups)
+    if dampening:
+        raise ValueError(f"the SGD has dampening={dampening}, which {method}'s momentum "
+                         f"(u = m u + g) does not apply: moving its momentum into the compressor "
+                         f"would change the update silently; use dampening=0")
+    nesterov = {bool(g.get("nesterov", False)) for g in groups}
+    if not settable_nesterov and nesterov != {config.nesterov}:
+        raise ValueError(f"{method}'s momentum is always {'Nesterov' if config.nesterov else 'plain'} "
+                         f"momentum, but the SGD has nesterov={sorted(nesterov)}: moving its "
+                         f"momentum would change the update silently; use "
+                         f"SGD(nesterov={config.nesterov}), or SGD(momentum=0) and "
+                         f"Compression.{method}(momentum=...)")
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,

@@ -1,5 +1,5 @@
 """Misuse is refused with a clear error on every rank: momentum applied twice (stock path)
-and the own path moving SGD's momentum over, with a
+and the own path moving SGD's momentum over (a dampening or another Nesterov flag refused), with a
 weight decay per param group; a second synchronize() before step() sends nothing again."""
 import horovod.torch as hvd
 import torch
@@ -41,6 +41,22 @@ def own_path_moves_momentum() -> None:
     one_step(optimizer, net)
 
 
+def momentum_of_another_form_is_refused() -> None:
+    """Moving an SGD's momentum must not change its form: DGC's has no dampening, and
+    blocksign's is always Nesterov's. Blocksign takes a Nesterov SGD's momentum over."""
+    def wrap(compression, **sgd):
+        net = torch.nn.Linear(64, 64)
+        return hdgc.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, **sgd),
+                                         named_parameters=net.named_parameters(),
+                                         compression=compression)
+
+    expect_error(lambda: wrap(hdgc.Compression.dgc(), momentum=0.9, dampening=0.5), "dampening=0.5")
+    expect_error(lambda: wrap(hdgc.Compression.blocksign(), momentum=0.9), "nesterov=[False]")
+    compression = hdgc.Compression.blocksign()
+    wrap(compression, momentum=0.9, nesterov=True)
+    assert compression.config.momentum == 0.9, compression.config
+
+
 def weight_decay_per_param_group() -> None:
     """The usual "no decay on biases": each tensor keeps its group's decay."""
     net = torch.nn.Linear(64, 64)
@@ -77,6 +93,7 @@ if __name__ == "__main__":
     hvd.init()
     double_momentum()
     own_path_moves_momentum()
+    momentum_of_another_form_is_refused()
     weight_decay_per_param_group()
     second_synchronize_sends_nothing()
     hierarchical_on_one_host()
