@@ -66,6 +66,16 @@ def test_keras_optimizer_compressors_need_no_variables(methods):
     assert out.count("double momentum refused") == 2, out
 
 
+@pytest.mark.parametrize("methods", [
+    "dgc,scalecom,blocksign",  # one of each exchange: allgather, broadcast + allreduce, alltoall
+    pytest.param("topk,gaussiank", marks=pytest.mark.slow)])
+def test_loss_scale_overflow_on_one_rank_is_skipped_by_every_rank_and_memories_stay_unscaled(methods):
+    out = horovodrun("amp_tensorflow.py", 2, ["--methods", methods], timeout_s=900)
+    for method in methods.split(","):
+        for policy in ("float32", "mixed_float16"):
+            assert out.count(f"{method} {policy} tf amp ok") == 2, out
+
+
 def test_own_tape_takes_keras_3_variables_and_matches_the_stock_tape():
     out = horovodrun("keras3_tape_tensorflow.py", 2, timeout_s=600)
     for method, mode in (("scalecom", "eager"), ("dgc", "function")):
