@@ -39,8 +39,8 @@ class BlockSignConfig(CompressionConfig):
 
     block_size: Optional[int] = None
     momentum: float = 0.0
-    # dist-EF-blockSGDM's momentum is Nesterov's, not an option (what the fused optimizer checks
-    # an SGD's flag against before moving its momentum here).
+    # dist-EF-blockSGDM's momentum is Nesterov's, not an option (the fused optimizer warns when
+    # it moves a plain SGD's momentum here).
     nesterov: ClassVar[bool] = True
 
     def __post_init__(self) -> None:

@@ -15,6 +15,7 @@ Same signature as ``hvd.DistributedOptimizer``. Against the stock path it adds:
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from contextlib import contextmanager
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -208,8 +209,9 @@ def _move_sgd_hyperparameters(optimizer: torch.optim.Optimizer, compression: Met
 
 def _check_momentum_form(optimizer: torch.optim.SGD, config, method: str,
                          settable_nesterov: bool) -> None:
-    """Raise ValueError where the compressor's momentum would differ from the SGD's it takes
-    over: a dampening (no method has one), or a Nesterov flag the method cannot follow."""
+    """Refuse (ValueError) a dampening, which no method's momentum applies; warn where the
+    method's momentum has a fixed form other than the SGD's Nesterov flag (blocksign's is
+    always Nesterov's, the paper's): the update then follows the method, not the SGD."""
     groups = optimizer.param_groups
     dampening = max(g.get("dampening", 0.0) for g in groups)
     if dampening:
@@ -218,11 +220,10 @@ def _check_momentum_form(optimizer: torch.optim.SGD, config, method: str,
                          f"would change the update silently; use dampening=0")
     nesterov = {bool(g.get("nesterov", False)) for g in groups}
     if not settable_nesterov and nesterov != {config.nesterov}:
-        raise ValueError(f"{method}'s momentum is always {'Nesterov' if config.nesterov else 'plain'} "
-                         f"momentum, but the SGD has nesterov={sorted(nesterov)}: moving its "
-                         f"momentum would change the update silently; use "
-                         f"SGD(nesterov={config.nesterov}), or SGD(momentum=0) and "
-                         f"Compression.{method}(momentum=...)")
+        warnings.warn(f"{method} applies the SGD's momentum as "
+                      f"{'Nesterov' if config.nesterov else 'plain'} momentum, its only form, "
+                      f"though the SGD has nesterov={sorted(nesterov)}; pass "
+                      f"SGD(nesterov={config.nesterov}) to say so", stacklevel=3)
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,

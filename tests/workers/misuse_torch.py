@@ -1,6 +1,9 @@
 """Misuse is refused with a clear error on every rank: momentum applied twice (stock path)
-and the own path moving SGD's momentum over (a dampening or another Nesterov flag refused), with a
-weight decay per param group; a second synchronize() before step() sends nothing again."""
+and the own path moving SGD's momentum over (a dampening refused, another Nesterov flag
+warned of), with a weight decay per param group; a second synchronize() before step() sends
+nothing again."""
+import warnings
+
 import horovod.torch as hvd
 import torch
 
@@ -42,8 +45,9 @@ def own_path_moves_momentum() -> None:
 
 
 def momentum_of_another_form_is_refused() -> None:
-    """Moving an SGD's momentum must not change its form: DGC's has no dampening, and
-    blocksign's is always Nesterov's. Blocksign takes a Nesterov SGD's momentum over."""
+    """Moving an SGD's momentum must not change its form silently: a dampening, which DGC's
+    momentum lacks, is refused; blocksign's momentum is always Nesterov's, so a plain SGD's
+    is moved with a warning, a Nesterov SGD's without."""
     def wrap(compression, **sgd):
         net = torch.nn.Linear(64, 64)
         return hdgc.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, **sgd),
@@ -51,10 +55,14 @@ def momentum_of_another_form_is_refused() -> None:
                                          compression=compression)
 
     expect_error(lambda: wrap(hdgc.Compression.dgc(), momentum=0.9, dampening=0.5), "dampening=0.5")
-    expect_error(lambda: wrap(hdgc.Compression.blocksign(), momentum=0.9), "nesterov=[False]")
-    compression = hdgc.Compression.blocksign()
-    wrap(compression, momentum=0.9, nesterov=True)
-    assert compression.config.momentum == 0.9, compression.config
+    for nesterov, warned in ((False, 1), (True, 0)):
+        compression = hdgc.Compression.blocksign()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            wrap(compression, momentum=0.9, nesterov=nesterov)
+        said = [w for w in caught if "Nesterov momentum, its only form" in str(w.message)]
+        assert len(said) == warned, [str(w.message) for w in caught]
+        assert compression.config.momentum == 0.9, compression.config
 
 
 def weight_decay_per_param_group() -> None:
