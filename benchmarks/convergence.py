@@ -174,11 +174,16 @@ def plot(runs: List[Run], results: Dict[str, Dict], path: Path, epochs: int) -> 
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    for run in runs:
+    colors = plt.get_cmap("tab20").colors  # 20 distinct colours: every run its own
+    for i, run in enumerate(runs):
         history = results[run.name]["history"]
-        style = dict(linewidth=2.5, color="black") if run.reference is None else dict(linewidth=1.2)
+        style = (dict(linewidth=2.5, color="black", linestyle="-" if i == 0 else ":")
+                 if run.reference is None else
+                 dict(linewidth=1.2, color=colors[i % len(colors)],
+                      linestyle="--" if run.flags.get("path") == "fused" else "-"))
         ax.plot([h["epoch"] for h in history], [h["accuracy"] for h in history], label=run.name,
                 marker="o", markersize=3, **style)
+    ax.set_xticks(range(1, epochs + 1))
     ax.set(xlabel="epoch", ylabel="test accuracy",
            title=f"Fashion-MNIST, {epochs} epochs, {results[runs[0].name]['workers']} workers")
     ax.legend(fontsize=7, ncol=2)
