@@ -223,7 +223,7 @@ def _check_momentum_form(optimizer: torch.optim.SGD, config, method: str,
         warnings.warn(f"{method} applies the SGD's momentum as "
                       f"{'Nesterov' if config.nesterov else 'plain'} momentum, its only form, "
                       f"though the SGD has nesterov={sorted(nesterov)}; pass "
-                      f"SGD(nesterov={config.nesterov}) to say so", stacklevel=3)
+                      f"SGD(nesterov={config.nesterov}) to say so", stacklevel=4)
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
