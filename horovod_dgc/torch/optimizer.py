@@ -182,11 +182,10 @@ def _move_sgd_hyperparameters(optimizer: torch.optim.Optimizer, compression: Met
             raise ValueError(f"param_groups disagree on {key} ({sorted(found)}); "
                              f"{spec_of(compression.method).name} applies one {key} to every tensor")
     chosen = {key: found.pop() for key, found in values.items()}
+    moved = {}
     if chosen["momentum"]:
         _check_momentum_form(optimizer, config, spec_of(compression.method).name,
                              settable_nesterov="nesterov" in fields)
-    moved = {}
-    if chosen["momentum"]:
         moved["momentum"] = float(chosen["momentum"])
         if "nesterov" in chosen:
             moved["nesterov"] = bool(chosen["nesterov"])

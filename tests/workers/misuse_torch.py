@@ -44,7 +44,7 @@ def own_path_moves_momentum() -> None:
     one_step(optimizer, net)
 
 
-def momentum_of_another_form_is_refused() -> None:
+def momentum_of_another_form_is_refused_or_warned_of() -> None:
     """Moving an SGD's momentum must not change its form silently: a dampening, which DGC's
     momentum lacks, is refused; blocksign's momentum is always Nesterov's, so a plain SGD's
     is moved with a warning, a Nesterov SGD's without."""
@@ -101,7 +101,7 @@ if __name__ == "__main__":
     hvd.init()
     double_momentum()
     own_path_moves_momentum()
-    momentum_of_another_form_is_refused()
+    momentum_of_another_form_is_refused_or_warned_of()
     weight_decay_per_param_group()
     second_synchronize_sends_nothing()
     hierarchical_on_one_host()
