@@ -44,7 +44,7 @@ def add_compression_flags(p: argparse.ArgumentParser) -> None:
                       help="tensors with fewer elements are sent at their own small density "
                       "(default: the method's)")
     add_small_density_flag(comp)
-    comp.add_argument("--beta", type=float, default=1.0, help="scalecom: low-pass filter of the memory")
+    add_beta_flag(comp)
     comp.add_argument("--block-size", type=int, help="blocksign: elements per scaled sign block "
                       "(default: one block per tensor)")
 
@@ -65,6 +65,12 @@ def _density_or_dense(text: str) -> Union[float, str]:
     return DENSE if text == DENSE else float(text)
 
 
+def add_beta_flag(p) -> None:
+    """``--beta``, ScaleCom's low-pass filter of the memory."""
+    p.add_argument("--beta", type=float, help="scalecom: low-pass filter of the memory, in "
+                   "(0, 1]; 1 is plain error feedback (default: the method's)")
+
+
 def add_aggregation_flag(p) -> None:
     """``--aggregation``, for the methods of ``GATHERED_METHODS``."""
     p.add_argument("--aggregation", choices=AGGREGATIONS,
@@ -80,6 +86,8 @@ def compression_options(args: argparse.Namespace, warmup_epochs: int) -> dict:
                    **given(args, "value_dtype"))
     if args.compression in GATHERED_METHODS:
         options.update(given(args, "aggregation"))
+    if args.compression == "scalecom":
+        options.update(given(args, "beta"))
     small = getattr(args, "small_density", None)
     if small is not None:
         options["small_density"] = None if small == DENSE else small

@@ -19,8 +19,6 @@ def make(args: argparse.Namespace, variables: Sequence[Any]):
         options["momentum"] = args.momentum
     if args.compression == "dgc" and getattr(args, "wd", 0.0):
         options["weight_decay"] = args.wd  # DGC folds it in before its momentum correction
-    if args.compression == "scalecom":
-        options["beta"] = args.beta
     if args.compression == "blocksign":
         options["block_size"] = args.block_size
     return getattr(Compression, args.compression)(variables=variables, **options)

@@ -71,8 +71,6 @@ def make_compression(args: argparse.Namespace, model: nn.Module):
     factory = getattr(hdgc.Compression, args.compression)
     options = given(args, "min_numel")
     options.update(compression_options(args, args.sparsity_warmup_epochs))
-    if args.compression == "scalecom":
-        options["beta"] = args.beta
     if args.compression == "blocksign":
         options["block_size"] = args.block_size
     if args.compression in MOMENTUM_IN_COMPRESSOR and args.optimizer == "horovod":

@@ -22,3 +22,11 @@ def test_without_the_flag_the_method_keeps_its_default():
     options = compression_options(parse_args(["--compression", "dgc"]), 1)
     assert "small_density" not in options
     assert BY_NAME["dgc"].build(**options).config.small_density == BY_NAME["dgc"].config().small_density
+
+
+def test_beta_flag_reaches_scalecom_and_only_scalecom():
+    options = compression_options(parse_args(["--compression", "scalecom", "--beta", "0.5"]), 1)
+    assert BY_NAME["scalecom"].build(**options).config.beta == 0.5
+    assert "beta" not in compression_options(parse_args(["--compression", "topk", "--beta", "0.5"]), 1)
+    default = compression_options(parse_args(["--compression", "scalecom"]), 1)
+    assert BY_NAME["scalecom"].build(**default).config.beta == BY_NAME["scalecom"].config().beta
