@@ -1,4 +1,6 @@
 """The compiled selection kernels against the torch compositions they replace."""
+import math
+
 import pytest
 import torch
 
@@ -489,6 +491,23 @@ def test_sum_sparse_is_the_average_a_loop_over_messages_writes(n, counts):
             assert torch.equal(TensorOps.sum_sparse(OPS, torch.full((n,), 7.0), messages, 1 / 3), out)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("offset", [0, 1, 4, 16])  # output 64-byte aligned, or 4, 16, 64 bytes off
+def test_sum_sparse_entries_never_leak_into_the_next_chunk(offset):
+    # Repeated positions, a NaN and an infinity at the same in-chunk offsets of consecutive
+    # chunks: a buffer that is not cleared where they landed would carry them onwards.
+    n = 5 * 1024 + 37
+    positions = torch.tensor([3, 3, 700, 1024 + 3, 2048 + 700, 4096 + 3, 5 * 1024 + 36])
+    values = torch.tensor([1.0, 2.0, float("nan"), 4.0, float("inf"), 5.0, 6.0])
+    expected = [0.0] * n
+    for p, v in zip(positions.tolist(), values.tolist()):
+        expected[p] += v
+    out = torch.full((n + offset,), 7.0)[offset:]
+    assert kernels.sum_sparse(out, [(positions, values, 7)], 1.0) is out
+    got = out.tolist()
+    assert math.isnan(got[700]) and got[2048 + 700] == math.inf
+    assert [v for i, v in enumerate(got) if i != 700] == [v for i, v in enumerate(expected) if i != 700]
 
 
 def test_sum_sparse_leaves_unsorted_or_outside_positions_to_the_scatter():
