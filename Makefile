@@ -7,7 +7,7 @@ DEVICE ?= cpu
 # gpu-check's interpreter: one whose PyTorch has CUDA (Horovod is not needed).
 GPU_PYTHON ?= python3
 
-.PHONY: setup test test-slow demo imagenet-demo bench-compress gpu-check bench-trace-tf bench-convergence bench-regions cluster-bench cluster-scaling traffic-model compose-test horovod-examples clean-venv
+.PHONY: setup test test-slow demo imagenet-demo bench-compress gpu-check bench-trace-tf bench-convergence bench-regions bench-scalecom-leader cluster-bench cluster-scaling traffic-model compose-test horovod-examples clean-venv
 
 setup:
 	@bash scripts/setup_env.sh
@@ -59,6 +59,11 @@ bench-convergence: setup
 ## ones (Fashion-MNIST CNN, 4 workers simulated in one process; minutes): a Markdown table.
 bench-regions: setup
 	$(PYTHON) -m benchmarks.region_balance
+
+## How well one worker's top-k (ScaleCom's leader's) stands for the top-k of the workers' average,
+## at 64 and 256 images per worker (Fashion-MNIST CNN, 4 workers in one process; minutes).
+bench-scalecom-leader: setup
+	$(PYTHON) -m benchmarks.scalecom_leader
 
 ## Training-step benchmark of every method on a 4-host network-namespace cluster at three link
 ## rates (needs root): results/cluster/ (CSV, Markdown, PNG). QUICK=1: 2 hosts, unshaped and

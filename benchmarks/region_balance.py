@@ -1,10 +1,8 @@
 """What the sparse all-reduce's fixed, equal regions cost on real gradients: would
 re-balancing the regions from the selected indices (Ok-Topk's way) send more?
 
-Trains the Fashion-MNIST CNN of ``examples/pytorch_fashion_mnist.py`` with N workers simulated
-in one process (the core's ``simulate_step``, one data shard each, SGD with the method's
-update; the small tensors averaged densely) and, at the final density, measures on every
-step:
+Trains the Fashion-MNIST CNN with N workers simulated in one process (``simulated.py``)
+and, at the final density, measures on every step:
 
 * **held back at the alltoall**: the share of a worker's selected entries beyond the fixed
   room per destination (the alltoall message's capacity), which wait in its memory; for the
@@ -19,30 +17,15 @@ step:
 from __future__ import annotations
 
 import argparse
-import sys
 from collections import defaultdict
-from pathlib import Path
 from typing import Dict, List
 
 import torch
-import torch.nn.functional as F
 
-from horovod_dgc.core import CompressCall
 from horovod_dgc.core.methods import BY_NAME
 from horovod_dgc.core.sparse_allreduce import SparseAllreduce
-from horovod_dgc.core.twostage import simulate_step
-from horovod_dgc.torch.ops import TorchOps
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
-import _fashion_mnist as data  # noqa: E402
-from pytorch_fashion_mnist import Net  # noqa: E402
-
-OPS = TorchOps()
-BATCH = 64
-LR = 0.05
-# Warm-up: this many steps at WARMUP_DENSITY before the final density; measured after it.
-WARMUP_STEPS, WARMUP_DENSITY = 60, 0.032
+from .simulated import WARMUP_STEPS, train
 
 
 class Recorder:
@@ -74,33 +57,10 @@ class Recorder:
         method.second = recorded_second
 
 
-def train(method_name: str, workers: int, steps: int, density: float) -> Recorder:
-    torch.manual_seed(0)
+def recorded_training(method_name: str, workers: int, steps: int, density: float) -> Recorder:
     method = BY_NAME[method_name].build(aggregation="sparse_allreduce")
     recorder = Recorder(method)
-    train_split, _ = data.load()
-    shards = [train_split.shard(r, workers) for r in range(workers)]
-    model = Net()
-    compressed = {n for n, p in model.named_parameters() if not method.config.is_small(tuple(p.shape))}
-    states = {n: [method.init_state(OPS, p.detach().flatten(), True, workers) for _ in range(workers)]
-              for n, p in model.named_parameters() if n in compressed}
-    for step in range(steps):
-        at = WARMUP_DENSITY if step < WARMUP_STEPS else density
-        grads = []
-        for shard in shards:
-            i = (step * BATCH) % (len(shard.labels) - BATCH)
-            model.zero_grad()
-            F.cross_entropy(model(shard.images[i:i + BATCH]), shard.labels[i:i + BATCH]).backward()
-            grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if n in compressed:
-                    calls = [CompressCall(n, r, workers, step, at) for r in range(workers)]
-                    results, states[n] = simulate_step(OPS, method, states[n],
-                                                       [g[n].flatten().clone() for g in grads], calls)
-                    p -= LR * results[0].view_as(p)
-                else:
-                    p -= LR * sum(g[n] for g in grads) / workers
+    train(method, workers, steps, density)
     return recorder
 
 
@@ -144,7 +104,7 @@ def main() -> None:
     print("| method | held back, contiguous regions | held back, strided | owners forward "
           "(share of energy) | one top over the tensor |\n|---|---:|---:|---:|---:|")
     for name in args.methods.split(","):
-        recorder = train(name, args.workers, args.steps, args.density)
+        recorder = recorded_training(name, args.workers, args.steps, args.density)
         fixed, ideal = forwarded_energy(recorder)
         print(f"| {name} | {held_back(recorder, args.workers, 'contiguous'):.2%} "
               f"| {held_back(recorder, args.workers, 'strided'):.2%} | {fixed:.2%} | {ideal:.2%} |",
