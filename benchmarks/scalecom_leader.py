@@ -13,7 +13,7 @@ the warm-up measures, on the largest compressed tensor (``fc1.weight``, 1,003,52
 * **leader's share of the energy**: the sum of squares of the average at the leader's indices
   over its sum at the average's own top-k (1 when the leader's choice is the best possible).
 
-    .venv/bin/python -m benchmarks.scalecom_leader [--batch-sizes 64 256] [--steps 360]
+    .venv/bin/python -m benchmarks.scalecom_leader [--batch-sizes 64 256] [--steps 360] [--beta B]
 """
 from __future__ import annotations
 
@@ -94,12 +94,14 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=360, help=f"steps in all ({WARMUP_STEPS} of warm-up)")
     p.add_argument("--every", type=int, default=30, help="steps between measurements")
     p.add_argument("--density", type=float, default=0.001)
+    p.add_argument("--beta", type=float, help="the memory's low-pass filter (default: ScaleCom's)")
     args = p.parse_args()
+    options = {} if args.beta is None else {"beta": args.beta}
     torch.set_num_threads(1)
     print("| batch per worker | step | overlap of p | overlap of g | leader's share of the top-k "
           "| leader's share of the energy |\n|---:|---:|---:|---:|---:|---:|")
     for batch in args.batch_sizes:
-        method = BY_NAME["scalecom"].build()
+        method = BY_NAME["scalecom"].build(**options)
         observer = Observer(method, args.workers, args.every)
         train(method, args.workers, args.steps, args.density, batch=batch, observe=observer.gradients)
         rows = observer.rows()
