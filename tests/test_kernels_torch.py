@@ -515,6 +515,12 @@ def test_sum_sparse_leaves_unsorted_or_outside_positions_to_the_scatter():
     unsorted = [(torch.tensor([4, 2]), torch.ones(2), 2)]
     assert kernels.sum_sparse(out, unsorted, 1.0) is None and bool((out == 7.0).all())
     assert kernels.sum_sparse(out, [(torch.tensor([2, 10]), torch.ones(2), 2)], 1.0) is None
+    assert kernels.sum_sparse(out, [(torch.tensor([-1, 2]), torch.ones(2), 2)], 1.0) is None
+    # The check reads only the counted positions: a second message out of order past its count.
+    assert kernels.sum_sparse(out, [(torch.tensor([1, 3]), torch.ones(2), 2),
+                                    (torch.tensor([5, 99, 0]), torch.ones(3), 1)], 1.0) is not None
+    assert out.tolist() == [0, 1, 0, 1, 0, 1, 0, 0, 0, 0]
+    out.fill_(7.0)
     assert OPS.sum_sparse(out, unsorted, 1.0).tolist() == [0, 0, 1, 0, 1, 0, 0, 0, 0, 0]
     with pytest.raises(ValueError, match="a count of 3 for 2 positions"):
         kernels.sum_sparse(out, [(torch.tensor([2, 4]), torch.ones(2), 3)], 1.0)

@@ -361,12 +361,11 @@ def sum_sparse(out: torch.Tensor, messages: Sequence[Tuple[torch.Tensor, torch.T
         if count > min(positions.numel(), values.numel()):
             raise ValueError(f"sum_sparse: a count of {count} for {positions.numel()} positions "
                              f"and {values.numel()} values")
-        head = positions[:count]
-        if count and not (int(head[0]) >= 0 and int(head[-1]) < n and bool((head[1:] >= head[:-1]).all())):
-            return None
         kept += [positions, values]  # the converted tensors live until the kernel has run
         table += [positions.data_ptr(), values.data_ptr(), count]
     words = torch.tensor(table, dtype=torch.int64, device=CPU)
+    if not _streaming.sorted_within(words.data_ptr(), len(messages), n):
+        return None
     _run(_streaming.sum_sparse, [(out.data_ptr(), start, count, words.data_ptr(), len(messages), scale)
                                  for start, count in _ranges(n, _SUM_SPARSE_UNIT, torch.get_num_threads())])
     return out
