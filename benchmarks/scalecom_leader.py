@@ -25,6 +25,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 
 from horovod_dgc.core.methods import BY_NAME
+from horovod_dgc.core.scalecom import ScaleCom
 
 from .simulated import WARMUP_STEPS, Gradients, train
 
@@ -45,7 +46,7 @@ class Observer:
     """Keeps, per measured step, the workers' p (from stage 2) and gradients, and the
     leader's indices, and turns them into the four measures."""
 
-    def __init__(self, method, workers: int, every: int):
+    def __init__(self, method: ScaleCom, workers: int, every: int):
         self.workers, self.every = workers, every
         self.p: Dict[int, List[torch.Tensor]] = {}
         self.g: Dict[int, List[torch.Tensor]] = {}
