@@ -46,8 +46,8 @@ class Observer:
     """Keeps, per measured step, the workers' p (from stage 2) and gradients, and the
     leader's indices, and turns them into the four measures."""
 
-    def __init__(self, method: ScaleCom, workers: int, every: int):
-        self.workers, self.every = workers, every
+    def __init__(self, method: ScaleCom, every: int):
+        self.every = every
         self.p: Dict[int, List[torch.Tensor]] = {}
         self.g: Dict[int, List[torch.Tensor]] = {}
         self.chosen: Dict[int, torch.Tensor] = {}
@@ -103,7 +103,7 @@ def main() -> None:
           "| leader's share of the energy |\n|---:|---:|---:|---:|---:|---:|")
     for batch in args.batch_sizes:
         method = BY_NAME["scalecom"].build(**options)
-        observer = Observer(method, args.workers, args.every)
+        observer = Observer(method, args.every)
         train(method, args.workers, args.steps, args.density, batch=batch, observe=observer.gradients)
         rows = observer.rows()
         for step, p_overlap, g_overlap, share, energy in rows:
