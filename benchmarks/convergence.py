@@ -143,13 +143,20 @@ def checks(args: argparse.Namespace, runs: List[Run], results: Dict[str, Dict]) 
     for run in runs:
         if run.reference is None or run.reference not in results:
             continue
-        tolerance = TOLERANCE.get(run.method, DEFAULT_TOLERANCE)
         # Accuracies on 10,000 test images are whole hundredths of a point.
-        gap = round(100 * (results[run.reference]["accuracy"] - results[run.name]["accuracy"]), 2)
-        verdict = "PASS" if gap <= tolerance else "FAIL"
-        lines.append(f"- {verdict}: {run.name} {-gap:+.2f} points against {run.reference} "
-                     f"(at most {tolerance} below)")
+        lines.append(judged(run, round(100 * (results[run.name]["accuracy"]
+                                              - results[run.reference]["accuracy"]), 2)))
     return lines
+
+
+def judged(run: Run, gap: float, how: str = "", over: str = "") -> str:
+    """One check line: PASS when ``gap`` (``run``'s accuracy minus its reference's, in points)
+    is at most the method's tolerance below 0. ``how`` and ``over`` qualify the gap ("on
+    average", "over 3 seeds")."""
+    tolerance = TOLERANCE.get(run.method, DEFAULT_TOLERANCE)
+    return (f"- {'PASS' if -gap <= tolerance else 'FAIL'}: {run.name} {gap:+.2f} points "
+            f"{how + ' ' if how else ''}against {run.reference}{' ' + over if over else ''} "
+            f"(at most {tolerance} below)")
 
 
 def table(runs: List[Run], results: Dict[str, Dict]) -> str:

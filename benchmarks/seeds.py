@@ -4,7 +4,7 @@ seed's luck?
 Each directory holds one seed's result files, as ``benchmarks.convergence --seed S --out DIR``
 writes them (``<run>.json``). For every run found in all of them, the table gives each seed's
 final test accuracy and its gap to the same seed's reference run, then the means, and judges
-the issue's bound (``convergence.TOLERANCE``) on the mean gap.
+the issue's bound (``convergence.judged``) on the mean gap.
 
     .venv/bin/python -m benchmarks.seeds DIR [DIR ...] [--runs NAME ...]
 """
@@ -16,7 +16,7 @@ import statistics
 from pathlib import Path
 from typing import Dict, List, Sequence
 
-from .convergence import DEFAULT_TOLERANCE, TOLERANCE, Run, all_runs
+from .convergence import Run, all_runs, judged
 
 
 def load(directory: Path, runs: Sequence[Run]) -> Dict[str, Dict]:
@@ -49,11 +49,8 @@ def table(runs: Sequence[Run], per_seed: Sequence[Dict[str, Dict]]) -> str:
         if run.reference is not None:
             # Rounded: a mean of whole hundredths must not fail the bound by a float's last bit.
             gap = round(statistics.fmean(gap_points(results, run) for results in per_seed), 6)
-            tolerance = TOLERANCE.get(run.method, DEFAULT_TOLERANCE)
             mean_gap = f"{gap:+.2f}"
-            verdicts.append(f"- {'PASS' if -gap <= tolerance else 'FAIL'}: {run.name} {gap:+.2f} "
-                            f"points on average against {run.reference} over {len(per_seed)} seeds "
-                            f"(at most {tolerance} below)")
+            verdicts.append(judged(run, gap, "on average", f"over {len(per_seed)} seeds"))
         rows.append(f"| {run.name} | " + " | ".join(cells) + f" | {mean:.4f} | {mean_gap} |")
     return "\n".join(rows) + "\n\n" + "\n".join(verdicts) + "\n"
 
