@@ -3,11 +3,14 @@
     python -m benchmarks.cluster.run [--hosts 4] [--links unshaped,1gbit,100mbit]
         [--out results/cluster] [--quick] [--check] [BENCHMARK FLAGS ...]
 
-Builds ``--hosts`` namespaces (``netns.py``), then for each link shape
-launches ``benchmarks/cluster/step.py`` once on every host through ``python -m
-horovod_dgc.cluster`` (``job.py``); each launch runs every method in turn.
-Flags this script does not know (``--methods``, ``--model``, ``--steps``, ...) go to the
-benchmark unchanged: its ``--help`` lists them and their defaults. Writes ``results.jsonl``,
+Builds ``--hosts`` namespaces (``netns.py``), then for each link shape and each of
+``--methods`` launches ``benchmarks/cluster/step.py`` on every host through ``python -m
+horovod_dgc.cluster`` (``job.py``). One launch per method: Horovod negotiates every cycle over a
+bit vector with one bit per collective name it has seen, so a method run after others would
+pay, in every cycle, for their names too (about 3x the idle bytes of a fresh launch after
+dense's 161 names on ResNet-50).
+Flags this script does not know (``--model``, ``--steps``, ...) go to the benchmark
+unchanged: its ``--help`` lists them and their defaults. Writes ``results.jsonl``,
 ``results.csv``, ``results.md`` (table and claims), ``step_time.png``, ``bytes_per_step.png``
 and ``logs/<link>/`` under ``--out``.
 
@@ -36,7 +39,8 @@ from .netns import (ClusterError, LinkShape, NetnsCluster, netns_names, parse_li
 BENCH = ROOT / "benchmarks" / "cluster" / "step.py"
 QUICK_HOSTS = 2
 QUICK_LINKS = "unshaped,100mbit"
-QUICK_BENCH_FLAGS = ["--methods", "dense,dgc", "--warmup-steps", "1", "--steps", "3"]
+QUICK_METHODS = "dense,dgc"
+QUICK_BENCH_FLAGS = ["--warmup-steps", "1", "--steps", "3"]
 DEFAULT_TIMEOUT_S = 1500.0
 # Horovod's background loop negotiates every cycle even when idle (``idle kB/s`` in the
 # report): at 5 ms that was 40% of dgc's bytes per ResNet-50 step. 25 ms made no step slower
@@ -62,7 +66,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--prefix", default=f"hdgc{os.getpid()}",
                    help="start of the namespace names (unique per run)")
     p.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
-                   help="limit for each link's launch")
+                   help="limit for each launch (one link, one method)")
+    p.add_argument("--methods", default=None,
+                   help="comma-separated methods of step.py, one launch each (default: all)")
     p.add_argument("--cycle-time-ms", type=float, default=DEFAULT_CYCLE_TIME_MS,
                    help="HOROVOD_CYCLE_TIME of the workers (Horovod's default: 1 ms)")
     p.add_argument("--quick", action="store_true",
@@ -78,6 +84,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error("--workers-per-host must be >= 1")
     if args.quick:
         args.hosts, args.links = QUICK_HOSTS, QUICK_LINKS
+        args.methods = args.methods or QUICK_METHODS
         args.bench_flags = QUICK_BENCH_FLAGS + args.bench_flags
     try:
         args.links = [parse_link(text.strip()) for text in args.links.split(",") if text.strip()]
@@ -85,12 +92,19 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(f"--links: {error}")
     if len({link.name for link in args.links}) != len(args.links) or not args.links:
         p.error("--links must name at least one link, each once")
+    from .step import METHODS
+
+    args.methods = [m.strip() for m in (args.methods or ",".join(METHODS)).split(",") if m.strip()]
+    unknown = sorted(set(args.methods) - set(METHODS))
+    if unknown or not args.methods or len(set(args.methods)) != len(args.methods):
+        p.error(f"--methods: unknown {unknown} or repeated; choose from {','.join(METHODS)}")
     return args
 
 
-def bench_command(args: argparse.Namespace, link_name: str, records: Path) -> List[str]:
-    return [sys.executable, str(BENCH), *args.bench_flags, "--link", link_name,
-            "--out", str(records)]
+def bench_command(args: argparse.Namespace, link_name: str, method: str,
+                  records: Path) -> List[str]:
+    return [sys.executable, str(BENCH), *args.bench_flags, "--methods", method,
+            "--link", link_name, "--out", str(records)]
 
 
 def launch(cluster: NetnsCluster, link: LinkShape, command: List[str], logs: Path, timeout_s: float,
@@ -104,9 +118,10 @@ def launch(cluster: NetnsCluster, link: LinkShape, command: List[str], logs: Pat
 def run_links(args: argparse.Namespace, records: Path) -> None:
     with NetnsCluster(args.hosts, args.prefix) as cluster:
         for link in args.links:
-            launch(cluster, link, bench_command(args, link.name, records),
-                   args.out / "logs" / link.name, args.timeout_s, args.cycle_time_ms,
-                   args.workers_per_host)
+            for method in args.methods:
+                launch(cluster, link, bench_command(args, link.name, method, records),
+                       args.out / "logs" / link.name / method, args.timeout_s,
+                       args.cycle_time_ms, args.workers_per_host)
 
 
 def in_namespaces(tool: str, work: Callable[[], None]) -> Tuple[Optional[int], bool]:

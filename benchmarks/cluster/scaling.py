@@ -11,8 +11,9 @@ cores). Each method's interface bytes per worker per step (``tx_bytes``) are set
 * the model: the message layouts and the ring collectives (``benchmarks/traffic_model.py``,
   the same figure as ``stats()``);
 * the model plus Horovod's negotiation: the host's idle send rate, measured in the same
-  launch before the method runs, times the method's median step time (Horovod's background
-  loop negotiates every ``HOROVOD_CYCLE_TIME`` whatever is sent).
+  launch once the method's steps are done (its collective names registered), times the
+  method's median step time (Horovod's background loop negotiates every
+  ``HOROVOD_CYCLE_TIME`` whatever is sent). Each method runs in a launch of its own.
 
 Writes ``scaling.md`` (table and claims), ``scaling.png`` and the raw records under ``--out``.
 Needs root; every namespace is removed on exit.
@@ -72,11 +73,12 @@ def measure(args: argparse.Namespace) -> List[dict]:
     for hosts in args.hosts:
         records = args.out / f"records_{hosts}.jsonl"
         records.unlink(missing_ok=True)
-        command = [sys.executable, str(BENCH), *BENCH_FLAGS, *args.bench_flags, "--methods",
-                   args.methods, "--link", link.name, "--out", str(records)]
         with NetnsCluster(hosts, f"hdgcs{os.getpid()}n{hosts}") as cluster:
-            launch(cluster, link, command, args.out / "logs" / str(hosts), args.timeout_s,
-                   DEFAULT_CYCLE_TIME_MS)
+            for method in args.methods.split(","):  # one launch each, as in run.py
+                command = [sys.executable, str(BENCH), *BENCH_FLAGS, *args.bench_flags,
+                           "--methods", method, "--link", link.name, "--out", str(records)]
+                launch(cluster, link, command, args.out / "logs" / str(hosts) / method,
+                       args.timeout_s, DEFAULT_CYCLE_TIME_MS)
         rows += load_records(records)
     return rows
 
