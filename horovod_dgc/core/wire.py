@@ -89,7 +89,17 @@ class Layout:
         dtype, count = self.parts[i]
         return _aligned(count * DTYPE_BYTES[dtype])
 
-    @property
+    # The two below are cached: a decode reads them for every message of every tensor.
+    @functools.cached_property
+    def part_spans(self) -> Tuple[Tuple[int, int], ...]:
+        """(byte offset in the message, bytes of entries) of each part."""
+        spans, offset = [], HEADER_BYTES
+        for i, (dtype, count) in enumerate(self.parts):
+            spans.append((offset, count * DTYPE_BYTES[dtype]))
+            offset += self.part_bytes(i)
+        return tuple(spans)
+
+    @functools.cached_property
     def nbytes(self) -> int:
         """Size of the whole message in bytes."""
         return HEADER_BYTES + sum(self.part_bytes(i) for i in range(len(self.parts)))
@@ -100,13 +110,17 @@ class Layout:
         codes = [DTYPE_CODES[dtype] for dtype, _ in self.parts] + [0, 0]
         return codes[1], codes[0]
 
+    @functools.cached_property
+    def _fixed_words(self) -> Tuple[Tuple[int, ...], Tuple[int, int]]:
+        """The header words that only depend on the layout: (magic to capacity, the formats)."""
+        return ((MAGIC, self.method_id, tensor_id(self.name), self.numel % _INT31,
+                 self.numel // _INT31, self.capacity), self.format_codes)
+
     def header(self, rank: Any, step: Any, count: Any, flags: Any) -> List[Any]:
         """The header words of a message from ``rank`` at ``step`` (Python ints or 0-d
         integer tensors, so a graph can write run-time values)."""
-        value_code, index_code = self.format_codes
-        return [MAGIC, self.method_id, tensor_id(self.name), self.numel % _INT31,
-                self.numel // _INT31, self.capacity, count, value_code, index_code,
-                rank, step % _INT31, flags]
+        identity, formats = self._fixed_words
+        return [*identity, count, *formats, rank, step % _INT31, flags]
 
     def bounds(self, rank: Any, step: Any) -> Tuple[List[Any], List[Any]]:
         """(lowest, highest) accepted value of each header word of a message from ``rank``
@@ -202,11 +216,8 @@ def encode_parts(ops: TensorOps, layout: Layout, header: List[Any], parts: Seque
 
 def parts_of(ops: TensorOps, message: Tensor, layout: Layout) -> List[Tensor]:
     """The parts of one message (its header is not read)."""
-    offset, parts = HEADER_BYTES, []
-    for i, (dtype, count) in enumerate(layout.parts):
-        parts.append(ops.from_bytes(ops.slice(message, offset, count * DTYPE_BYTES[dtype]), dtype))
-        offset += layout.part_bytes(i)
-    return parts
+    return [ops.from_bytes(ops.slice(message, offset, nbytes), dtype)
+            for (dtype, _), (offset, nbytes) in zip(layout.parts, layout.part_spans)]
 
 
 Expected = Tuple[Layout, Any]  # a message's layout and its sender's rank (int or 0-d tensor)

@@ -90,6 +90,8 @@ class TorchOps(TensorOps):
     def constant(self, values: Sequence[Any], dtype: str, like: torch.Tensor) -> torch.Tensor:
         # Values that are tensors (a count, a flag) are written in where they are: reading them
         # with int() would wait for the GPU once per value.
+        if not any(isinstance(v, torch.Tensor) for v in values):
+            return _to_device(torch.tensor(values, dtype=DTYPES[dtype], device=_HOST), like.device)
         on_device = [isinstance(v, torch.Tensor) and self.sizes_cost_a_wait(v) for v in values]
         fixed = [0 if held else int(v) for v, held in zip(values, on_device)]
         out = _to_device(torch.tensor(fixed, dtype=DTYPES[dtype], device=_HOST), like.device)
@@ -378,7 +380,7 @@ class TorchOps(TensorOps):
 
     def from_bytes(self, data: torch.Tensor, dtype: str) -> torch.Tensor:
         target = DTYPES[dtype]
-        if data.storage_offset() % torch.empty(0, dtype=target).element_size():
+        if data.storage_offset() % target.itemsize:
             data = data.clone()
         return data.view(target)
 
