@@ -9,7 +9,8 @@ Same signature as ``hvd.DistributedOptimizer``. Against the stock path it adds:
   about ``bucket_cap_mb`` of dense gradient each). A bucket is a transport unit only: every
   tensor is compressed, selected, scaled and remembered on its own, exactly as on the stock
   path, and the bucket's messages share one collective per stage (the compressor's family
-  says how) instead of one per tensor plus a placeholder all-reduce;
+  says how) instead of one per tensor plus a placeholder all-reduce. The tensors that travel
+  dense form buckets of their own the same way, one all-reduce per bucket and dtype;
 * ``backward_passes_per_step``: gradients accumulate locally and compress once.
 """
 from __future__ import annotations
@@ -42,8 +43,10 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         self._params: List[torch.nn.Parameter] = [p for _, p in named_parameters if p.requires_grad]
         self.backward_passes_per_step = backward_passes_per_step
         self._delay = {p: backward_passes_per_step for p in self._params}
-        self._buckets = self._make_buckets(bucket_cap_mb)
+        self._buckets = self._make_buckets(bucket_cap_mb, compressed=True)
         self._bucket_of = {p: i for i, bucket in enumerate(self._buckets) for p in bucket}
+        self._dense_buckets = self._make_buckets(bucket_cap_mb, compressed=False)
+        self._dense_bucket_of = {p: i for i, bucket in enumerate(self._dense_buckets) for p in bucket}
         self._reset_step()
         self._should_synchronize = True
         self._synchronized = False
@@ -51,14 +54,15 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
             p.register_post_accumulate_grad_hook(self._hook)
 
     # -- construction helpers ------------------------------------------------------------------------
-    def _make_buckets(self, cap_mb: float) -> List[List[torch.nn.Parameter]]:
-        """Compressed parameters in reverse registration order (roughly the order backward
-        produces them), cut into buckets of about ``cap_mb`` dense megabytes."""
+    def _make_buckets(self, cap_mb: float, compressed: bool) -> List[List[torch.nn.Parameter]]:
+        """The compressed parameters, or the others, in reverse registration order (roughly
+        the order backward produces them), cut into buckets of about ``cap_mb`` dense
+        megabytes."""
         engine = self._compression.engine
         buckets: List[List[torch.nn.Parameter]] = [[]]
         size = 0
         for p in reversed(self._params):
-            if not engine.compresses(p) or Engine.passes_through(p):
+            if (engine.compresses(p) and not Engine.passes_through(p)) != compressed:
                 continue
             nbytes = p.numel() * p.element_size()
             if buckets[-1] and size + nbytes > cap_mb * 2 ** 20:
@@ -71,7 +75,10 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
     def _reset_step(self) -> None:
         self._ready: set = set()
         self._exchanges: Dict[int, object] = {}
-        self._dense_handles: Dict[torch.nn.Parameter, Tuple[int, Optional[DenseUpdate]]] = {}
+        # A dense tensor waits in _dense_ready (what to send, how to give the result back)
+        # until its bucket is complete; the bucket then sends one all-reduce per dtype.
+        self._dense_ready: Dict[torch.nn.Parameter, Tuple[torch.Tensor, Optional[DenseUpdate]]] = {}
+        self._dense_exchanges: Dict[int, List[Tuple[int, List[torch.nn.Parameter]]]] = {}
 
     # -- per-parameter work as gradients become ready ------------------------------------------------
     def _hook(self, p: torch.nn.Parameter) -> None:
@@ -87,17 +94,44 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
 
     def _submit(self, p: torch.nn.Parameter) -> None:
         engine, name, grad = self._compression.engine, self._names[p], p.grad
-        if Engine.passes_through(grad) or not engine.compresses(grad):
+        if p in self._dense_bucket_of:
             update = None if Engine.passes_through(grad) else engine.dense(name, grad, p)
-            tensor = grad.clone() if update is None else update.tensor
-            handle = hvd.allreduce_async_(tensor, name=f"{PREFIX}dense.{name}", op=hvd.Average)
-            self._dense_handles[p] = (handle, update)
+            self._dense_ready[p] = (grad.clone() if update is None else update.tensor, update)
+            bucket = self._dense_bucket_of[p]
+            if all(q in self._dense_ready for q in self._dense_buckets[bucket]):
+                self._dense_exchanges[bucket] = self._launch_dense(bucket)
             return
         self._ready.add(p)
         bucket = self._bucket_of[p]
         if all(q in self._ready for q in self._buckets[bucket]):
             self._exchanges[bucket] = self._compression.launch(
                 f"bucket{bucket}", [(self._names[q], q.grad, q) for q in self._buckets[bucket]])
+
+    def _launch_dense(self, bucket: int) -> List[Tuple[int, List[torch.nn.Parameter]]]:
+        """One all-reduce per dtype of the bucket's dense tensors, each under a name of its
+        own that no step changes: Horovod negotiates every cycle over one bit per name it has
+        seen, and one name per tensor made that several times larger."""
+        by_dtype: Dict[torch.dtype, List[torch.nn.Parameter]] = {}
+        for p in self._dense_buckets[bucket]:
+            by_dtype.setdefault(self._dense_ready[p][0].dtype, []).append(p)
+        launched = []
+        for dtype, members in by_dtype.items():
+            flat = torch.cat([self._dense_ready[p][0].reshape(-1) for p in members])
+            name = f"{PREFIX}dense{bucket}.{str(dtype).replace('torch.', '')}"
+            launched.append((hvd.allreduce_async_(flat, name=name, op=hvd.Average), members))
+        return launched
+
+    def _finish_dense(self) -> None:
+        """Write every dense bucket's averaged gradients to ``.grad``."""
+        engine = self._compression.engine
+        for bucket in sorted(self._dense_exchanges):
+            for handle, members in self._dense_exchanges[bucket]:
+                averaged, offset = wait(handle), 0
+                for p in members:
+                    sent, update = self._dense_ready[p]
+                    part = averaged[offset:offset + sent.numel()].view(sent.shape)
+                    offset += sent.numel()
+                    p.grad.copy_(part if update is None else engine.dense_received(update, part))
 
     def _finish_buckets(self) -> None:
         """Write every bucket's averaged gradients to ``.grad``."""
@@ -116,14 +150,11 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         for p in self._params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            if self._delay[p] > 0 and p not in self._ready and p not in self._dense_handles:
+            if self._delay[p] > 0 and p not in self._ready and p not in self._dense_ready:
                 self._delay[p] = 0
                 self._submit(p)
         self._finish_buckets()
-        for p, (handle, update) in self._dense_handles.items():
-            averaged = wait(handle)
-            p.grad.copy_(averaged if update is None
-                         else self._compression.engine.dense_received(update, averaged))
+        self._finish_dense()
         for p in self._params:
             self._delay[p] = self.backward_passes_per_step
         self._reset_step()
@@ -145,7 +176,7 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._ready or self._dense_handles:
+        if self._ready or self._dense_ready:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
                                  "before optimizer.step() or optimizer.synchronize()")
         return super(self.__class__, self).zero_grad(set_to_none)
