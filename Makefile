@@ -7,7 +7,7 @@ DEVICE ?= cpu
 # gpu-check's interpreter: one whose PyTorch has CUDA (Horovod is not needed).
 GPU_PYTHON ?= python3
 
-.PHONY: setup test test-slow demo imagenet-demo bench-compress gpu-check bench-trace-tf bench-convergence bench-regions bench-scalecom-leader cluster-bench cluster-scaling traffic-model compose-test horovod-examples clean-venv
+.PHONY: setup test test-slow demo imagenet-demo bench-compress gpu-check bench-trace-tf bench-convergence bench-regions bench-scalecom-leader cluster-bench cluster-scaling cluster-negotiation traffic-model compose-test horovod-examples clean-venv
 
 setup:
 	@bash scripts/setup_env.sh
@@ -82,6 +82,12 @@ traffic-model: setup
 ## about 10 minutes): results/scaling/scaling.md and scaling.png.
 cluster-scaling: setup
 	$(PYTHON) -m benchmarks.cluster.scaling
+
+## What Horovod's own negotiation sends while idle, on 2, 4 and 8 network-namespace hosts, at
+## HOROVOD_CYCLE_TIME 1, 5 and 25 ms and 0 to 322 collective names (needs root; about 3
+## minutes): results/negotiation/negotiation.md.
+cluster-negotiation: setup
+	$(PYTHON) -m benchmarks.cluster.negotiation
 
 ## The Docker Compose cluster, run for real (needs root; minutes; not part of make test): installs
 ## Debian's docker.io and docker-compose when missing, starts dockerd when none runs, builds the
