@@ -34,7 +34,17 @@ def test_without_dense_unshaped_the_ratios_are_blank(tmp_path):
     write_records(tmp_path / "r.jsonl", [record("100mbit", "dgc", 2.0, 1e6)])
     rows = load_records(tmp_path / "r.jsonl")
     assert rows[0]["step_vs_dense"] is None
-    assert markdown_table(rows).endswith("| 1.000 |  |  |  |  |  |  |")
+    assert markdown_table(rows).endswith("| 1.000 |  |  |  |  |  |  |  |")
+
+
+def test_negotiation_is_the_idle_rate_times_the_step(tmp_path):
+    dgc = dict(record("unshaped", "dgc", 2.0, 400e3, 300e3), idle_bytes_per_s=25e3)
+    write_records(tmp_path / "r.jsonl", [dgc, record("unshaped", "dense", 2.0, 150e6, 150e6)])
+    rows = load_records(tmp_path / "r.jsonl")
+    assert rows[0]["estimate_vs_sent"] == pytest.approx(0.75)
+    assert rows[0]["with_negotiation_vs_sent"] == pytest.approx((300e3 + 25e3 * 2.0) / 400e3)
+    assert rows[1]["with_negotiation_vs_sent"] is None  # no idle rate recorded
+    assert "| 0.75 | 0.875 |" in markdown_table(rows)
 
 
 def test_no_records_is_an_error(tmp_path):

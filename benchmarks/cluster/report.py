@@ -3,7 +3,9 @@
 Ratios are to Horovod dense on the unshaped link (blank when that run is missing):
 ``step vs dense`` is a method's median step time over dense's, ``bytes vs dense`` the bytes a
 worker sent per step over dense's; ``estimate vs sent`` is the library's network estimate
-(``stats()``, or the all-reduce model for Horovod's own compression) over the interface bytes.
+(``stats()``, or the all-reduce model for Horovod's own compression) over the interface bytes,
+and ``+ idle x step vs sent`` the same with Horovod's negotiation added (the idle send rate
+times the median step, which no estimate counts; ``make cluster-negotiation``).
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ ESTIMATED_METHODS = ("dense", "dgc", "scalecom", "blocksign", "dgc-ddp")
 COLUMNS = ("link", "method", "optimizer", "setting", "workers", "model", "params", "batch_size",
            "image_size", "warmup_steps", "steps", "median_step_s", "images_per_s", "tx_bytes_per_step",
            "tx_bytes_per_step_max", "handed_bytes_per_step", "estimated_bytes_per_step",
-           "idle_bytes_per_s", "step_vs_dense", "bytes_vs_dense", "estimate_vs_sent")
+           "idle_bytes_per_s", "step_vs_dense", "bytes_vs_dense", "estimate_vs_sent",
+           "with_negotiation_vs_sent")
 
 
 def load_records(path: Path) -> List[dict]:
@@ -35,10 +38,20 @@ def load_records(path: Path) -> List[dict]:
                                 if reference else None)
         row["bytes_vs_dense"] = (row["tx_bytes_per_step"] / reference["tx_bytes_per_step"]
                                  if reference else None)
-        estimate = row.get("estimated_bytes_per_step")
-        row["estimate_vs_sent"] = (estimate / row["tx_bytes_per_step"]
-                                   if estimate is not None and row["tx_bytes_per_step"] else None)
+        estimate, sent = row.get("estimated_bytes_per_step"), row["tx_bytes_per_step"]
+        known = estimate is not None and sent
+        row["estimate_vs_sent"] = estimate / sent if known else None
+        negotiation = negotiation_bytes(row)
+        row["with_negotiation_vs_sent"] = ((estimate + negotiation) / sent
+                                           if known and negotiation is not None else None)
     return rows
+
+
+def negotiation_bytes(row: dict) -> Optional[float]:
+    """What Horovod's negotiation sends during a step: the idle send rate times the median
+    step (None when the record has no idle rate)."""
+    idle = row.get("idle_bytes_per_s")
+    return None if idle is None else idle * row["median_step_s"]
 
 
 def find(rows: List[dict], link: str, method: str) -> Optional[dict]:
@@ -67,8 +80,9 @@ def _kb(value: Optional[float]) -> str:
 def markdown_table(rows: List[dict]) -> str:
     lines = ["| link | method | optimizer | setting | median step (s) | images/s "
              "| MB sent per worker per step | estimated MB | handed to the collectives MB "
-             "| idle kB/s | step vs dense | bytes vs dense | estimate vs sent |",
-             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| idle kB/s | step vs dense | bytes vs dense | estimate vs sent "
+             "| + idle x step vs sent |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['link']} | {r['method']} | {r['optimizer']} | {r['setting']} "
                      f"| {r['median_step_s']:.3f} | {r['images_per_s']:.1f} "
@@ -76,7 +90,8 @@ def markdown_table(rows: List[dict]) -> str:
                      f"| {_mb(r.get('estimated_bytes_per_step'))} "
                      f"| {_mb(r.get('handed_bytes_per_step'))} "
                      f"| {_kb(r.get('idle_bytes_per_s'))} | {_ratio(r['step_vs_dense'])} "
-                     f"| {_ratio(r['bytes_vs_dense'])} | {_ratio(r.get('estimate_vs_sent'))} |")
+                     f"| {_ratio(r['bytes_vs_dense'])} | {_ratio(r.get('estimate_vs_sent'))} "
+                     f"| {_ratio(r.get('with_negotiation_vs_sent'))} |")
     return "\n".join(lines)
 
 

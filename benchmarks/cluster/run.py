@@ -92,12 +92,15 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(f"--links: {error}")
     if len({link.name for link in args.links}) != len(args.links) or not args.links:
         p.error("--links must name at least one link, each once")
-    from .step import METHODS
+    from .step import HOST_METHODS, METHODS
 
-    args.methods = [m.strip() for m in (args.methods or ",".join(METHODS)).split(",") if m.strip()]
-    unknown = sorted(set(args.methods) - set(METHODS))
+    # Methods that reduce inside a host need several workers on it (the library refuses).
+    usable = [m for m in METHODS if args.workers_per_host > 1 or m not in HOST_METHODS]
+    args.methods = [m.strip() for m in (args.methods or ",".join(usable)).split(",") if m.strip()]
+    unknown = sorted(set(args.methods) - set(usable))
     if unknown or not args.methods or len(set(args.methods)) != len(args.methods):
-        p.error(f"--methods: unknown {unknown} or repeated; choose from {','.join(METHODS)}")
+        p.error(f"--methods: unknown, repeated or needing --workers-per-host 2 or more: "
+                f"{unknown}; choose from {','.join(usable)}")
     return args
 
 

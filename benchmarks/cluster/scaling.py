@@ -31,7 +31,7 @@ from horovod_dgc.core.methods import BY_NAME
 from ..traffic_model import per_worker_bytes, resnet50_shapes
 from .job import ROOT
 from .netns import NetnsCluster, parse_link
-from .report import load_records
+from .report import load_records, negotiation_bytes
 from .run import BENCH, DEFAULT_CYCLE_TIME_MS, in_namespaces, launch
 from .step import VARIANTS
 
@@ -93,7 +93,7 @@ def table(rows: List[dict]) -> Dict[str, object]:
     for row in rows:
         sent = row["tx_bytes_per_step"]
         model = model_bytes(row["model"], row["method"], row["workers"])
-        negotiation = row["idle_bytes_per_s"] * row["median_step_s"]
+        negotiation = negotiation_bytes(row)
         full = None if model is None else model + negotiation
         series.setdefault(row["method"], []).append((row["workers"], sent, model, full))
         if full is not None:

@@ -17,6 +17,9 @@ class CompressionStats:
         dense_bytes: bytes a dense all-reduce of the same tensors would have handed over.
         network_bytes: bytes this worker sends on the network for what it handed over, by
             the collectives used and the number of workers (``collectives.network_bytes``).
+            Horovod's own negotiation is not in it: it runs every ``HOROVOD_CYCLE_TIME``
+            whatever is sent, and costs per second, not per message (``make
+            cluster-negotiation`` measures it).
         dense_network_bytes: the same for a dense all-reduce of the same tensors.
         elements_sent: values sent by the sparse path (padding excluded).
         elements_compressed: elements of the tensors that went through the sparse path.
