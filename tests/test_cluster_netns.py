@@ -5,10 +5,12 @@ Needs root and iproute2 (skipped otherwise); every test checks that ``ip netns l
 ``/etc/netns`` are as they were before it.
 """
 import csv
+import json
 import os
 import pwd
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -76,6 +78,23 @@ def test_smoke_cluster_dense_and_dgc(tmp_path, netns_unchanged):
     assert "| 100mbit | dgc |" in proc.stdout
     for plot in ("step_time.png", "bytes_per_step.png"):
         assert (tmp_path / plot).stat().st_size > 1000
+
+
+def test_negotiation_grows_with_the_names_horovod_has_seen(tmp_path, netns_unchanged):
+    """make cluster-negotiation on 2 hosts: idle traffic per worker, before and after 161
+    collective names are registered (one bit each in every cycle's bit vector)."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.cluster.negotiation", "--hosts", "2",
+                           "--cycle-times-ms", "25", "--names", "0,161", "--idle-s", "1.5",
+                           "--out", str(tmp_path)],
+                          cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "negotiation.jsonl").read_text().splitlines()]
+    assert [(r["workers"], r["cycle_time_ms"], r["names"]) for r in records] == [(2, 25.0, 0), (2, 25.0, 161)]
+    few, many = (statistics.mean(r["bytes_per_s"]) for r in records)
+    # 40 cycles a second of a few small packets each: some kB/s, never nothing, never MB/s.
+    assert 2e3 < few < 200e3, records
+    assert many > 1.5 * few, records
+    assert "| 2 | 25 | 161 |" in (tmp_path / "negotiation.md").read_text()
 
 
 class LineReader:
