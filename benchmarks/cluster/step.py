@@ -17,7 +17,8 @@ ResNet-50's 25,557,032 parameters) for ``--warmup-steps`` untimed steps, then
 * ``dgc``, ``topk``, ``gaussiank``, ``scalecom``, ``blocksign``: ``horovod_dgc.torch``'s own
   ``DistributedOptimizer`` (fused buckets) with each method's default settings;
 * ``dgc-sar``, ``dgc-hier``: dgc with ``aggregation="sparse_allreduce"``, or with
-  ``hierarchical=True`` (averaged inside each host, compressed between hosts only);
+  ``hierarchical=True`` (averaged inside each host, compressed between hosts only; it needs
+  several workers per host, so it runs only when ``--methods`` names it);
 * ``dgc-ddp``: dgc as a PyTorch DDP communication hook (``horovod_dgc.torch.ddp``, DDP's
   default buckets, no buffer broadcast at each forward) over Gloo, on a process group set up
   beside Horovod;
@@ -75,15 +76,17 @@ SPARSE_METHODS = ("dgc", "topk", "gaussiank", "scalecom", "blocksign")
 VARIANTS = {"dgc-sar": ("dgc", {"aggregation": "sparse_allreduce"}, "sparse all-reduce"),
             "dgc-hier": ("dgc", {"hierarchical": True}, "between hosts only")}
 METHODS = ("dense", "fp16", *SPARSE_METHODS, *VARIANTS, "dgc-ddp", "powersgd")
-HOST_METHODS = ("dgc-hier",)  # need several workers per host
+HOST_METHODS = ("dgc-hier",)  # need several workers per host: never run by default
+DEFAULT_METHODS = tuple(m for m in METHODS if m not in HOST_METHODS)
 
 Step = Callable[[], None]
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--methods", default=",".join(METHODS),
-                   help=f"comma-separated, from {','.join(METHODS)}")
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                   help=f"comma-separated, from {','.join(METHODS)} (default: all but "
+                        f"{','.join(HOST_METHODS)}, which needs several workers per host)")
     p.add_argument("--model", choices=("resnet50", "tiny"), default="resnet50",
                    help="tiny: a 3-layer CNN for smoke tests")
     p.add_argument("--batch-size", type=int, default=32, help="images per worker per step")
