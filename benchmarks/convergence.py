@@ -144,9 +144,13 @@ def checks(args: argparse.Namespace, runs: List[Run], results: Dict[str, Dict]) 
         if run.reference is None or run.reference not in results:
             continue
         # Accuracies on 10,000 test images are whole hundredths of a point.
-        lines.append(judged(run, round(100 * (results[run.name]["accuracy"]
-                                              - results[run.reference]["accuracy"]), 2)))
+        lines.append(judged(run, round(gap_points(results, run), 2)))
     return lines
+
+
+def gap_points(results: Dict[str, Dict], run: Run) -> float:
+    """``run``'s final accuracy minus its reference's, in points."""
+    return 100 * (results[run.name]["accuracy"] - results[run.reference]["accuracy"])
 
 
 def judged(run: Run, gap: float, how: str = "", over: str = "") -> str:

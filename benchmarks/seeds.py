@@ -16,18 +16,13 @@ import statistics
 from pathlib import Path
 from typing import Dict, List, Sequence
 
-from .convergence import Run, all_runs, judged
+from .convergence import Run, all_runs, gap_points, judged
 
 
 def load(directory: Path, runs: Sequence[Run]) -> Dict[str, Dict]:
     """The results of ``runs`` that ``directory`` holds, by run name."""
     return {run.name: json.loads((directory / f"{run.name}.json").read_text())
             for run in runs if (directory / f"{run.name}.json").exists()}
-
-
-def gap_points(results: Dict[str, Dict], run: Run) -> float:
-    """``run``'s final accuracy minus its reference's, in points (one seed)."""
-    return 100 * (results[run.name]["accuracy"] - results[run.reference]["accuracy"])
 
 
 def table(runs: Sequence[Run], per_seed: Sequence[Dict[str, Dict]]) -> str:

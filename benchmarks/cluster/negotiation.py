@@ -27,7 +27,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -69,14 +68,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def _counter(iface: str, name: str) -> int:
-    return int(Path(f"/sys/class/net/{iface}/statistics/{name}").read_text())
-
-
 def work_as_worker(args: argparse.Namespace) -> None:
     """One launch on every host: a reading per count of names; rank 0 appends the records."""
     import horovod.torch as hvd
     import torch
+
+    from .step import idle_per_s
 
     hvd.init()
     iface = os.environ["HOROVOD_DGC_IFACE"]
@@ -85,13 +82,8 @@ def work_as_worker(args: argparse.Namespace) -> None:
         for i in range(registered, names):
             hvd.allreduce(torch.ones(1), name=f"{NAME_PREFIX}{i}")
         registered = names
-        hvd.barrier()
-        sent, packets, started = _counter(iface, "tx_bytes"), _counter(iface, "tx_packets"), time.monotonic()
-        time.sleep(args.idle_s)
-        seconds = time.monotonic() - started
-        readings.append({"names": names,
-                         "bytes_per_s": (_counter(iface, "tx_bytes") - sent) / seconds,
-                         "packets_per_s": (_counter(iface, "tx_packets") - packets) / seconds})
+        bytes_per_s, packets_per_s = idle_per_s(iface, args.idle_s, ("tx_bytes", "tx_packets"))
+        readings.append({"names": names, "bytes_per_s": bytes_per_s, "packets_per_s": packets_per_s})
     everyone = hvd.allgather_object(readings, name="negotiation.readings")
     if hvd.rank() == 0:
         cycle_ms = float(os.environ["HOROVOD_CYCLE_TIME"])

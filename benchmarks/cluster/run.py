@@ -93,12 +93,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(f"--links: {error}")
     if len({link.name for link in args.links}) != len(args.links) or not args.links:
         p.error("--links must name at least one link, each once")
-    from .step import DEFAULT_METHODS, HOST_METHODS, METHODS
+    from .step import DEFAULT_METHODS, METHODS
 
     # Methods that reduce inside a host need several workers on it (the library refuses).
-    usable = [m for m in METHODS if args.workers_per_host > 1 or m not in HOST_METHODS]
-    default = DEFAULT_METHODS if args.workers_per_host == 1 else usable
-    args.methods = [m.strip() for m in (args.methods or ",".join(default)).split(",") if m.strip()]
+    usable = METHODS if args.workers_per_host > 1 else DEFAULT_METHODS
+    args.methods = [m.strip() for m in (args.methods or ",".join(usable)).split(",") if m.strip()]
     unknown = sorted(set(args.methods) - set(usable))
     if unknown or not args.methods or len(set(args.methods)) != len(args.methods):
         p.error(f"--methods: unknown, repeated or needing --workers-per-host 2 or more: "

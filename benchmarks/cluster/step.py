@@ -49,7 +49,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import horovod.torch as hvd
 import torch
@@ -164,9 +164,10 @@ def build_model(name: str) -> Tuple[nn.Module, int]:
     return TinyNet(), TINY_CLASSES
 
 
-def tx_bytes(iface: str) -> int:
-    """Bytes this host's ``iface`` has sent so far (the kernel's counter)."""
-    return int(Path(f"/sys/class/net/{iface}/statistics/tx_bytes").read_text())
+def tx_bytes(iface: str, counter: str = "tx_bytes") -> int:
+    """What this host's ``iface`` has sent so far: the kernel's ``counter`` (bytes, or
+    ``tx_packets``)."""
+    return int(Path(f"/sys/class/net/{iface}/statistics/{counter}").read_text())
 
 
 def interface_address(iface: str) -> str:
@@ -267,14 +268,16 @@ def per_worker_of_hosts(value: float, name: str) -> List[float]:
     return [v / hvd.local_size() for local_rank, v in readings if local_rank == 0]
 
 
-def idle_bytes_per_s(iface: str, seconds: float = IDLE_S) -> float:
-    """Bytes per second this host sends while no worker trains: Horovod's background loop
-    negotiating every ``HOROVOD_CYCLE_TIME`` (part of every step's interface bytes, in no
-    library's estimate)."""
+def idle_per_s(iface: str, seconds: float = IDLE_S,
+               counters: Sequence[str] = ("tx_bytes",)) -> List[float]:
+    """Per counter of :func:`tx_bytes`, what this host sends per second while no worker trains:
+    Horovod's background loop negotiating every ``HOROVOD_CYCLE_TIME`` (part of every step's
+    interface bytes, in no library's estimate)."""
     hvd.barrier()
-    before = tx_bytes(iface)
+    before, started = [tx_bytes(iface, c) for c in counters], time.monotonic()
     time.sleep(seconds)
-    return (tx_bytes(iface) - before) / seconds
+    elapsed = time.monotonic() - started
+    return [(tx_bytes(iface, c) - b) / elapsed for c, b in zip(counters, before)]
 
 
 def time_steps(step: Step, warmup_steps: int, steps: int, iface: str,
@@ -333,7 +336,7 @@ def bench_method(method: str, args: argparse.Namespace) -> Record:
     optimizer_label, setting, warmup = trained.optimizer_label, trained.setting, trained.warmup_steps
     params = sum(p.numel() for p in model.parameters())
     handed, estimated = estimate(method, model, compression, args.steps)
-    idle = statistics.mean(per_worker_of_hosts(idle_bytes_per_s(args.iface),
+    idle = statistics.mean(per_worker_of_hosts(idle_per_s(args.iface)[0],
                                                f"cluster_step.idle.{method}"))
     all_seconds = hvd.allgather_object(seconds, name=f"cluster_step.seconds.{method}")
     slowest = [max(per_rank[i] for per_rank in all_seconds) for i in range(args.steps)]
