@@ -89,9 +89,10 @@ def test_the_conservation_test_fails_for_a_selector_that_ignores_magnitudes(devi
 def assert_matches_reference(t, sent, state, ref_sent, ref_u, ref_v):
     """A DGC step's decoded message and memories against :func:`reference_dgc`'s."""
     assert torch.equal(sent != 0, ref_sent != 0), f"step {t}: different entries selected"
-    torch.testing.assert_close(sent, ref_sent, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(state["momentum"], ref_u, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(state["velocity"], ref_v, rtol=1e-5, atol=1e-6)
+    for got, ref in [(sent, ref_sent), (state["momentum"], ref_u), (state["velocity"], ref_v)]:
+        # float32 sums that cancel: their rounding is relative to the largest entry, and the
+        # clipping norm's to a sum over the tensor.
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()) + 1e-7)
 
 
 def reference_dgc(grads, k, momentum, nesterov, clip_norm, world_size, masked=True):
@@ -132,7 +133,7 @@ def test_dgc_momentum_correction_and_masking_match_the_equations_for_10_steps(ne
     sample = selection.sampled_threshold
     monkeypatch.setattr(selection, "sampled_threshold",
                         lambda *a, **kw: sampled_at.append(t) or sample(*a, **kw))
-    n, density, world_size = 3000, 0.01, 4
+    n, density, world_size = 5000, 0.01, 4  # above EXACT_BELOW_NUMEL: the sampled selection
     gen = torch.Generator().manual_seed(1)
     grads = [randn(n, generator=gen, device=device) for _ in range(10)]
     method = DGC(DGCConfig(density=density, momentum=0.9, nesterov=nesterov, clip_norm=clip_norm,

@@ -7,7 +7,8 @@ import torch
 import horovod_dgc.core.selection as selection
 from horovod_dgc.core.ops import Candidates
 from horovod_dgc.core.selection import (CANDIDATE_CAPACITY, FIRST_MARGIN, GAUSSIAN_HIGH, GAUSSIAN_LOW,
-                                        MIN_MARGIN, TARGET_CANDIDATES, block_size, candidate_capacity,
+                                        EXACT_BELOW_NUMEL, MIN_MARGIN, TARGET_CANDIDATES, block_size,
+                                        candidate_capacity,
                                         predict_bound, select_exact, select_gaussian, select_sampled,
                                         top_count)
 from horovod_dgc.torch.ops import TorchOps
@@ -43,7 +44,7 @@ def test_exact_topk_matches_naive_sort(n, density, device):
         assert set(got.tolist()) == naive_topk_set(x, k) or name == "mostly zero"
 
 
-@pytest.mark.parametrize("n,density", [(100_003, 0.001), (50_000, 0.01), (4099, 0.1), (1000, 0.25)])
+@pytest.mark.parametrize("n,density", [(100_003, 0.001), (50_000, 0.01), (4099, 0.1), (4096, 0.25)])
 def test_dgc_sampled_selection_sends_exactly_k_true_topk(n, density, device):
     k = top_count(density, n)
     for name, x in samples(n, 2, device).items():
@@ -64,6 +65,28 @@ def test_dgc_selection_without_retries_falls_back_to_an_exact_bound(device):
     # A retry factor that barely lowers the threshold cannot reach k: the block bound must.
     got = select_sampled(ops, x, k, sample_ratio=0.001, offset=0, max_retries=1, retry_factor=0.999)
     assert set(got.tolist()) == set(torch.topk(x.abs(), k).indices.tolist())
+
+
+@pytest.mark.parametrize("n,density", [(64, 0.05), (2048, 0.05), (EXACT_BELOW_NUMEL - 1, 0.001)])
+def test_small_tensors_take_a_plain_exact_topk(n, density, monkeypatch, device):
+    """Below EXACT_BELOW_NUMEL entries (norms and biases) the selection is the naive top-k in
+    ascending order, and neither the sample nor the block selection runs; from it on, the
+    sample does (a cut-off on the wrong side would send 25M-entry tensors to a full top-k)."""
+    ran = []
+    for name in ("sampled_threshold", "select_by_blocks"):
+        real = getattr(selection, name)
+        monkeypatch.setattr(selection, name, lambda *a, _real=real, _name=name, **kw:
+                            ran.append(_name) or _real(*a, **kw))
+    k = top_count(density, n)
+    for name, x in samples(n, 7, device).items():
+        got = select_sampled(ops, x, k, 0.01, 3, 4, 0.8)
+        assert got.tolist() == sorted(got.tolist()) and got.numel() == k, name
+        if name != "mostly zero":
+            assert set(got.tolist()) == naive_topk_set(x, k), name
+    assert ran == []
+    x = samples(EXACT_BELOW_NUMEL, 7, torch.device("cpu"))["normal"]
+    select_sampled(ops, x, top_count(0.001, x.numel()), 0.01, 3, 4, 0.8)
+    assert ran == ["sampled_threshold"]
 
 
 @pytest.mark.parametrize("density", [0.001, 0.01, 0.05])

@@ -103,8 +103,9 @@ class BlockSign(TwoStageMethod):
         """One shard's message (the same shape in both stages)."""
         shard = self.shard_length(numel, world_size)
         scales = shard // self._server_block(shard)
-        return wire.PartsLayout(name=name, method_id=self.method_id, numel=numel, capacity=shard,
-                                part_list=(("uint8", shard // 8), ("float32", scales)))
+        return wire.interned(wire.PartsLayout(name=name, method_id=self.method_id, numel=numel,
+                                              capacity=shard,
+                                              part_list=(("uint8", shard // 8), ("float32", scales))))
 
     def exchanges(self, numel: int, grad_dtype: str, density: float,
                   world_size: int) -> Tuple[Tuple[str, int], ...]:

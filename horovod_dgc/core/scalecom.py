@@ -80,8 +80,8 @@ class ScaleCom(TwoStageMethod):
 
     def index_layout(self, name: str, numel: int, density: float) -> wire.MessageLayout:
         """The leader's message: its k positions, coded (no values)."""
-        return wire.MessageLayout(name=name, method_id=self.method_id, numel=numel,
-                                  capacity=top_count(density, numel), value_format=None)
+        return wire.interned(wire.MessageLayout(name=name, method_id=self.method_id, numel=numel,
+                                                capacity=top_count(density, numel), value_format=None))
 
     def exchanges(self, numel: int, grad_dtype: str, density: float,
                   world_size: int) -> Tuple[Tuple[str, int], ...]:

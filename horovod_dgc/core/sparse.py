@@ -82,9 +82,9 @@ class SparseMethod(Method):
     # -- per-tensor layout and state ----------------------------------------------------------
     def layout(self, name: str, numel: int, grad_dtype: str, density: float) -> wire.MessageLayout:
         k = top_count(density, numel)
-        return wire.MessageLayout(name=name, method_id=self.method_id, numel=numel,
-                                  capacity=self.capacity(k, numel),
-                                  value_format=wire.value_format(grad_dtype, self.config.value_dtype))
+        return wire.interned(wire.MessageLayout(
+            name=name, method_id=self.method_id, numel=numel, capacity=self.capacity(k, numel),
+            value_format=wire.value_format(grad_dtype, self.config.value_dtype)))
 
     def state_layout(self, compressed: bool) -> StateLayout:
         return StateLayout(self.memory.state_names if compressed else self.memory.dense_state_names)

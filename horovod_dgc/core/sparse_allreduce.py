@@ -89,8 +89,8 @@ class SparseAllreduce(TwoStageMethod):
         fmt = wire.value_format(grad_dtype, self.config.value_dtype)
 
         def layout(capacity: int) -> wire.MessageLayout:
-            return wire.MessageLayout(name=name, method_id=self.method_id, numel=region,
-                                      capacity=min(region, capacity), value_format=fmt)
+            return wire.interned(wire.MessageLayout(name=name, method_id=self.method_id, numel=region,
+                                                    capacity=min(region, capacity), value_format=fmt))
 
         return (layout(math.ceil(REGION_SLACK * gathered / world_size)),
                 layout(math.ceil(FORWARD_SLACK * k / world_size)))

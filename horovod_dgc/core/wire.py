@@ -23,7 +23,7 @@ import functools
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple, TypeVar
 
 from . import codecs
 from .ops import Tensor, TensorOps
@@ -221,6 +221,19 @@ def parts_of(ops: TensorOps, message: Tensor, layout: Layout) -> List[Tensor]:
 
 
 Expected = Tuple[Layout, Any]  # a message's layout and its sender's rank (int or 0-d tensor)
+
+# Layouts a process keeps at once: every tensor's at the current density (and a few warm-up
+# densities' worth), with room for large models.
+INTERNED_LAYOUTS = 65536
+L = TypeVar("L", bound=Layout)
+
+
+@functools.lru_cache(maxsize=INTERNED_LAYOUTS)
+def interned(layout: L) -> L:
+    """The one instance equal to ``layout``, so that its cached sizes, part offsets and
+    header words are worked out once per tensor and density, not once per message (a method
+    builds its layouts afresh at every compress and decode)."""
+    return layout
 
 
 @dataclass(frozen=True)
