@@ -7,7 +7,7 @@ DEVICE ?= cpu
 # gpu-check's interpreter: one whose PyTorch has CUDA (Horovod is not needed).
 GPU_PYTHON ?= python3
 
-.PHONY: setup test test-slow demo imagenet-demo bench-compress gpu-check bench-trace-tf bench-convergence bench-regions bench-scalecom-leader cluster-bench cluster-scaling cluster-negotiation traffic-model compose-test horovod-examples clean-venv
+.PHONY: setup test test-slow demo imagenet-demo bench-compress bench-model-step gpu-check bench-trace-tf bench-convergence bench-regions bench-scalecom-leader cluster-bench cluster-scaling cluster-negotiation traffic-model compose-test horovod-examples clean-venv
 
 setup:
 	@bash scripts/setup_env.sh
@@ -40,6 +40,11 @@ imagenet-demo: setup
 ## Time the selection of one ResNet-50-sized gradient with each method.
 bench-compress: setup
 	$(PYTHON) -m benchmarks.compress --device $(DEVICE)
+
+## The engine's CPU time per step on ResNet-50's 161 tensors, every method (a minute or two):
+## the fixed cost per tensor that bench-compress's one large gradient does not show.
+bench-model-step: setup
+	$(PYTHON) -m benchmarks.model_step
 
 ## On a GPU machine (no .venv, no Horovod): the core and adapter tests on CUDA, bench-compress
 ## on CUDA and the host synchronisations per step; results in results/gpu/.
