@@ -4,15 +4,19 @@ clean MessageError or decode to exactly what the naive decoder reads from them."
 import math
 import random
 import struct
+import zlib
 
 import pytest
 import torch
 
 from horovod_dgc.core import MessageError, TopK, TopKConfig
+from horovod_dgc.core.blocksign import BlockSign, BlockSignConfig
 from horovod_dgc.core.codecs import Bitmap, EliasFano, RawIndices, index_coding, value_coding
 from horovod_dgc.core.method import CompressCall
-from horovod_dgc.core.wire import HEADER_BYTES, HEADER_WORDS, MessageLayout
+from horovod_dgc.core.wire import HEADER_BYTES, HEADER_FIELDS, HEADER_WORDS, MessageLayout
 from horovod_dgc.torch.ops import TorchOps
+
+from conftest import randn
 
 ops = TorchOps()
 
@@ -168,3 +172,36 @@ def test_10000_random_and_mutated_messages_end_in_a_clean_error_or_a_correct_dec
         assert torch.equal(out.nan_to_num(), expected.nan_to_num()), f"trial {trial}"
         outcomes["decoded"] += 1
     assert outcomes["error"] > 1000 and outcomes["decoded"] > 1000, outcomes
+
+
+def test_the_header_words_are_in_the_documented_order(device):
+    """The 12 header words of a sparse message read back from its bytes: magic, method,
+    tensor id (crc32, signed), numel low and high, capacity, count, value format, index
+    format, sender rank, step modulo 2**31, flags. Both ends derive the header from the same
+    code, so a swap of two fields (rank and step) or a step past int32 would pass every round
+    trip; this reads them against docs/algorithms.md#aggregation and wire.HEADER_FIELDS."""
+    n, density, rank, world, step = 5000, 0.01, 2, 4, 2 ** 31 + 7
+    method = TopK(TopKConfig(density=density, value_dtype="float16"))
+    grad = randn(n, generator=torch.Generator().manual_seed(9), device=device)
+    result = method.compress(ops, method.init_state(ops, grad, True, world), grad,
+                             CompressCall("layer.weight", rank, world, step, density))
+    words = struct.unpack(f"={HEADER_WORDS}i", bytes(result.message[:HEADER_BYTES].tolist()))
+    crc = zlib.crc32(b"layer.weight")
+    k = math.ceil(density * n)
+    index_code = {"raw": 1, "elias-fano": 2, "bitmap": 3}[result.layout.indices.name]
+    assert words == (0x44474332, 1, crc - 2 ** 32 if crc >= 2 ** 31 else crc, n, 0, k, k,
+                     2, index_code, rank, 7, 0)
+
+
+def test_a_blocksign_header_names_its_scales_as_values_and_its_signs_as_indices(device):
+    """Blocksign's message: packed signs (uint8, code 6) as the index part and float32 scales
+    (code 1) as the values; the header says so in the value-format and index-format words.
+    Catches the two codes swapped (self-consistent, so no round trip notices)."""
+    method = BlockSign(BlockSignConfig())
+    grad = randn(4096, device=device)
+    state = method.init_state(ops, grad, True, 2)
+    message, _, handover = method.first(ops, state, grad, CompressCall("w", 0, 2, 3, 1.0))
+    words = struct.unpack(f"={HEADER_WORDS}i", bytes(message[:HEADER_BYTES].tolist()))
+    assert words[HEADER_FIELDS.index("value format")] == 1
+    assert words[HEADER_FIELDS.index("index format")] == 6
+    assert words[HEADER_FIELDS.index("sender rank")] == 0 and words[HEADER_FIELDS.index("step")] == 3

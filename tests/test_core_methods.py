@@ -242,3 +242,64 @@ def test_skip_policy_passes_nan_on_and_keeps_the_residual(device):
     sent, state = step(method, state, torch.full((5000,), float("inf"), device=device), 1)
     assert torch.isnan(sent).all()
     assert torch.equal(state["residual"], before)
+
+
+@pytest.mark.parametrize("weight_decay,clip_norm", [(0.0, 0.5), (0.1, None), (0.1, 0.5)])
+def test_dgc_undoes_the_loss_scale_before_weight_decay_and_clipping(weight_decay, clip_norm, device):
+    """With a loss scale S the gradient arrives as S * g: weight decay is added to g (not to
+    S * g), the clipping bound applies to the norm of g + wd * w, and the memories hold
+    ``c * (g + wd * w)`` whatever S is. Catches the unscale factor dropped when weight decay
+    is folded in, the norm taken of the scaled gradient, and a clipping factor that loses
+    the unscale (each leaves the memories S times too large or too small)."""
+    n, world, scale, density, m = 2048, 4, 1024.0, 0.01, 0.9
+    gen = torch.Generator().manual_seed(21)
+    g, w = randn(n, generator=gen, device=device), randn(n, generator=gen, device=device)
+    method = DGC(DGCConfig(density=density, momentum=m, weight_decay=weight_decay, clip_norm=clip_norm,
+                           value_dtype="float32"))
+    state = method.init_state(ops, g, True, world)
+    ctx = CompressCall("w", 0, world, 0, density, param=w, loss_scale=scale)
+    result = method.compress(ops, state, g * scale, ctx)
+    # The equations of docs/algorithms.md#dgc in plain Python, on the unscaled gradient.
+    d = [gi + weight_decay * wi for gi, wi in zip(g.tolist(), w.tolist())]
+    c = 1.0
+    if clip_norm is not None:
+        c = min(1.0, clip_norm / math.sqrt(world) / math.sqrt(sum(x * x for x in d)))
+    u = [c * x for x in d]  # u = m * 0 + c * g
+    order = sorted(range(n), key=lambda i: -abs(u[i]))[:top_count(density, n)]
+    sent = set(order)
+    expected_v = [0.0 if i in sent else u[i] for i in range(n)]  # v = u, then v[I] -= v[I]
+    expected_u = [0.0 if i in sent else u[i] for i in range(n)]  # masked momentum
+    assert result.state["velocity"].tolist() == pytest.approx(expected_v, rel=1e-5, abs=1e-7)
+    assert result.state["momentum"].tolist() == pytest.approx(expected_u, rel=1e-5, abs=1e-7)
+
+
+def test_dgc_dense_tensors_with_nesterov_send_the_momentum_plus_the_gradient(device):
+    """Dense tensors under Nesterov: ``u = m * (u + g)`` and the update is ``u + g``
+    (docs/algorithms.md#dgc). Catches an update that sends ``u`` alone (plain momentum's)."""
+    m = 0.9
+    method = DGC(DGCConfig(momentum=m, nesterov=True))
+    g1, g2 = randn(10, device=device), randn(10, device=device)
+    state = method.init_state(ops, g1, False, 1)
+    ctx = CompressCall("bias", 0, 1, 0, 0.001)
+    out1, state = method.dense(ops, state, g1, ctx)
+    out2, state = method.dense(ops, state, g2, ctx)
+    u1 = [m * a for a in g1.tolist()]
+    u2 = [m * (u + b) for u, b in zip(u1, g2.tolist())]
+    assert out1.tolist() == pytest.approx([u + a for u, a in zip(u1, g1.tolist())], rel=1e-6)
+    assert out2.tolist() == pytest.approx([u + b for u, b in zip(u2, g2.tolist())], rel=1e-6)
+    assert state["momentum"].tolist() == pytest.approx(u2, rel=1e-6)
+
+
+@pytest.mark.parametrize("method", [TopK(TopKConfig()), GaussianK(GaussianKConfig()),
+                                    DGC(DGCConfig(momentum=0.0))], ids=["topk", "gaussiank", "dgc"])
+def test_dense_tensors_leave_the_loss_scale_out_of_the_update(method, device):
+    """A tensor that travels dense under a loss scale S (gradient S * g) all-reduces g, in
+    the unscaled units the compressed tensors' memories use. Catches a dense path that
+    forgets to unscale (the update S times too large)."""
+    scale = 512.0
+    g = randn(10, device=device)
+    state = method.init_state(ops, g, False, 1)
+    ctx = CompressCall("bias", 0, 1, 0, 0.001, loss_scale=scale)
+    update, _ = method.dense(ops, state, g * scale, ctx)
+    assert update.tolist() == pytest.approx(g.tolist(), rel=1e-6)
+

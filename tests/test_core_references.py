@@ -11,8 +11,9 @@ from horovod_dgc.core import (CompressCall, DGC, DGCConfig, ScaleCom,
                               ScaleComConfig, TopK, TopKConfig)
 from horovod_dgc.core.collectives import emulate
 from horovod_dgc.core.selection import gaussian_threshold, top_count
-from horovod_dgc.core.blocksign import block_scales
+from horovod_dgc.core.blocksign import BlockSign, BlockSignConfig, block_scales
 from horovod_dgc.core.ops import TensorOps
+from horovod_dgc.core.twostage import simulate_step
 from horovod_dgc.torch.engine import Engine
 from horovod_dgc.torch.ops import TorchOps
 
@@ -215,3 +216,28 @@ def test_memories_written_into_the_storage_of_older_ones_equal_new_ones_through_
             assert torch.equal(kept[key], state[key]), (t, key)
         storages.append(engines[0]._states["w"]["velocity"].untyped_storage().data_ptr())
     assert len(set(storages)) < len(storages)
+
+
+def test_blocksign_momentum_is_nesterovs_on_the_unscaled_gradient(device):
+    """dist-EF-blockSGDM's worker (docs/algorithms.md#blocksign), under a loss scale S:
+    ``mom = mu * mom + g; q = g + mu * mom; p = e + q; e = p - C(p)`` with g unscaled and
+    C(p) the L1 mean times the signs. Catches plain momentum (q = mom) in place of Nesterov's
+    direction, and a momentum that accumulates the scaled gradient S * g."""
+    mu, workers, n, scale = 0.9, 2, 1001, 256.0
+    method = BlockSign(BlockSignConfig(momentum=mu))
+    gen = torch.Generator().manual_seed(8)
+    states = [method.init_state(ops, torch.zeros(n, device=device), True, workers) for _ in range(workers)]
+    moms = [[0.0] * n for _ in range(workers)]
+    errors = [[0.0] * n for _ in range(workers)]
+    for t in range(4):
+        grads = [randn(n, generator=gen, device=device) for _ in range(workers)]
+        calls = [call(rank=r, world=workers, step=t, density=1.0, loss_scale=scale) for r in range(workers)]
+        _, states = simulate_step(ops, method, states, [g * scale for g in grads], calls)
+        for r in range(workers):
+            g = grads[r].tolist()
+            moms[r] = [mu * a + b for a, b in zip(moms[r], g)]
+            p = [e + b + mu * a for e, a, b in zip(errors[r], moms[r], g)]
+            l1 = sum(abs(v) for v in p) / n
+            errors[r] = [v - (l1 if v >= 0 else -l1) for v in p]
+            assert states[r]["momentum"].tolist() == pytest.approx(moms[r], rel=1e-5, abs=1e-5), (t, r)
+            assert states[r]["residual"].tolist() == pytest.approx(errors[r], rel=1e-4, abs=1e-4), (t, r)

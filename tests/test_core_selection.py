@@ -1,5 +1,6 @@
 """Selection against naive references: exact top-k, DGC's sampled selection, Gaussian-k."""
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ import horovod_dgc.core.selection as selection
 from horovod_dgc.core.ops import Candidates
 from horovod_dgc.core.selection import (CANDIDATE_CAPACITY, FIRST_MARGIN, GAUSSIAN_HIGH, GAUSSIAN_LOW,
                                         EXACT_BELOW_NUMEL, MIN_MARGIN, TARGET_CANDIDATES, block_size,
-                                        candidate_capacity,
+                                        candidate_capacity, gaussian_capacity,
                                         predict_bound, select_exact, select_gaussian, select_sampled,
                                         top_count)
 from horovod_dgc.torch.ops import TorchOps
@@ -218,3 +219,37 @@ def test_where_sizes_cost_a_wait_dgc_selects_by_blocks_the_same_top_k(monkeypatc
     monkeypatch.setattr(selection, "select_by_blocks", lambda *a, **kw: used.append(1) or by_blocks(*a, **kw))
     got = select_sampled(WaitingOps(), x, k, 0.01, 3, 4, 0.8)
     assert used and set(got.tolist()) == naive_topk_set(x, k)
+
+
+@pytest.mark.parametrize("density,numel", [(0.01, 19200), (0.07, 100), (0.001, 1_000_000), (0.3, 10),
+                                           (0.001, 999), (0.0001, 5), (0.29, 100)])
+def test_top_count_is_the_exact_ceiling_of_density_times_n(density, numel):
+    """k = min(n, max(1, ceil(rho * n))) with rho * n in exact decimal arithmetic (0.01 * 19200
+    is 192, not the 193 that a ceiling of the float product 192.00000000000003 gives).
+    Catches a ceiling of the unrounded float product."""
+    exact = Fraction(str(density)) * numel
+    assert top_count(density, numel) == min(numel, max(1, math.ceil(exact)))
+
+
+def test_gaussiank_capacity_is_the_ceiling_of_four_thirds_k():
+    """The message holds ceil(4k/3) entries (docs/algorithms.md#gaussiank), never more than n.
+    Catches a capacity rounded down (int(4k/3)), one short of the accepted range's top."""
+    for k in (1, 2, 10, 11, 100, 1000):
+        assert gaussian_capacity(k, 10 ** 6) == -(-4 * k // 3), k
+    assert gaussian_capacity(10, 12) == 12
+
+
+def test_dgc_selection_fallback_bound_lets_k_entries_through_on_one_spike_per_block(monkeypatch, device):
+    """When the sampled threshold and its retries find fewer than k entries, the bound is the
+    k-th largest block maximum: k distinct entries reach it. With one non-zero entry per
+    block the (k-1)-th largest maximum would let only k - 1 through. The sample is made to
+    overshoot every entry, so the fallback always runs; the result must be the naive top-k."""
+    n, k = 8192, 50
+    block = selection.filter_block(k, n)
+    values = torch.zeros(n)
+    magnitudes = torch.randperm(n // block, generator=torch.Generator().manual_seed(5)).float() + 1.0
+    values[::block] = magnitudes * torch.where(torch.arange(n // block) % 2 == 0, 1.0, -1.0)
+    x = values.to(device)
+    monkeypatch.setattr(selection, "sampled_threshold", lambda *a, **kw: float(x.abs().max()) * 2.0)
+    got = select_sampled(ops, x, k, 0.01, 0, max_retries=1, retry_factor=0.999)
+    assert got.tolist() == sorted(naive_topk_set(x, k))

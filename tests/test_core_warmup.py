@@ -79,3 +79,11 @@ def test_the_engine_warns_when_training_starts_without_set_epoch(device):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         engine.compress("w", torch.randn(64, 64, device="cpu").to(device), None)
+
+
+def test_explicit_warmup_densities_never_go_below_the_final_density():
+    """``density = max(warmup_densities[e], rho)`` (docs/algorithms.md#warm-up): an entry
+    below rho is raised to it. Catches the list taken as it is."""
+    schedule = DensitySchedule(0.01, warmup_epochs=3, densities=(0.5, 0.001, 0.02))
+    assert [schedule.density(e) for e in range(4)] == [0.5, 0.01, 0.02, 0.01]
+    assert min(schedule.densities_in_use) == 0.01
