@@ -66,6 +66,26 @@ def test_collect_matches_the_core_composition(numel, block, threshold):
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("numel,block,threshold", [(1000, 8, 0.5), (100_003, 64, 2.5), (70_001, 32, 0.0)])
+def test_count_at_least_is_a_plain_count_of_the_listed_blocks(numel, block, threshold, threads):
+    """The count-only read (Gaussian-k's adjustments) against a loop over the listed blocks,
+    with a NaN (never counted), a partial last block and thread ranges. Catches a count
+    that skips a range's last block or counts a NaN."""
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    x[3] = float("nan")
+    n_blocks = -(-numel // block)
+    blocks = torch.cat([torch.arange(0, n_blocks, 2), torch.tensor([n_blocks - 1])]).unique()
+    naive = sum(1 for b in blocks.tolist() for v in x[b * block:(b + 1) * block].tolist()
+                if abs(v) >= threshold)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert kernels.count_at_least(x, blocks, block, threshold) == naive
+    finally:
+        torch.set_num_threads(previous)
+
+
 def test_collect_refuses_a_block_outside_the_tensor():
     with pytest.raises(IndexError, match="block 2 of a tensor of 2 blocks"):
         kernels.collect_at_least(torch.randn(100), torch.tensor([0, 2]), 64, 0.5)

@@ -208,6 +208,11 @@ class TensorOps(ABC):
         positions = self.gather(blocks, keep // block) * block + keep % block
         return positions, self.gather(magnitudes, keep)
 
+    def count_at_least(self, x: Tensor, blocks: Tensor, block: int, threshold: Scalar) -> Scalar:
+        """How many entries :meth:`collect_at_least` would return, without collecting them
+        where an adapter has a kernel for it."""
+        return self.size(self.collect_at_least(x, blocks, block, threshold)[0])
+
     # -- passes over a whole gradient -------------------------------------------------------
     # Each is a composition of the primitives: the reference, which an adapter may replace with
     # a kernel that reads its inputs once (horovod_dgc/torch/kernels/streaming.c).

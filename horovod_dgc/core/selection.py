@@ -127,10 +127,14 @@ def select_exact(ops: TensorOps, x: Tensor, k: int) -> Tensor:
 
 class _BlockFilter:
     """Entries of ``x`` with ``|x| >= threshold``, found through per-block maxima (computed
-    here unless given: ``ops.block_abs_max(x, block)``)."""
+    here unless given: ``ops.block_abs_max(x, block)``). ``count_only``: :meth:`count` reads
+    without collecting (for a search whose thresholds may let most of ``x`` through, as
+    Gaussian-k's adjustments do); else it collects, for a :meth:`largest` at the same
+    threshold to reuse."""
 
-    def __init__(self, ops: TensorOps, x: Tensor, block: int, block_max: Optional[Tensor] = None):
-        self.ops, self.x, self.block = ops, x, block
+    def __init__(self, ops: TensorOps, x: Tensor, block: int, block_max: Optional[Tensor] = None,
+                 count_only: bool = False):
+        self.ops, self.x, self.block, self.count_only = ops, x, block, count_only
         self.block_max = ops.block_abs_max(x, block) if block_max is None else block_max
         self._last: Tuple[Any, Tuple[Tensor, Tensor]] = (None, (None, None))
 
@@ -143,6 +147,9 @@ class _BlockFilter:
         return self._last[1]
 
     def count(self, threshold: Scalar) -> Scalar:
+        if self.count_only and self._last[0] is not threshold:
+            blocks = self.ops.positions_at_least(self.block_max, threshold)
+            return self.ops.count_at_least(self.x, blocks, self.block, threshold)
         return self.ops.size(self.at(threshold)[0])
 
     def lower_bound(self, k: int) -> Scalar:
@@ -282,7 +289,7 @@ def select_gaussian(ops: TensorOps, x: Tensor, k: int, block_max: Optional[Tenso
     capacity = gaussian_capacity(k, n)
     if capacity >= n:
         return ops.arange(n, like=x)
-    candidates = _BlockFilter(ops, x, filter_block(k, n), block_max)
+    candidates = _BlockFilter(ops, x, filter_block(k, n), block_max, count_only=True)
     low, high = GAUSSIAN_LOW * k, GAUSSIAN_HIGH * k
 
     def adjust(t: Scalar, count: Scalar, lowest: Scalar) -> Tuple[Scalar, Scalar, Scalar]:

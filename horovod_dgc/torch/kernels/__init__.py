@@ -93,9 +93,8 @@ def collect_at_least(x: torch.Tensor, blocks: torch.Tensor, block: int,
     capacity = blocks.numel() * block
     positions = torch.empty(capacity, dtype=torch.int64, device=CPU)
     magnitudes = torch.empty(capacity, dtype=torch.float32, device=CPU)
-    # One range of the listed blocks per thread, each writing from its first block's slot on.
-    ranges = [(start // block, count // block)
-              for start, count in _ranges(capacity, block, torch.get_num_threads())]
+    # Each range of the listed blocks writes from its first block's slot on.
+    ranges = _listed_ranges(blocks, block)
     counts = _run(_selection.collect_at_least,
                   [(x.data_ptr(), x.numel(), blocks.data_ptr() + first * 8, n_listed, block,
                     float(threshold), positions.data_ptr() + first * block * 8,
@@ -103,6 +102,22 @@ def collect_at_least(x: torch.Tensor, blocks: torch.Tensor, block: int,
     parts = [(first * block, count) for (first, _), count in zip(ranges, counts)]
     return (torch.cat([positions[at:at + count] for at, count in parts]),
             torch.cat([magnitudes[at:at + count] for at, count in parts]))
+
+
+def count_at_least(x: torch.Tensor, blocks: torch.Tensor, block: int, threshold: float) -> int:
+    """How many entries of the listed blocks have ``|x| >= threshold``: the count of
+    :func:`collect_at_least`, without writing the entries (a read of the listed blocks)."""
+    _check(x, "count_at_least")
+    blocks = blocks.to(torch.int64).contiguous()
+    return sum(_run(_selection.collect_at_least,
+                    [(x.data_ptr(), x.numel(), blocks.data_ptr() + first * 8, n_listed, block,
+                      float(threshold), 0, 0) for first, n_listed in _listed_ranges(blocks, block)]))
+
+
+def _listed_ranges(blocks: torch.Tensor, block: int) -> List[Tuple[int, int]]:
+    """(first listed block, how many) per thread."""
+    return [(start // block, count // block)
+            for start, count in _ranges(blocks.numel() * block, block, torch.get_num_threads())]
 
 
 GRAD_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
