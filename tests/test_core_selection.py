@@ -231,6 +231,24 @@ def test_top_count_is_the_exact_ceiling_of_density_times_n(density, numel):
     assert top_count(density, numel) == min(numel, max(1, math.ceil(exact)))
 
 
+@pytest.mark.parametrize("n,density", [(100_003, 0.001), (50_000, 0.01)])
+def test_gaussiank_sends_the_largest_entries_when_its_adjustments_end_too_low(n, density,
+                                                                             monkeypatch, device):
+    """A normal threshold far too low (a memory whose tail was cut by earlier steps) stays too
+    low after the three adjustments: far more than ceil(4k/3) entries reach it, and the message
+    must hold exactly the ceil(4k/3) largest (a sort here). Catches a final pick that collects
+    from a bound with fewer than capacity entries above it (the k-th largest block maximum
+    instead of the capacity-th) or that keeps the wrong ones."""
+    monkeypatch.setattr(selection, "gaussian_threshold", lambda ops_, x_, d: 1e-3)
+    k = top_count(density, n)
+    capacity = gaussian_capacity(k, n)
+    for name, x in samples(n, 9, device).items():
+        if name == "mostly zero":
+            continue
+        got = select_gaussian(ops, x, k)
+        assert got.tolist() == sorted(naive_topk_set(x, capacity)), name
+
+
 def test_gaussiank_capacity_is_the_ceiling_of_four_thirds_k():
     """The message holds ceil(4k/3) entries (docs/algorithms.md#gaussiank), never more than n.
     Catches a capacity rounded down (int(4k/3)), one short of the accepted range's top."""
