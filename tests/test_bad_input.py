@@ -122,3 +122,24 @@ def test_zero_element_and_integer_tensors_pass_through_untouched(tensor, device)
     compression = torch_compression().dgc()
     out, ctx = compression.compress(tensor)
     assert out is tensor and ctx is None
+
+
+@pytest.mark.parametrize("method, options, field", [
+    ("topk", dict(min_numel=0), "min_numel"), ("topk", dict(min_numel=True), "min_numel"),
+    ("dgc", dict(warmup_epochs=-1), "warmup_epochs"), ("dgc", dict(aggregation="ring"), "aggregation"),
+    ("gaussiank", dict(nonfinite="warn"), "nonfinite"),
+])
+def test_bad_shared_settings_raise_value_error_at_construction(method, options, field):
+    """Settings every config inherits are checked at construction. Catches a dropped
+    min_numel check, a bool taken for an integer, a negative warm-up accepted, and a dropped
+    aggregation check."""
+    with pytest.raises(ValueError, match=field):
+        getattr(torch_compression(), method)(**options)
+
+
+@pytest.mark.parametrize("options", [dict(momentum=0.0), dict(density=1.0, small_density=1.0),
+                                     dict(warmup_epochs=0), dict(min_numel=1)])
+def test_settings_at_the_edges_of_their_ranges_are_accepted(options):
+    """No momentum, a density of 1, no warm-up and min_numel 1 are valid. Catches bounds
+    tightened by one (momentum in (0, 1), density in (0, 1), warmup_epochs >= 1)."""
+    torch_compression().dgc(**options)

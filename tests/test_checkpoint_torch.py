@@ -1,4 +1,5 @@
-"""Compressor checkpoints on real Horovod ranks (tests/workers/checkpoint_torch.py)."""
+"""Compressor checkpoints on real Horovod ranks (tests/workers/checkpoint_torch.py), and the
+core's checks and redistribution of saved parts in this process."""
 import pytest
 import torch
 
@@ -6,7 +7,9 @@ from conftest import horovodrun
 from horovod_dgc.core.blocksign import shard_length
 from horovod_dgc.torch.checkpoint import redistribute
 from horovod_dgc.core.state import STATE_FORMAT
+from horovod_dgc.torch.ops import TorchOps
 
+ops = TorchOps()
 METHODS = ("dgc", "topk", "gaussiank", "scalecom", "blocksign")
 
 
@@ -68,3 +71,113 @@ def test_a_state_saved_before_the_coded_message_format_is_refused_by_name():
     part = dict(fake_part(0, 2, 100, shard), format=1)
     with pytest.raises(ValueError, match=f"format 1 is not {STATE_FORMAT}: it was saved by an earlier"):
         redistribute([part, dict(fake_part(1, 2, 100, shard), format=1)], 3, 0)
+
+
+def _topk_part(method, world: int, rank: int, tensors=("w",)) -> dict:
+    """A Top-k compressor's part, as an engine's ``state_dict()`` frames it."""
+    from horovod_dgc.core.state import state_frame
+
+    return state_frame(method, world_size=world, rank=rank, epoch=0.0,
+                       steps={name: 2 for name in tensors},
+                       states={name: {"residual": torch.zeros(100)} for name in tensors})
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(format=1), "format 1 is not"),
+    (dict(rank=0), "saved by rank 0 of 2 workers; this is rank 1 of 2"),
+    (dict(world_size=3), "saved by rank 1 of 3 workers; this is rank 1 of 2"),
+    (dict(config=None), "density: saved 0.2, now 0.1"),
+])
+def test_a_part_of_another_format_place_or_config_is_refused_at_load(change, message):
+    """check_loadable refuses a format-1 state (not only redistribute), a part saved by another
+    rank of the same world size, and one saved with the same fields at other values.
+    Catches a format check that only refuses newer formats, a place check of the world size
+    alone, and a config check comparing field names only."""
+    from horovod_dgc.core import TopK, TopKConfig
+    from horovod_dgc.core.state import check_loadable
+
+    method = TopK(TopKConfig(density=0.1))
+    part = _topk_part(method, 2, 1)
+    check_loadable(ops, part, method, {"w": 100}, 2, 1, "redistribute")
+    if "config" in change:  # the same fields, another density
+        change = dict(config=_topk_part(TopK(TopKConfig(density=0.2)), 2, 1)["config"])
+    with pytest.raises(ValueError, match=message):
+        check_loadable(ops, {**part, **change}, method, {"w": 100}, 2, 1, "redistribute")
+
+
+def test_a_part_may_lack_tensors_of_the_model_but_not_hold_others():
+    """A model tensor with no memory yet (never compressed before the save) is fine; a saved
+    tensor the model lacks is refused by name. Catches the set difference taken the wrong way
+    round (which refuses the first and fails on the second with a KeyError)."""
+    from horovod_dgc.core import TopK, TopKConfig
+    from horovod_dgc.core.state import check_loadable
+
+    method = TopK(TopKConfig(density=0.1))
+    check_loadable(ops, _topk_part(method, 2, 1), method, {"w": 100, "b": 100}, 2, 1, "")
+    with pytest.raises(ValueError, match=r"does not have: \['x'\]"):
+        check_loadable(ops, _topk_part(method, 2, 1, ("w", "x")), method, {"w": 100}, 2, 1, "")
+
+
+def test_a_sharded_memory_is_checked_against_this_worlds_shard_length():
+    """Blocksign's server residual of rank j holds ceil-to-block(numel / N) entries: a part of
+    a 2-worker run loads, one whose shard has the 1-worker length is refused. Catches the
+    shard length computed for another world size."""
+    from horovod_dgc.core.blocksign import BlockSign
+    from horovod_dgc.core.state import check_loadable, state_frame
+
+    method, numel, world = BlockSign(), 1000, 2
+    shard = shard_length(numel, world, None)
+    assert shard < numel
+    frame = dict(method=method, world_size=world, rank=1, epoch=0.0, steps={"w": 1})
+    good = state_frame(**frame, states={"w": {"residual": torch.zeros(numel),
+                                              "server": torch.zeros(shard)}})
+    check_loadable(ops, good, method, {"w": numel}, world, 1, "")
+    bad = state_frame(**frame, states={"w": {"residual": torch.zeros(numel),
+                                             "server": torch.zeros(numel)}})
+    with pytest.raises(ValueError, match=f"elements in 'server', expected {shard}"):
+        check_loadable(ops, bad, method, {"w": numel}, world, 1, "")
+
+
+def test_parts_of_a_bigger_world_are_refused_even_in_rank_order():
+    """Two parts saved by ranks 0 and 1 of a 3-worker run are not a whole run. Catches a
+    check of the ranks alone."""
+    shard = shard_length(100, 3, None)
+    with pytest.raises(ValueError, match="expected rank 0 of 2"):
+        redistribute([fake_part(0, 3, 100, shard), fake_part(1, 3, 100, shard)], 2, 0)
+
+
+def test_an_engine_resumes_with_the_saved_step_counters_epoch_and_memories():
+    """A state saved after two steps and loaded into a fresh engine: the next message is the
+    tensor's step 2 (its header and the warm-up depend on it), the epoch and the residual are
+    the saved ones. Catches a load that leaves the step counters at 0."""
+    from horovod_dgc.core.methods import BY_NAME
+    from horovod_dgc.torch.engine import Engine
+
+    method = BY_NAME["topk"].build(density=0.05, value_dtype="float32")
+    saved = Engine(method, world_size=1, rank=0)
+    saved.set_epoch(1.5)
+    for t in range(2):
+        grad = torch.randn(64, 64, generator=torch.Generator().manual_seed(t))
+        outgoing = saved.compress("w", grad, None)
+        saved.decompress(outgoing.message, [outgoing])
+    state = saved.state_dict()
+    assert state["steps"] == {"w": 2} and state["epoch"] == 1.5
+    resumed = Engine(method, world_size=1, rank=0)
+    resumed.load_state_dict(state, {"w": 64 * 64})
+    assert resumed.state_dict()["steps"] == {"w": 2} and resumed.epoch == 1.5
+    assert torch.equal(resumed.state_dict()["states"]["w"]["residual"], state["states"]["w"]["residual"])
+    assert resumed.compress("w", torch.ones(64, 64), None).step == 2
+
+
+def test_pooled_shards_are_cut_back_to_the_tensor():
+    """Pooling concatenates the ranks' server shards, whose padding runs past the tensor: the
+    pooled memory holds the tensor's 100 entries, rank 0's shard then rank 1's. Catches the
+    padding kept in the pooled state."""
+    from horovod_dgc.core.state import pool
+
+    numel, shard = 100, shard_length(100, 2, None)
+    parts = [fake_part(r, 2, numel, shard) for r in range(2)]
+    server = pool(ops, parts)["states"]["w"]["server"]
+    assert server.numel() == numel
+    assert torch.equal(server[:shard], parts[0]["states"]["w"]["server"])
+    assert torch.equal(server[shard:], parts[1]["states"]["w"]["server"][:numel - shard])

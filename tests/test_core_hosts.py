@@ -54,3 +54,9 @@ def test_a_process_set_horovod_refuses_becomes_a_clear_error(monkeypatch):
                                             (BROADCAST, 10)])
 def test_what_a_hosts_other_workers_allocate_for_the_leaders_broadcast(kind, expected):
     assert received_numel(kind, 10, 3) == expected
+
+
+def test_hosts_are_ordered_by_their_lowest_rank_not_their_highest():
+    """Host 0 holds ranks 0 and 3, host 1 ranks 1 and 2: host 0 comes first (its leader, rank
+    0, is the lower). Catches hosts sorted by their last rank."""
+    assert group_hosts([(0, 0), (1, 1), (1, 2), (0, 3)]) == [[0, 3], [1, 2]]

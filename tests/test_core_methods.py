@@ -306,3 +306,36 @@ def test_dense_tensors_leave_the_loss_scale_out_of_the_update(method, device):
     update, _ = method.dense(ops, state, g * scale, ctx)
     assert update.tolist() == pytest.approx(g.tolist(), rel=1e-6)
 
+
+def test_a_flagged_step_names_the_first_flagged_tensor_its_rank_and_the_step():
+    """Flags arrive one word per message, the messages of every tensor rank after rank: with
+    tensors (a, b) on 2 ranks, word 1 is b on rank 0 and word 2 is a on rank 1. The error names
+    the first flagged message, counts the others and gives the step. Catches the rank and
+    tensor read from the wrong end of the index, the last flagged message named, the count
+    including the one named, and the flags in place of the step."""
+    from horovod_dgc.core.nonfinite import received_finite
+    from horovod_dgc.core.wire import FLAG_NONFINITE
+
+    names = ["a", "b"]
+    clean = torch.zeros(4, dtype=torch.int32)
+    assert bool(received_finite(ops, "raise", clean, names, 7))
+    flags = torch.tensor([0, FLAG_NONFINITE, FLAG_NONFINITE, 0], dtype=torch.int32)
+    assert not bool(received_finite(ops, "skip", flags, names, 7))
+    with pytest.raises(NonFiniteGradientError,
+                       match=r"^gradient of tensor 'b' on rank 0 \(and 1 more\) held NaN or Inf at step 7;"):
+        received_finite(ops, "raise", flags, names, 7)
+    only = torch.tensor([0, 0, FLAG_NONFINITE, 0], dtype=torch.int32)
+    with pytest.raises(NonFiniteGradientError, match=r"^gradient of tensor 'a' on rank 1 held NaN"):
+        received_finite(ops, "raise", only, names, 3)
+
+
+@pytest.mark.parametrize("name", sorted(BY_NAME))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_memories_of_16_bit_gradients_are_kept_in_float32(name, dtype):
+    """A 16-bit memory would round away the small updates that error feedback accumulates.
+    Catches bfloat16 (or float16) memories kept in the gradient's dtype."""
+    method = BY_NAME[name].build()
+    grad = torch.zeros(8192, dtype=dtype)
+    for compressed in (True, False):
+        state = method.init_state(ops, grad, compressed, 2)
+        assert {v.dtype for v in state.values()} <= {torch.float32}, (compressed, state.keys())

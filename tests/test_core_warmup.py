@@ -87,3 +87,15 @@ def test_explicit_warmup_densities_never_go_below_the_final_density():
     schedule = DensitySchedule(0.01, warmup_epochs=3, densities=(0.5, 0.001, 0.02))
     assert [schedule.density(e) for e in range(4)] == [0.5, 0.01, 0.02, 0.01]
     assert min(schedule.densities_in_use) == 0.01
+
+
+def test_small_tensors_send_the_larger_of_the_small_density_and_the_warmups():
+    """A small tensor's density is the small density, or the warm-up's when larger (the
+    docstring of ``small_density``); a large tensor's is the warm-up's. Catches the smaller
+    of the two taken."""
+    config = DGCConfig(density=0.001, small_density=0.05, warmup_epochs=4)
+    ramp = 0.001 ** (1 / 5)  # epoch 0 of the warm-up: about 25%
+    assert config.density_for(0, 0.0, small=True) == pytest.approx(ramp)
+    assert config.density_for(0, 0.0) == pytest.approx(ramp)
+    assert config.density_for(0, 4.0, small=True) == 0.05
+    assert config.density_for(0, 4.0) == 0.001

@@ -51,3 +51,40 @@ def test_dgc_hands_horovod_at_least_550x_fewer_bytes_than_dense_on_resnet50():
 def test_network_bytes_per_worker_of_each_collective_at_four_workers(kind, expected):
     assert network_bytes(kind, 1000, 4) == expected
     assert network_bytes(kind, 1000, 1) == 0
+
+
+def test_stats_total_the_tensors_of_a_step_and_count_each_step_once():
+    """Two tensors recorded at each of steps 5 and 6 (a record per collective): the totals
+    are the sums of the records, ``steps`` is 2, the per-step means divide by 2, and a reset
+    starts counting afresh from the next step recorded. Catches a step count off by one, a
+    counter that keeps the last record instead of the sum, and a reset that keeps the first
+    step."""
+    from horovod_dgc.core.stats import StatsRecorder
+
+    recorder = StatsRecorder()
+    records = [(5, 100, 4000, 300.0, 6000.0, 10, 1000), (5, 40, 400, 120.0, 600.0, 4, 100),
+               (6, 100, 4000, 300.0, 6000.0, 10, 1000), (6, 40, 400, 120.0, 600.0, 4, 100)]
+    for step, sent, dense, net, dense_net, elements, numel in records:
+        recorder.record(step=step, bytes_sent=sent, dense_bytes=dense, network_bytes=net,
+                        dense_network_bytes=dense_net, elements_sent=elements,
+                        elements_compressed=numel, selection_time_s=0.25)
+    stats = recorder.snapshot()
+    assert (stats.steps, stats.bytes_sent, stats.dense_bytes) == (2, 280, 8800)
+    assert (stats.network_bytes, stats.dense_network_bytes) == (840.0, 13200.0)
+    assert (stats.elements_sent, stats.elements_compressed) == (28, 2200)
+    assert stats.bytes_sent_per_step == 140 and stats.network_bytes_per_step == 420
+    assert stats.selection_time_per_step_s == 0.5
+    assert stats.ratio == pytest.approx(13200 / 840) and stats.handed_ratio == pytest.approx(8800 / 280)
+    assert stats.density == pytest.approx(28 / 2200)
+    recorder.reset()
+    assert recorder.snapshot().steps == 0
+    recorder.record(step=9, bytes_sent=1, dense_bytes=4, network_bytes=3.0, dense_network_bytes=6.0)
+    assert recorder.snapshot().steps == 1
+
+
+def test_one_worker_ratio_falls_back_to_the_bytes_handed_to_horovod():
+    """With one worker nothing crosses the network: the ratio is dense bytes over bytes handed."""
+    from horovod_dgc.core.stats import CompressionStats
+
+    stats = CompressionStats(steps=1, bytes_sent=50, dense_bytes=400)
+    assert stats.ratio == 8.0
