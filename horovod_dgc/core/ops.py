@@ -210,8 +210,13 @@ class TensorOps(ABC):
 
     def count_at_least(self, x: Tensor, blocks: Tensor, block: int, threshold: Scalar) -> Scalar:
         """How many entries :meth:`collect_at_least` would return, without collecting them
-        where an adapter has a kernel for it."""
+        where an adapter has a kernel for it (:meth:`counts_without_collecting`)."""
         return self.size(self.collect_at_least(x, blocks, block, threshold)[0])
+
+    def counts_without_collecting(self, x: Tensor) -> bool:
+        """Whether :meth:`count_at_least` on ``x`` costs less than collecting: else a count is
+        taken from a collection, which a later pick at the same threshold reuses."""
+        return False
 
     # -- passes over a whole gradient -------------------------------------------------------
     # Each is a composition of the primitives: the reference, which an adapter may replace with

@@ -134,7 +134,8 @@ class _BlockFilter:
 
     def __init__(self, ops: TensorOps, x: Tensor, block: int, block_max: Optional[Tensor] = None,
                  count_only: bool = False):
-        self.ops, self.x, self.block, self.count_only = ops, x, block, count_only
+        self.ops, self.x, self.block = ops, x, block
+        self.count_only = count_only and ops.counts_without_collecting(x)
         self.block_max = ops.block_abs_max(x, block) if block_max is None else block_max
         self._last: Tuple[Any, Tuple[Tensor, Tensor]] = (None, (None, None))
 

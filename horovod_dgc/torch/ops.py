@@ -265,9 +265,12 @@ class TorchOps(TensorOps):
 
     def count_at_least(self, x: torch.Tensor, blocks: torch.Tensor, block: int,
                        threshold: Scalar) -> Any:
-        if self._kernels(x) and kernels.supports(x):
+        if self.counts_without_collecting(x):
             return kernels.count_at_least(x.reshape(-1), blocks, block, float(threshold))
         return super().count_at_least(x, blocks, block, threshold)
+
+    def counts_without_collecting(self, x: torch.Tensor) -> bool:
+        return self._kernels(x) and kernels.supports(x)
 
     def accumulate(self, memory: torch.Tensor, grad: torch.Tensor, grad_scale: Scalar = 1.0,
                    out: Optional[torch.Tensor] = None, block: int = 0, stat: Optional[str] = None,
