@@ -138,6 +138,7 @@ class _BlockFilter:
         self.count_only = count_only and ops.counts_without_collecting(x)
         self.block_max = ops.block_abs_max(x, block) if block_max is None else block_max
         self._last: Tuple[Any, Tuple[Tensor, Tensor]] = (None, (None, None))
+        self._counted: Tuple[Any, Scalar] = (None, None)
 
     def at(self, threshold: Scalar) -> Tuple[Tensor, Tensor]:
         """(positions, magnitudes) of every entry with ``|x| >= threshold``."""
@@ -149,8 +150,10 @@ class _BlockFilter:
 
     def count(self, threshold: Scalar) -> Scalar:
         if self.count_only and self._last[0] is not threshold:
-            blocks = self.ops.positions_at_least(self.block_max, threshold)
-            return self.ops.count_at_least(self.x, blocks, self.block, threshold)
+            if self._counted[0] is not threshold:
+                blocks = self.ops.positions_at_least(self.block_max, threshold)
+                self._counted = (threshold, self.ops.count_at_least(self.x, blocks, self.block, threshold))
+            return self._counted[1]
         return self.ops.size(self.at(threshold)[0])
 
     def lower_bound(self, k: int) -> Scalar:
