@@ -7,7 +7,7 @@ DEVICE ?= cpu
 # gpu-check's interpreter: one whose PyTorch has CUDA (Horovod is not needed).
 GPU_PYTHON ?= python3
 
-.PHONY: setup test test-slow demo imagenet-demo bench-compress bench-model-step gpu-check bench-trace-tf bench-convergence bench-regions bench-scalecom-leader cluster-bench cluster-scaling cluster-negotiation traffic-model compose-test horovod-examples clean-venv
+.PHONY: setup test test-slow demo imagenet-demo bench-compress bench-model-step gpu-check bench-trace-tf bench-convergence bench-regions bench-scalecom-leader cluster-bench cluster-scaling cluster-negotiation traffic-model compose-test horovod-examples stress-hierarchical clean-venv
 
 setup:
 	@bash scripts/setup_env.sh
@@ -102,6 +102,12 @@ cluster-negotiation: setup
 compose-test: setup
 	$(PYTHON) -m benchmarks.docker.compose_test $(if $(COMPOSE),--compose $(COMPOSE)) \
 		$(if $(KILL_WORKER),--kill-worker $(KILL_WORKER))
+
+## The intermittent hang of hierarchical=True (README, "Open problem"): its PyTorch test job again
+## and again, each line stamped, the stacks of a run that hangs dumped (py-spy, when installed).
+## RUNS=20; NO_BYTECODE=1 compiles every module from source in every worker.
+stress-hierarchical: setup
+	$(PYTHON) -m benchmarks.hierarchical_stress --runs $(or $(RUNS),20) $(if $(NO_BYTECODE),--no-bytecode)
 
 ## Horovod's own example scripts with only their compression line changed, 2 workers, dgc and
 ## blocksign (HOROVOD_EXAMPLES: the examples/ folder of a checkout of github.com/horovod/horovod).

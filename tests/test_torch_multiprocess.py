@@ -100,10 +100,9 @@ def test_compressors_find_the_parameter_names_of_the_stock_optimizer():
     assert out.count("misuse ok") == 2, out
 
 
-# Slow, and out of make test, while an intermittent hang is open: in 3 runs of 28 on this
-# machine every rank but one times out in Horovod's background loop (a Gloo recv, 30 s), the
-# job having passed its first steps; the cause is not found. Since set-up compiles the
-# packages to bytecode, 14 runs of 14 passed: too few to call it gone.
+# Slow, and out of make test, while an intermittent hang is open (README, "Open problem"):
+# 3 runs of 28 on 2026-11-26, 1 of 71 on 2026-11-27; ranks time out in Horovod's background
+# loop on a Gloo transfer. make stress-hierarchical runs this job in a loop and dumps stacks.
 @pytest.mark.slow
 @pytest.mark.parametrize("runs", [
     "topk/stock,scalecom/own,blocksign/stock,dgc-sar/own",

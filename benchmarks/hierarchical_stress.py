@@ -1,0 +1,168 @@
+"""The intermittent hang of ``hierarchical=True`` (README, "Open problem"), made easy to catch.
+
+Runs the PyTorch test job of 2 hosts x 2 workers (``tests/workers/hierarchy_torch.py``, the
+two run lists of its test alternating) again and again. Every output line is stamped with the
+time. A run still going after ``--dump-after-s`` gets every worker's Python and native stacks
+(py-spy, when it is installed) written beside its log, and is then stopped. Horovod's Gloo
+timeout is raised (``--gloo-timeout-s``) so that a stuck job stays stuck until it is dumped,
+instead of aborting after 30 s with nothing but "Timed out waiting 30000ms". One line per run,
+then a summary::
+
+    python -m benchmarks.hierarchical_stress [--runs 20] [--no-bytecode] [--out DIR]
+
+``--no-bytecode`` compiles every module from source in every worker (an empty
+``PYTHONPYCACHEPREFIX``), as a machine without compiled packages does: the condition of the
+first reports (3 of 28 runs) and of the one reproduction on 2026-11-27 (1 run of 26).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, List, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "workers" / "hierarchy_torch.py"
+# The run lists of tests/test_torch_multiprocess.py's hierarchical test, alternated.
+RUN_LISTS = ("topk/stock,scalecom/own,blocksign/stock,dgc-sar/own",
+             "topk/own,scalecom/stock,blocksign/own,dgc-sar/stock")
+WORKERS = 4
+TIMEOUT_LINE = re.compile(r"^\S+ \[(\d+)\]<stderr>:.*Timed out waiting \d+ms for (send|recv) operation")
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What one run's stamped log shows."""
+
+    oks: int  # "hierarchical ok" lines (4 workers x 4 kinds when all passed)
+    expected_oks: int
+    timeouts: List[str]  # "rank R: send|recv", one per Gloo timeout reported
+    last_ok: Optional[str]  # the last "... hierarchical ok" line
+
+    @property
+    def passed(self) -> bool:
+        return self.oks == self.expected_oks and not self.timeouts
+
+
+def classify(log: str, run_list: str) -> RunResult:
+    """The outcome of one run from its stamped log (``run_list``: the kinds it ran)."""
+    lines = log.splitlines()
+    oks = [line for line in lines if "hierarchical ok" in line]
+    timeouts = [f"rank {m.group(1)}: {m.group(2)}" for m in map(TIMEOUT_LINE.match, lines) if m]
+    return RunResult(oks=len(oks), expected_oks=WORKERS * len(run_list.split(",")),
+                     timeouts=timeouts, last_ok=oks[-1] if oks else None)
+
+
+def _stamp(source: IO[str], sink: IO[str]) -> None:
+    for line in source:
+        sink.write(f"{datetime.datetime.now():%H:%M:%S.%f} {line}")
+        sink.flush()
+
+
+def _worker_pids() -> List[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if any(arg.endswith(WORKER.name.encode()) for arg in cmdline[1:2]):
+                pids.append(int(entry.name))
+    return pids
+
+
+def _rank_of(pid: int) -> str:
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return "?"
+    return next((v.split(b"=", 1)[1].decode() for v in environ if v.startswith(b"HOROVOD_RANK=")), "?")
+
+
+def dump_stacks(path: Path) -> None:
+    """Every worker's stacks (py-spy --native) into ``path``; a line saying why not otherwise."""
+    py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    with path.open("w") as out:
+        if py_spy is None:
+            out.write("py-spy is not installed (pip install py-spy): no stacks\n")
+            return
+        for pid in _worker_pids():
+            out.write(f"=== pid {pid}, rank {_rank_of(pid)}\n")
+            out.flush()
+            subprocess.run([py_spy, "dump", "--native", "--pid", str(pid)], stdout=out,
+                           stderr=subprocess.STDOUT, timeout=60)
+
+
+def run_once(index: int, out_dir: Path, env: dict, dump_after_s: float,
+             gloo_timeout_s: int) -> RunResult:
+    run_list = RUN_LISTS[index % len(RUN_LISTS)]
+    bin_dir = Path(sys.executable).parent
+    cmd = [str(bin_dir / "horovodrun"), "-np", str(WORKERS), "-H", "localhost:2,127.0.0.1:2",
+           "--gloo", "--gloo-timeout-seconds", str(gloo_timeout_s), sys.executable, str(WORKER),
+           "--runs", run_list]
+    log_path = out_dir / f"run{index:03d}.log"
+    started = time.monotonic()
+    with log_path.open("w") as log:
+        job = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        stamper = threading.Thread(target=_stamp, args=(job.stdout, log), daemon=True)
+        stamper.start()
+        try:
+            job.wait(timeout=dump_after_s)
+        except subprocess.TimeoutExpired:
+            dump_stacks(out_dir / f"run{index:03d}.stacks.txt")
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+        stamper.join(timeout=10)
+    result = classify(log_path.read_text(), run_list)
+    status = "passed" if result.passed else "FAILED"
+    print(f"run {index:3d}: {status} in {time.monotonic() - started:5.0f} s, {result.oks} of "
+          f"{result.expected_oks} ok; Gloo timeouts: {', '.join(result.timeouts) or 'none'}; "
+          f"log {log_path}" + ("" if result.passed else f"; last ok line: {result.last_ok}"),
+          flush=True)
+    return result
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=int, default=20)
+    p.add_argument("--dump-after-s", type=float, default=150.0,
+                   help="dump the stacks of a run still going after this long, then stop it "
+                        "(a passing run takes 45-125 s on 2 cores)")
+    p.add_argument("--gloo-timeout-s", type=int, default=900,
+                   help="Horovod's Gloo timeout (30 s by default in horovodrun)")
+    p.add_argument("--no-bytecode", action="store_true",
+                   help="compile every module from source in every worker")
+    p.add_argument("--out", type=Path, default=ROOT / "build" / "hierarchical-stress")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+               TF_CPP_MIN_LOG_LEVEL="3")
+    if args.no_bytecode:
+        env.update(PYTHONPYCACHEPREFIX=tempfile.mkdtemp(prefix="no-bytecode-"),
+                   PYTHONDONTWRITEBYTECODE="1")
+    results = [run_once(i, args.out, env, args.dump_after_s, args.gloo_timeout_s)
+               for i in range(args.runs)]
+    failed = [i for i, r in enumerate(results) if not r.passed]
+    print(f"\n{len(results) - len(failed)} of {len(results)} runs passed"
+          + (f"; failed: {', '.join(map(str, failed))} (logs and stacks in {args.out})" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""The stress harness of the hierarchical hang reads a run's outcome from its log."""
+from benchmarks.hierarchical_stress import RUN_LISTS, classify
+
+RUN_LIST = RUN_LISTS[0]
+
+
+def _ok(rank: int, kind: str) -> str:
+    return f"08:19:57.038 [{rank}]<stdout>:rank {rank}/4 {kind} hierarchical ok"
+
+
+def test_a_run_with_every_ok_and_no_timeout_passed():
+    log = "\n".join(_ok(r, k) for k in ("topk stock", "scalecom own", "blocksign stock", "dgc-sar own")
+                    for r in range(4))
+    result = classify(log, RUN_LIST)
+    assert (result.oks, result.expected_oks, result.timeouts) == (16, 16, [])
+    assert result.passed
+    assert result.last_ok.endswith("rank 3/4 dgc-sar own hierarchical ok")
+
+
+def test_gloo_timeouts_are_read_per_rank_and_fail_the_run():
+    # The lines of the 2026-11-27 reproduction (paths shortened).
+    log = "\n".join([_ok(r, "blocksign stock") for r in range(4)] + [
+        "07:57:16.690 [0]<stderr>:[2026-11-27 07:57:16.690275: E horovod/common/operations.cc:697] [0]: "
+        "Horovod background loop uncaught exception: [gloo/transport/tcp/unbound_buffer.cc:133] "
+        "Timed out waiting 30000ms for send operation to complete",
+        "07:57:16.703 [2]<stderr>:[2026-11-27 07:57:16.703859: E horovod/common/operations.cc:697] [2]: "
+        "Horovod background loop uncaught exception: [gloo/transport/tcp/unbound_buffer.cc:81] "
+        "Timed out waiting 30000ms for recv operation to complete",
+        "07:57:16.746 [1]<stderr>:  what():  [gloo/transport/tcp/pair.cc:598] Connection closed by peer"])
+    result = classify(log, RUN_LIST)
+    assert result.timeouts == ["rank 0: send", "rank 2: recv"]
+    assert result.oks == 4 and not result.passed
+
+
+def test_missing_oks_fail_a_run_without_timeouts():
+    log = "\n".join(_ok(r, "topk stock") for r in range(4))
+    assert not classify(log, RUN_LIST).passed
