@@ -105,7 +105,8 @@ def dump_stacks(path: Path) -> None:
 
 
 def run_once(index: int, out_dir: Path, env: dict, dump_after_s: float,
-             gloo_timeout_s: int) -> RunResult:
+             gloo_timeout_s: int) -> bool:
+    """One run of the job; whether it passed (every ok, no timeout, ended on its own)."""
     run_list = RUN_LISTS[index % len(RUN_LISTS)]
     bin_dir = Path(sys.executable).parent
     cmd = [str(bin_dir / "horovodrun"), "-np", str(WORKERS), "-H", "localhost:2,127.0.0.1:2",
@@ -118,20 +119,24 @@ def run_once(index: int, out_dir: Path, env: dict, dump_after_s: float,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
         stamper = threading.Thread(target=_stamp, args=(job.stdout, log), daemon=True)
         stamper.start()
+        stacks = None
         try:
             job.wait(timeout=dump_after_s)
         except subprocess.TimeoutExpired:
-            dump_stacks(out_dir / f"run{index:03d}.stacks.txt")
+            stacks = out_dir / f"run{index:03d}.stacks.txt"
+            dump_stacks(stacks)
             os.killpg(job.pid, signal.SIGKILL)
             job.wait()
         stamper.join(timeout=10)
     result = classify(log_path.read_text(), run_list)
-    status = "passed" if result.passed else "FAILED"
-    print(f"run {index:3d}: {status} in {time.monotonic() - started:5.0f} s, {result.oks} of "
-          f"{result.expected_oks} ok; Gloo timeouts: {', '.join(result.timeouts) or 'none'}; "
-          f"log {log_path}" + ("" if result.passed else f"; last ok line: {result.last_ok}"),
+    passed = result.passed and stacks is None
+    print(f"run {index:3d}: {'passed' if passed else 'FAILED'} in {time.monotonic() - started:5.0f} s, "
+          f"{result.oks} of {result.expected_oks} ok; Gloo timeouts: "
+          f"{', '.join(result.timeouts) or 'none'}; log {log_path}"
+          + ("" if passed else f"; last ok line: {result.last_ok}")
+          + ("" if stacks is None else f"; stopped after {dump_after_s:.0f} s, stacks in {stacks}"),
           flush=True)
-    return result
+    return passed
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -158,7 +163,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    PYTHONDONTWRITEBYTECODE="1")
     results = [run_once(i, args.out, env, args.dump_after_s, args.gloo_timeout_s)
                for i in range(args.runs)]
-    failed = [i for i, r in enumerate(results) if not r.passed]
+    failed = [i for i, passed in enumerate(results) if not passed]
     print(f"\n{len(results) - len(failed)} of {len(results)} runs passed"
           + (f"; failed: {', '.join(map(str, failed))} (logs and stacks in {args.out})" if failed else ""))
     return 1 if failed else 0
