@@ -3,7 +3,8 @@ tensor that a single large gradient (``make bench-compress``) does not show.
 
 Each method takes ResNet-50's 161 gradient tensors through the fused path's order, with
 ``--world`` ranks emulated in this process (``benchmarks.host_syncs``: every tensor
-compressed, the collectives emulated, every rank decodes), on the CPU with the C kernels,
+compressed, the collectives emulated, every rank decodes each tensor's messages on its own, as
+the stock path does; the fused path decodes a bucket's in one call), on the CPU with the C kernels,
 one thread. Gradients are fresh ``randn`` draws every step; after the first ``--warmup``
 steps (not timed) each step's candidate bound fits the next, as in training
 (docs/benchmarks.md, "Candidates collected in the pass"). Rounds alternate between methods
