@@ -142,9 +142,9 @@ def run_once(index: int, out_dir: Path, env: dict, dump_after_s: float,
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=20)
-    p.add_argument("--dump-after-s", type=float, default=150.0,
+    p.add_argument("--dump-after-s", type=float, default=240.0,
                    help="dump the stacks of a run still going after this long, then stop it "
-                        "(a passing run takes 45-125 s on 2 cores)")
+                        "(a passing run takes 40-170 s on 2 cores, the longer ones with --no-bytecode)")
     p.add_argument("--gloo-timeout-s", type=int, default=900,
                    help="Horovod's Gloo timeout (30 s by default in horovodrun)")
     p.add_argument("--no-bytecode", action="store_true",
