@@ -33,7 +33,8 @@ from typing import IO, List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "hierarchy_torch.py"
-# The run lists of tests/test_torch_multiprocess.py's hierarchical test, alternated.
+# The run lists of the job, alternated here; tests/test_torch_multiprocess.py's hierarchical
+# test runs each once.
 RUN_LISTS = ("topk/stock,scalecom/own,blocksign/stock,dgc-sar/own",
              "topk/own,scalecom/stock,blocksign/own,dgc-sar/stock")
 WORKERS = 4

@@ -2,6 +2,7 @@
 
 import pytest
 
+from benchmarks.hierarchical_stress import RUN_LISTS
 from conftest import TWO_HOSTS, check_dgc_hands_300x_fewer_bytes, horovodrun, traffic_figures
 
 
@@ -104,9 +105,7 @@ def test_compressors_find_the_parameter_names_of_the_stock_optimizer():
 # 3 runs of 28 on 2026-11-26, 1 of 86 on 2026-11-27; ranks time out in Horovod's background
 # loop on a Gloo transfer. make stress-hierarchical runs this job in a loop and dumps stacks.
 @pytest.mark.slow
-@pytest.mark.parametrize("runs", [
-    "topk/stock,scalecom/own,blocksign/stock,dgc-sar/own",
-    "topk/own,scalecom/stock,blocksign/own,dgc-sar/stock"])
+@pytest.mark.parametrize("runs", RUN_LISTS)
 def test_hierarchical_compresses_host_averages_between_hosts(runs):
     """2 hosts x 2 workers: each step's gradient equals a naive reference (topk) or the
     simulation of 2 workers fed the host averages; a host's workers keep equal memories."""
