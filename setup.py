@@ -13,7 +13,8 @@ setup(
     # -ffp-contract=off: every product is rounded where the torch composition rounds it.
     ext_modules=[Extension(f"horovod_dgc.torch.kernels._{name}",
                            [f"horovod_dgc/torch/kernels/{name}.c"],
-                           extra_compile_args=["-O3", "-ffp-contract=off"])
+                           extra_compile_args=["-O3", "-ffp-contract=off"],
+                           depends=["horovod_dgc/torch/kernels/floats.h"])
                  for name in ("selection", "streaming", "bits")],
     install_requires=[],
     extras_require={

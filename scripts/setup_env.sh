@@ -27,7 +27,7 @@ die() { printf 'setup: ERROR: %s\n' "$*" >&2; exit 1; }
 pinned() { sed -n "s/^$1==//p" "$CONSTRAINTS"; }
 
 setup_fingerprint() {
-    cat "$CONSTRAINTS" "$ROOT/setup.py" "${BASH_SOURCE[0]}" "$ROOT"/horovod_dgc/torch/kernels/*.c \
+    cat "$CONSTRAINTS" "$ROOT/setup.py" "${BASH_SOURCE[0]}" "$ROOT"/horovod_dgc/torch/kernels/*.[ch] \
         | sha256sum | cut -c1-16
 }
 

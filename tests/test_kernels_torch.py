@@ -544,3 +544,132 @@ def test_sum_sparse_leaves_unsorted_or_outside_positions_to_the_scatter():
     assert OPS.sum_sparse(out, unsorted, 1.0).tolist() == [0, 0, 1, 0, 1, 0, 0, 0, 0, 0]
     with pytest.raises(ValueError, match="a count of 3 for 2 positions"):
         kernels.sum_sparse(out, [(torch.tensor([2, 4]), torch.ones(2), 3)], 1.0)
+
+
+# -- the whole decode of an allgather (kernels.decode_sums) -----------------------------------
+# (numel, density, value format, gradient dtype): one coding of positions or values each.
+DECODE_CASES = {"elias-fano, float16": (100_000, 0.001, "float16", torch.float32),
+                "bitmap, float32": (1000, 0.3, "float32", torch.float32),
+                "raw, int8": (5000, 0.0002, "int8", torch.float32),
+                "elias-fano, bfloat16": (20_000, 0.005, "float16", torch.bfloat16)}
+
+
+def _allgather(world, flagged_rank=None, seed=0):
+    """(layouts, the concatenated messages of ``world`` TopK ranks for every case's tensor,
+    each rank's (positions, values as float32) per tensor read from its gradient)."""
+    from horovod_dgc.core import TopK, TopKConfig
+    from horovod_dgc.core.method import CompressCall
+    gen = torch.Generator().manual_seed(seed)
+    layouts, messages, sent = [], [], []
+    for rank in range(world):
+        mine = []
+        for t, (numel, density, value_dtype, dtype) in enumerate(DECODE_CASES.values()):
+            method = TopK(TopKConfig(density=density, value_dtype=value_dtype))
+            grad = torch.randn(numel, generator=gen).to(dtype)
+            if dtype == torch.bfloat16:  # bfloat16 rounds many magnitudes alike: no ties at k
+                k = round(density * numel)
+                planted = torch.randperm(numel, generator=gen)[:k]
+                grad.mul_(0.01)[planted] = (2 + torch.arange(k) / 64).to(dtype) * torch.sign(torch.randn(k, generator=gen)).to(dtype)
+            if rank == flagged_rank and t == 1:
+                grad[7] = float("nan")
+            result = method.compress(OPS, method.init_state(OPS, grad, True, world), grad,
+                                     CompressCall(f"t{t}", rank, world, 3, density))
+            messages.append(result.message)
+            if rank == 0:
+                layouts.append(result.layout)
+            k = result.layout.capacity
+            order = sorted(range(numel), key=lambda i: -abs(float(grad[i])))[:k]  # a sort, not the core
+            positions = sorted(order)
+            values = grad[positions].float()
+            if value_dtype == "float16" and dtype == torch.float32:
+                values = values.half().float()
+            elif value_dtype == "int8":
+                scale = values.abs().max() / 127
+                values = (values / scale).round() * scale
+            mine.append((positions, values))
+        sent.append(mine)
+    return layouts, torch.cat(messages), sent
+
+
+def _naive_average(layouts, sent, world):
+    """Message after message in rank order, value / N added at its position, in float32."""
+    outs = []
+    for t, layout in enumerate(layouts):
+        out = torch.zeros(layout.numel)
+        for rank in range(world):
+            positions, values = sent[rank][t]
+            for p, v in zip(positions, values):
+                out[p] = out[p] + v * torch.tensor(1 / world)
+        outs.append(out)
+    return outs
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_decode_sums_is_the_average_of_every_coding_and_the_composition(world):
+    from horovod_dgc.core.sparse import _sum_messages
+    layouts, data, sent = _allgather(world)
+    assert sorted({layout.indices.name for layout in layouts}) == ["bitmap", "elias-fano", "raw"]
+    assert {layout.value_format for layout in layouts} == {"float16", "float32", "int8", "bfloat16"}
+    sums = [torch.full((layout.numel,), 7.0) for layout in layouts]
+    flags = kernels.decode_sums(data, layouts, world, 3, sums, 1 / world)
+    assert flags is not None and flags.tolist() == [0] * world * len(layouts)
+    for t, (got, want) in enumerate(zip(sums, _naive_average(layouts, sent, world))):
+        # int8's scale is rounded differently by the sort-based reference: one level of it.
+        tolerance = dict(rtol=0, atol=2e-2) if layouts[t].value_format == "int8" else dict(rtol=0, atol=0)
+        torch.testing.assert_close(got, want, **tolerance)
+    composed, composed_flags = _sum_messages(OPS, data, layouts, world, 3,
+                                             [torch.zeros(layout.numel) for layout in layouts])
+    assert all(torch.equal(a, b) for a, b in zip(sums, composed))
+    assert torch.equal(flags, composed_flags)
+
+
+def test_decode_sums_returns_each_messages_flags_in_the_order_received():
+    layouts, data, _ = _allgather(2, flagged_rank=1)
+    flags = kernels.decode_sums(data, layouts, 2, 3, [torch.zeros(layout.numel) for layout in layouts], 0.5)
+    assert flags.tolist() == [0, 0, 0, 0, 0, 1, 0, 0]
+
+
+def _corrupt(data, layouts, message, byte, value):
+    data = data.clone()
+    data[sum(layout.nbytes for layout in layouts[:message]) + byte] = value
+    return data
+
+
+@pytest.mark.parametrize("damage", ["header", "step", "count", "positions", "size", "unsorted"])
+def test_decode_sums_leaves_what_it_cannot_take_to_the_composition(damage):
+    from horovod_dgc.core import wire
+    layouts, data, _ = _allgather(2)
+    step = 3
+    if damage == "header":
+        data = _corrupt(data, layouts, 1, 4 * wire.HEADER_FIELDS.index("tensor id"), 1)
+    elif damage == "step":
+        step = 4
+    elif damage == "count":  # the bitmap's set bits no longer match its count
+        data = _corrupt(data, layouts, 1, wire.HEADER_BYTES, 0xFF)
+    elif damage == "positions":  # raw position 0 of tensor 2 far outside its 5000 elements
+        data = _corrupt(data, layouts, 2, wire.HEADER_BYTES + 3, 0x7F)
+    elif damage == "size":
+        data = data[:-8]
+    else:  # a one-rank message of two raw positions, swapped: summable, but not by sum_sparse
+        from horovod_dgc.core import TopK, TopKConfig
+        from horovod_dgc.core.method import CompressCall
+        method = TopK(TopKConfig(density=0.0004, value_dtype="int8"))
+        grad = torch.randn(5000)
+        result = method.compress(OPS, method.init_state(OPS, grad, True, 1), grad,
+                                 CompressCall("t2", 0, 1, 3, 0.0004))
+        assert result.layout.indices.name == "raw" and result.layout.capacity == 2
+        layouts, data, at = [result.layout], result.message.clone(), wire.HEADER_BYTES
+        data[at:at + 8] = torch.cat([data[at + 4:at + 8], data[at:at + 4]])
+    world = 1 if damage == "unsorted" else 2
+    sums = [torch.full((layout.numel,), 7.0) for layout in layouts]
+    assert kernels.decode_sums(data, layouts, world, step, sums, 1 / world) is None
+    assert all(bool((s == 7.0).all()) for s in sums)
+
+
+def test_sparse_decompress_takes_the_kernel_on_the_cpu(monkeypatch):
+    from horovod_dgc.core import TopK, sparse
+    layouts, data, sent = _allgather(2)
+    monkeypatch.setattr(sparse, "_sum_messages", lambda *args: pytest.fail("composition ran"))
+    outs, finite = TopK().decompress(OPS, data, layouts, 2, 3, ["float32"] * len(layouts))
+    assert bool(finite)
+    assert all(torch.equal(a, b) for a, b in zip(outs[:2], _naive_average(layouts, sent, 2)[:2]))

@@ -342,6 +342,17 @@ class TensorOps(ABC):
     def scatter_add(self, out: Tensor, indices: Tensor, values: Tensor) -> Tensor:
         """``out[indices] += values``; repeated indices are summed (may overwrite ``out``)."""
 
+    def decode_sums(self, data: Tensor, layouts: Sequence[Any], world_size: int, step: Any,
+                    outs: Sequence[Tensor], scale: float) -> Optional[Tensor]:
+        """A kernel's whole decode of an allgather of sparse messages (``data``: each rank's
+        messages for ``layouts``, ``wire.MessageLayout`` objects, rank after rank): each
+        ``outs[t]`` overwritten with ``scale`` times the sum of tensor t's messages, and each
+        message's flags word returned, as ``SparseMethod.decompress``'s composition of
+        ``wire.receive``, the codings and :meth:`sum_sparse` computes them. None where the
+        adapter has no such kernel, or where the messages are not what the kernel expects:
+        the composition then runs, and names any malformed message."""
+        return None
+
     def sum_sparse(self, out: Tensor, messages: Sequence[Tuple[Tensor, Tensor, Scalar]],
                    scale: float) -> Tensor:
         """``out``'s zeros plus, message after message, ``scale * values`` at ``positions``

@@ -157,24 +157,18 @@ class SparseMethod(Method):
         no longer needed (the gradient the message was built from), or None. Where the
         framework allows, the average is written over it: a fresh full-size tensor costs
         more than the whole decode (its first touch faults every page in)."""
-        expected = [(layout, rank) for rank in range(world_size) for layout in layouts]
-        received = wire.receive(ops, gathered, expected, step)
         outs = list(outs) if outs is not None else [None] * len(layouts)
         sums = [ops.scratch(layout.numel, state_dtype(dtype), like=gathered) if out is None else out
                 for layout, dtype, out in zip(layouts, out_dtypes, outs)]
-        counts = [ops.gather(received.counts, i) for i in range(len(received.parts))]
-        decoded = [layouts[i % len(layouts)].decode(ops, parts, counts[i], ops.dtype(sums[i % len(layouts)]))
-                   for i, parts in enumerate(received.parts)]
-        positions = wire.checked_positions(ops, [(p, ok) for p, _, ok in decoded], expected, step)
-        messages = list(zip(positions, [values for _, values, _ in decoded], counts))
-        sums = [ops.sum_sparse(s, messages[t::len(layouts)], 1.0 / world_size)
-                for t, s in enumerate(sums)]
+        flags = ops.decode_sums(gathered, layouts, world_size, step, sums, 1.0 / world_size)
+        if flags is None:
+            sums, flags = _sum_messages(ops, gathered, layouts, world_size, step, sums)
         averaged = [ops.cast(s, dtype) for s, dtype in zip(sums, out_dtypes)]
         names = [layout.name for layout in layouts]
-        finite = received_finite(ops, self.config.nonfinite, received.flags, names, step)
+        finite = received_finite(ops, self.config.nonfinite, flags, names, step)
 
         def unflagged(t: int) -> Scalar:
-            return none_flagged(ops, ops.strided_sample(received.flags, t, len(layouts)))
+            return none_flagged(ops, ops.strided_sample(flags, t, len(layouts)))
 
         def poisoned() -> List[Tensor]:
             # Only the tensors some rank flagged become NaN.
@@ -183,3 +177,19 @@ class SparseMethod(Method):
         if ops.defers_checks(gathered):
             return poisoned(), finite  # no branch on the flags: see nan_unless
         return ops.cond(finite, lambda: averaged, poisoned), finite
+
+
+def _sum_messages(ops: TensorOps, gathered: Tensor, layouts: Sequence[wire.MessageLayout],
+                  world_size: int, step: Any, sums: List[Tensor]) -> Tuple[List[Tensor], Tensor]:
+    """``TensorOps.decode_sums`` composed: every header checked (``wire.receive``), every
+    message decoded and its positions checked, then ``sums[t]`` = (1/N) * the sum over ranks
+    of tensor t's messages. Returns the sums and each message's flags word."""
+    expected = [(layout, rank) for rank in range(world_size) for layout in layouts]
+    received = wire.receive(ops, gathered, expected, step)
+    counts = [ops.gather(received.counts, i) for i in range(len(received.parts))]
+    decoded = [layouts[i % len(layouts)].decode(ops, parts, counts[i], ops.dtype(sums[i % len(layouts)]))
+               for i, parts in enumerate(received.parts)]
+    positions = wire.checked_positions(ops, [(p, ok) for p, _, ok in decoded], expected, step)
+    messages = list(zip(positions, [values for _, values, _ in decoded], counts))
+    return ([ops.sum_sparse(s, messages[t::len(layouts)], 1.0 / world_size) for t, s in enumerate(sums)],
+            received.flags)

@@ -15,7 +15,9 @@ message at ``r * nbytes``. Unused slots (``count < capacity``) decode as positio
 :func:`receive` is the one way in for every family: it checks the size of what a collective
 delivered and every header in it against what this rank expects, in one vectorised
 comparison, and raises :class:`MessageError` naming the sending rank and the tensor on any
-difference (adapters never read or write header words).
+difference (adapters never read or write header words). An adapter's decode kernel checks
+the same bounds, from :func:`header_table`, and leaves a message it refuses to
+:func:`receive`, which names the difference.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ HEADER_WORDS = len(HEADER_FIELDS)
 HEADER_BYTES = HEADER_WORDS * 4
 FLAGS_WORD = HEADER_FIELDS.index("flags")
 COUNT_WORD = HEADER_FIELDS.index("count")
+STEP_WORD = HEADER_FIELDS.index("step")
 ALIGN_BYTES = codecs.ALIGN_BYTES
 
 DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3, "int32": 4, "int64": 5, "uint8": 6,
@@ -54,6 +57,12 @@ def tensor_id(name: str) -> int:
     """A stable 32-bit identity of a tensor name, as a signed int32."""
     value = zlib.crc32(name.encode("utf-8"))
     return value - 2 ** 32 if value >= _INT31 else value
+
+
+def step_word(step: Any) -> Any:
+    """The header's step word of a message sent at ``step`` (a Python int or a 0-d integer
+    tensor): the step modulo 2**31, so a long run never overflows the int32 word."""
+    return step % _INT31
 
 
 def value_format(grad_dtype: str, configured: str) -> str:
@@ -120,7 +129,7 @@ class Layout:
         """The header words of a message from ``rank`` at ``step`` (Python ints or 0-d
         integer tensors, so a graph can write run-time values)."""
         identity, formats = self._fixed_words
-        return [*identity, count, *formats, rank, step % _INT31, flags]
+        return [*identity, count, *formats, rank, step_word(step), flags]
 
     def bounds(self, rank: Any, step: Any) -> Tuple[List[Any], List[Any]]:
         """(lowest, highest) accepted value of each header word of a message from ``rank``
@@ -259,11 +268,7 @@ def receive(ops: TensorOps, data: Tensor, expected: Sequence[Expected], step: An
     offsets = _offsets(expected)
     headers = ops.from_bytes(ops.concat([ops.slice(fitted, offset, HEADER_BYTES)
                                          for offset in offsets]), "int32")
-    low, high = [], []
-    for layout, sender in expected:
-        least, most = layout.bounds(sender, step)
-        low += least
-        high += most
+    low, high = _bounds(expected, step)
     valid = ops.all_within(headers, ops.constant(low, "int32", like=headers),
                            ops.constant(high, "int32", like=headers))
     senders = ops.constant([sender for _, sender in expected], "int64", like=headers)
@@ -274,6 +279,45 @@ def receive(ops: TensorOps, data: Tensor, expected: Sequence[Expected], step: An
                      for offset, (layout, _) in zip(offsets, expected)],
                     ops.strided_sample(headers, FLAGS_WORD, HEADER_WORDS),
                     ops.strided_sample(headers, COUNT_WORD, HEADER_WORDS))
+
+
+@dataclass(frozen=True)
+class HeaderTable:
+    """Every header that the allgather of ``world_size`` ranks' messages for some layouts
+    holds (each rank's messages in layout order, rank after rank), for a kernel that checks
+    them all in one loop: message m's header starts at ``offsets[m]``, and its word w must lie
+    in ``[low[m * words + w], high[m * words + w]]``, except the step word, which must equal
+    :func:`step_word` of the decoding step (``low`` and ``high`` hold 0 there)."""
+
+    low: Tuple[int, ...]
+    high: Tuple[int, ...]
+    offsets: Tuple[int, ...]
+    total_bytes: int
+    words: int = HEADER_WORDS  # per header
+    step_at: int = STEP_WORD  # which word of a header is the step, the count, the flags
+    count_at: int = COUNT_WORD
+    flags_at: int = FLAGS_WORD
+
+
+@functools.lru_cache(maxsize=1024)
+def header_table(layouts: Tuple[Layout, ...], world_size: int) -> HeaderTable:
+    """The :class:`HeaderTable` of ``world_size`` ranks' messages for ``layouts``."""
+    expected = [(layout, rank) for rank in range(world_size) for layout in layouts]
+    low, high = _bounds(expected, 0)
+    return HeaderTable(low=tuple(low), high=tuple(high), offsets=tuple(_offsets(expected)),
+                       total_bytes=sum(layout.nbytes for layout, _ in expected))
+
+
+def _bounds(expected: Sequence[Expected], step: Any) -> Tuple[List[Any], List[Any]]:
+    """Every expected message's lowest accepted header words, one after another; then its
+    highest (``Layout.bounds``)."""
+    low: List[Any] = []
+    high: List[Any] = []
+    for layout, sender in expected:
+        least, most = layout.bounds(sender, step)
+        low += least
+        high += most
+    return low, high
 
 
 def _offsets(expected: Sequence[Expected]) -> List[int]:

@@ -379,6 +379,12 @@ class TorchOps(TensorOps):
                 return summed
         return super().sum_sparse(out, messages, scale)
 
+    def decode_sums(self, data: torch.Tensor, layouts: Sequence[Any], world_size: int, step: Any,
+                    outs: Sequence[torch.Tensor], scale: float) -> Optional[torch.Tensor]:
+        if not (self._kernels(data) and all(self._scatters(out) for out in outs)):
+            return None
+        return kernels.decode_sums(data, layouts, world_size, step, outs, scale)
+
     def pad(self, x: torch.Tensor, length: int) -> torch.Tensor:
         if x.numel() == length:
             return x

@@ -7,13 +7,16 @@ tested against.
 """
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ...core import wire
 from . import _bits, _selection, _streaming
 
 # The kernels read and write host memory: their outputs are CPU tensors whatever
@@ -384,6 +387,90 @@ def sum_sparse(out: torch.Tensor, messages: Sequence[Tuple[torch.Tensor, torch.T
     _run(_streaming.sum_sparse, [(out.data_ptr(), start, count, words.data_ptr(), len(messages), scale)
                                  for start, count in _ranges(n, _SUM_SPARSE_UNIT, torch.get_num_threads())])
     return out
+
+
+# bits.c's names for the codings (its INDEX_ and VALUE_ enums) and the width of its plan rows.
+_INDEX_KINDS = {"int32": 0, "int64": 1, "elias-fano": 2, "bitmap": 3}
+_VALUE_KINDS = {"float32": 0, "float16": 1, "bfloat16": 2, "int8": 3}
+_PLAN_COLUMNS = 13
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Where bits.c's ``decode_messages`` finds each message of an allgather of some layouts
+    from every rank, and what it accepts in each header (``wire.header_table``)."""
+
+    rows: torch.Tensor  # int64, one row of _PLAN_COLUMNS per message, in the order received
+    bounds: torch.Tensor  # int32: every message's lowest header words, then its highest
+    headers: wire.HeaderTable
+    scratch_entries: int  # slots of all messages together
+
+
+def _plan_row(layout: wire.MessageLayout, offset: int, slot: int, scratch_at: int) -> List[int]:
+    indices, spans = layout.indices, [at for at, _ in layout.part_spans]
+    index_kind = indices.dtype if indices.name == "raw" else indices.name
+    value_at = spans[len(indices.parts)]
+    scale_at = spans[-1] if layout.value_format == "int8" else 0
+    low_bits, upper_bits, upper_at = ((indices.low_bits, indices.upper_bits, spans[1])
+                                      if indices.name == "elias-fano" else (0, 0, 0))
+    return [offset, _INDEX_KINDS[index_kind], layout.numel, layout.capacity, low_bits, upper_bits,
+            spans[0], upper_at, _VALUE_KINDS[layout.value_format], value_at, scale_at, slot,
+            scratch_at]
+
+
+@functools.lru_cache(maxsize=1024)
+def decode_plan(layouts: Tuple[wire.MessageLayout, ...], world_size: int) -> Optional[DecodePlan]:
+    """The plan of ``world_size`` ranks' messages for ``layouts`` (each rank's in that order),
+    or None when a layout has a coding the kernel lacks (a message of positions only)."""
+    if any(layout.value_format not in _VALUE_KINDS for layout in layouts):
+        return None
+    headers = wire.header_table(layouts, world_size)
+    rows, scratch_at = [], 0
+    for m, offset in enumerate(headers.offsets):
+        rank, t = divmod(m, len(layouts))
+        # slot t * N + rank: decode_sums sums tensor t's N messages from consecutive slots
+        rows.append(_plan_row(layouts[t], offset, t * world_size + rank, scratch_at))
+        scratch_at += layouts[t].capacity
+    return DecodePlan(rows=torch.tensor(rows, dtype=torch.int64, device=CPU),
+                      bounds=torch.tensor(headers.low + headers.high, dtype=torch.int32, device=CPU),
+                      headers=headers, scratch_entries=scratch_at)
+
+
+def decode_sums(data: torch.Tensor, layouts: Sequence[wire.MessageLayout], world_size: int,
+                step: int, sums: Sequence[torch.Tensor], scale: float) -> Optional[torch.Tensor]:
+    """The whole decode of an allgather of sparse messages in two calls: every header
+    checked, every message's positions and values decoded (``decode_messages``), then each
+    tensor's flat float32 ``sums[t]`` overwritten with ``scale`` times the sum of its N
+    messages, in rank order (``sum_sparse``). Returns each message's flags word (int32, in
+    the order received), or None, with ``sums`` untouched, when something is not as expected:
+    the size, a header, positions that disagree with their count, raw positions out of
+    order, or an input the kernels do not take. The caller's composition then names the
+    problem, or scatters what ``sum_sparse`` cannot take."""
+    plan = decode_plan(tuple(layouts), world_size)
+    if (plan is None or data.dtype != torch.uint8 or data.device.type != "cpu"
+            or data.numel() != plan.headers.total_bytes
+            or any(not supports(s) or s.numel() != layout.numel for s, layout in zip(sums, layouts))):
+        return None
+    data = data.contiguous()
+    n_messages = len(layouts) * world_size
+    positions = torch.empty(plan.scratch_entries, dtype=torch.int64, device=CPU)
+    values = torch.empty(plan.scratch_entries, dtype=torch.float32, device=CPU)
+    table = torch.empty(3 * n_messages, dtype=torch.int64, device=CPU)
+    flags = torch.empty(n_messages, dtype=torch.int32, device=CPU)
+    headers = plan.headers
+    bad = _bits.decode_messages(data.data_ptr(), plan.rows.data_ptr(), n_messages,
+                                plan.bounds.data_ptr(), headers.words, headers.step_at,
+                                wire.step_word(int(step)), headers.count_at, headers.flags_at,
+                                positions.data_ptr(), values.data_ptr(), table.data_ptr(),
+                                flags.data_ptr())
+    if bad >= 0:
+        return None
+    width, row_bytes = torch.get_num_threads(), 3 * table.element_size()
+    for t, out in enumerate(sums):
+        _run(_streaming.sum_sparse,
+             [(out.data_ptr(), start, count, table.data_ptr() + t * world_size * row_bytes,
+               world_size, scale) for start, count in _ranges(out.numel(), _SUM_SPARSE_UNIT, width)])
+    return flags
 
 
 def zero(out: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,19 @@
 /* Bit fields of messages, written and read in one pass over the packed bytes (bit j of byte i is
  * bit 8i + j, the order of the core's pack_bits). Torch needs a table lookup that widens every
  * bit to a byte, then nonzero, or shifts and a sum over a (count, width) matrix: a handful of
- * passes with their own temporaries for each of the N messages a rank decodes. */
+ * passes with their own temporaries for each of the N messages a rank decodes.
+ *
+ * decode_messages: every step of decoding one allgather's sparse messages but the sum, in one
+ * call: each header checked against its bounds, the positions of each index coding (raw,
+ * Elias-Fano, bitmap) and the values of each value coding (float32, float16, bfloat16, int8
+ * and a scale) written to scratch arrays, for streaming.c's sum_sparse. What the header words
+ * mean and what each coding holds is the core's (wire.py, codecs.py): the adapter hands this
+ * kernel a plan of offsets and kinds derived from them. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include "floats.h"
 
 static int64_t count_range(const uint8_t *packed, int64_t n_bits)
 {
@@ -208,6 +216,167 @@ static PyObject *elias_fano_positions(PyObject *self, PyObject *args)
     return Py_BuildValue("(LO)", (long long)found, in_range ? Py_True : Py_False);
 }
 
+/* A message's index and value codings, as the plan names them. */
+enum { INDEX_RAW32 = 0, INDEX_RAW64 = 1, INDEX_ELIAS_FANO = 2, INDEX_BITMAP = 3 };
+enum { VALUE_FLOAT32 = 0, VALUE_FLOAT16 = 1, VALUE_BFLOAT16 = 2, VALUE_INT8 = 3 };
+/* The plan's columns, one row per message. */
+enum {
+    PLAN_OFFSET,        /* byte offset of the message in the received data */
+    PLAN_INDEX_KIND,
+    PLAN_NUMEL,         /* elements of the tensor */
+    PLAN_CAPACITY,      /* slots of the message */
+    PLAN_LOW_BITS,      /* Elias-Fano: low bits per position */
+    PLAN_UPPER_BITS,    /* Elias-Fano: bits of the upper bitvector */
+    PLAN_INDEX_AT,      /* byte offset in the message of the (first) index part */
+    PLAN_UPPER_AT,      /* Elias-Fano: byte offset of the upper bitvector */
+    PLAN_VALUE_KIND,
+    PLAN_VALUE_AT,      /* byte offset of the values */
+    PLAN_SCALE_AT,      /* int8: byte offset of the float32 scale */
+    PLAN_SLOT,          /* row of (positions, values, count) in the output table */
+    PLAN_SCRATCH_AT,    /* entry offset of the message's slots in the scratch arrays */
+    PLAN_COLUMNS
+};
+
+/* Whether `count` positions are non-decreasing (sum_sparse's assumption). */
+static int ascending(const int64_t *positions, int64_t count)
+{
+    for (int64_t i = 1; i < count; ++i)
+        if (positions[i] < positions[i - 1])
+            return 0;
+    return 1;
+}
+
+/* The first `count` positions of a message into `out` (room for its capacity, the rest 0);
+ * whether they agree with its count and lie inside its tensor, as codecs.py decides. */
+static int decode_positions(const uint8_t *message, const int64_t *row, int64_t count, int64_t *out)
+{
+    int64_t numel = row[PLAN_NUMEL], capacity = row[PLAN_CAPACITY];
+    const uint8_t *part = message + row[PLAN_INDEX_AT];
+    switch (row[PLAN_INDEX_KIND]) {
+    case INDEX_RAW32:
+    case INDEX_RAW64:
+        for (int64_t i = 0; i < capacity; ++i) {
+            int64_t p;
+            if (row[PLAN_INDEX_KIND] == INDEX_RAW32) {
+                int32_t q;
+                memcpy(&q, part + 4 * i, 4);
+                p = q;
+            } else {
+                memcpy(&p, part + 8 * i, 8);
+            }
+            if (p < 0 || p >= numel)  /* padding slots too: the raw coding writes them 0 */
+                return 0;
+            out[i] = p;
+        }
+        return 1;
+    case INDEX_ELIAS_FANO: {
+        int in_range;
+        int64_t found = elias_fano_range(part, row[PLAN_LOW_BITS], message + row[PLAN_UPPER_AT],
+                                         row[PLAN_UPPER_BITS], capacity, count, numel, out, &in_range);
+        return found == count && in_range;
+    }
+    case INDEX_BITMAP:
+        if (count_range(part, numel) != count)
+            return 0;
+        positions_range(part, numel, out);
+        for (int64_t i = count; i < capacity; ++i)
+            out[i] = 0;
+        return 1;
+    }
+    return 0;
+}
+
+/* The first `count` values of a message as float32. */
+static void decode_values(const uint8_t *message, const int64_t *row, int64_t count, float *out)
+{
+    const uint8_t *part = message + row[PLAN_VALUE_AT];
+    if (row[PLAN_VALUE_KIND] == VALUE_FLOAT32) {
+        memcpy(out, part, (size_t)count * 4);
+    } else if (row[PLAN_VALUE_KIND] == VALUE_INT8) {
+        float scale;
+        memcpy(&scale, message + row[PLAN_SCALE_AT], 4);
+        for (int64_t i = 0; i < count; ++i)
+            out[i] = (float)(int8_t)part[i] * scale;
+    } else {
+        int half = row[PLAN_VALUE_KIND] == VALUE_FLOAT16;
+        for (int64_t i = 0; i < count; ++i) {
+            uint16_t v;
+            memcpy(&v, part + 2 * i, 2);
+            out[i] = half ? half_to_float(v) : bfloat16_to_float(v);
+        }
+    }
+}
+
+typedef struct {
+    const uint8_t *data;
+    const int64_t *plan;
+    int64_t n_messages;
+    const int32_t *low, *high;  /* accepted header words, n_messages x n_words each */
+    int64_t n_words, step_word, step, count_word, flags_word;
+    int64_t *positions;
+    float *values;
+    int64_t *table;             /* per slot: positions pointer, values pointer, count */
+    int32_t *flags;             /* each message's flags word, in message order */
+} Decode;
+
+/* Decodes every message; returns the first that cannot be summed (a header outside its
+ * bounds, positions that disagree with the count or the tensor, or raw positions out of
+ * order), or -1. */
+static int64_t decode_all(const Decode *d)
+{
+    for (int64_t m = 0; m < d->n_messages; ++m) {
+        const int64_t *row = d->plan + m * PLAN_COLUMNS;
+        const uint8_t *message = d->data + row[PLAN_OFFSET];
+        const int32_t *low = d->low + m * d->n_words, *high = d->high + m * d->n_words;
+        for (int64_t w = 0; w < d->n_words; ++w) {
+            int32_t word;
+            memcpy(&word, message + 4 * w, 4);
+            if (w == d->step_word ? word != d->step : (word < low[w] || word > high[w]))
+                return m;
+        }
+        int32_t count, flags;
+        memcpy(&count, message + 4 * d->count_word, 4);
+        memcpy(&flags, message + 4 * d->flags_word, 4);
+        int64_t *positions = d->positions + row[PLAN_SCRATCH_AT];
+        float *values = d->values + row[PLAN_SCRATCH_AT];
+        if (!decode_positions(message, row, count, positions) || !ascending(positions, count))
+            return m;
+        decode_values(message, row, count, values);
+        int64_t *entry = d->table + 3 * row[PLAN_SLOT];
+        entry[0] = (int64_t)(uintptr_t)positions;
+        entry[1] = (int64_t)(uintptr_t)values;
+        entry[2] = count;
+        d->flags[m] = flags;
+    }
+    return -1;
+}
+
+static PyObject *decode_messages(PyObject *self, PyObject *args)
+{
+    unsigned long long data, plan, bounds, positions, values, table, flags;
+    long long n_messages, n_words, step_word, step, count_word, flags_word;
+    if (!PyArg_ParseTuple(args, "KKLKLLLLLKKKK", &data, &plan, &n_messages, &bounds, &n_words,
+                          &step_word, &step, &count_word, &flags_word, &positions, &values, &table,
+                          &flags))
+        return NULL;
+    if (n_messages < 0 || n_words < 1 || step_word < 0 || step_word >= n_words || count_word < 0 ||
+        count_word >= n_words || flags_word < 0 || flags_word >= n_words) {
+        PyErr_Format(PyExc_ValueError, "decode_messages: n_messages=%lld, n_words=%lld, words "
+                     "%lld/%lld/%lld", n_messages, n_words, step_word, count_word, flags_word);
+        return NULL;
+    }
+    const int32_t *low = (const int32_t *)(uintptr_t)bounds;
+    Decode d = {(const uint8_t *)(uintptr_t)data, (const int64_t *)(uintptr_t)plan, n_messages,
+                low, low + n_messages * n_words, n_words, step_word, step, count_word, flags_word,
+                (int64_t *)(uintptr_t)positions, (float *)(uintptr_t)values,
+                (int64_t *)(uintptr_t)table, (int32_t *)(uintptr_t)flags};
+    int64_t bad;
+    Py_BEGIN_ALLOW_THREADS
+    bad = decode_all(&d);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLongLong(bad);
+}
+
 static PyMethodDef methods[] = {
     {"pack_fields", pack_fields, METH_VARARGS,
      "pack_fields(values, count, width, packed): the lowest width bits of each int64 value, one "
@@ -224,6 +393,11 @@ static PyMethodDef methods[] = {
      "elias_fano_positions(lower, low_bits, upper, n_upper_bits, capacity, count, numel, out) -> "
      "(set bits, in range): the capacity int64 positions of an Elias-Fano coding, 0 from count "
      "on, and whether those before count are below numel."},
+    {"decode_messages", decode_messages, METH_VARARGS,
+     "decode_messages(data, plan, n_messages, bounds, n_words, step_word, step, count_word, "
+     "flags_word, positions, values, table, flags) -> the first message that cannot be summed, "
+     "or -1: every message's header checked, its positions and float32 values written to the "
+     "scratch arrays, (positions, values, count) to its table slot, its flags word to flags."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -30,6 +30,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "floats.h"
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -53,25 +54,9 @@ enum { STAT_NONE = 0, STAT_MAX = 1, STAT_SUM = 2 };
 #define LANES 8
 #define ABS_BITS 0x7fffffffu
 
-static inline uint32_t float_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-static inline float bits_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-
-/* IEEE half precision to float, exact for every input and free of branches (it vectorises):
- * a normal or special value only moves its fields and rebiases the exponent (by 127 - 15,
- * or to 255 for infinities and NaN); a subnormal is its mantissa times 2^-24. */
-static inline float half_to_float(uint16_t h)
-{
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t rest = h & 0x7fffu;
-    uint32_t special = 0u - (uint32_t)(rest >= 0x7c00u), subnormal = 0u - (uint32_t)(rest < 0x0400u);
-    uint32_t moved = (rest << 13) + (112u << 23) + (special & (112u << 23));
-    uint32_t small = float_bits((float)(int32_t)rest * 0x1p-24f);
-    return bits_float(sign | (small & subnormal) | (moved & ~subnormal));
-}
-
 #define LOAD_FLOAT32(v) (v)
 #define LOAD_FLOAT16(v) half_to_float(v)
-#define LOAD_BFLOAT16(v) bits_float((uint32_t)(v) << 16)
+#define LOAD_BFLOAT16(v) bfloat16_to_float(v)
 #define BAD_FLOAT32(v) ((float_bits(v) & 0x7f800000u) == 0x7f800000u)
 #define BAD_FLOAT16(v) (((v) & 0x7c00u) == 0x7c00u)
 #define BAD_BFLOAT16(v) (((v) & 0x7f80u) == 0x7f80u)

@@ -1,0 +1,24 @@
+/* Float bit patterns shared by the kernels: float32 <-> its bits, and IEEE half to float. */
+#ifndef HOROVOD_DGC_FLOATS_H
+#define HOROVOD_DGC_FLOATS_H
+#include <stdint.h>
+#include <string.h>
+
+static inline uint32_t float_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float bits_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* IEEE half precision to float, exact for every input and free of branches (it vectorises):
+ * a normal or special value only moves its fields and rebiases the exponent (by 127 - 15,
+ * or to 255 for infinities and NaN); a subnormal is its mantissa times 2^-24. */
+static inline float half_to_float(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t rest = h & 0x7fffu;
+    uint32_t special = 0u - (uint32_t)(rest >= 0x7c00u), subnormal = 0u - (uint32_t)(rest < 0x0400u);
+    uint32_t moved = (rest << 13) + (112u << 23) + (special & (112u << 23));
+    uint32_t small = float_bits((float)(int32_t)rest * 0x1p-24f);
+    return bits_float(sign | (small & subnormal) | (moved & ~subnormal));
+}
+
+static inline float bfloat16_to_float(uint16_t h) { return bits_float((uint32_t)h << 16); }
+#endif
