@@ -673,3 +673,47 @@ def test_sparse_decompress_takes_the_kernel_on_the_cpu(monkeypatch):
     outs, finite = TopK().decompress(OPS, data, layouts, 2, 3, ["float32"] * len(layouts))
     assert bool(finite)
     assert all(torch.equal(a, b) for a, b in zip(outs[:2], _naive_average(layouts, sent, 2)[:2]))
+
+
+class _Composed(TorchOps):
+    """TorchOps without the message kernels: the composition they replace."""
+
+    def encode_message(self, *args):
+        return None
+
+    def decode_sums(self, *args):
+        return None
+
+
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+@pytest.mark.parametrize("count_share", [1.0, 0.5, 0.0])
+def test_encode_message_writes_the_compositions_bytes_and_decoded_values(case, count_share):
+    from horovod_dgc.core import wire
+    numel, density, value_dtype, dtype = DECODE_CASES[case]
+    for value_format in ([value_dtype, "int8"] if value_dtype != "int8" else ["int8", "float32"]):
+        fmt = wire.value_format(str(dtype).split(".")[-1], value_format)
+        layout = wire.MessageLayout(name="w", method_id=1, numel=numel,
+                                    capacity=max(1, round(density * numel)), value_format=fmt)
+        gen = torch.Generator().manual_seed(numel)
+        count = int(layout.capacity * count_share)
+        positions = torch.randperm(numel, generator=gen)[:count].sort().values
+        # Magnitudes from 1e-9 to 1e6: subnormal and clamped float16 values, ties of rounding.
+        values = torch.randn(count, generator=gen) * torch.logspace(-9, 6, count or 1)[:count]
+        header = layout.header(2, 7, count, 0)
+        got = kernels.encode_message(layout, header, positions, count, values)
+        want = layout.encode(_Composed(), header, positions, count, values)
+        assert got is not None, (case, fmt)
+        assert torch.equal(got[0], want[0]), (case, fmt)
+        assert torch.equal(got[1], want[1].float()), (case, fmt)
+
+
+def test_encode_message_leaves_what_it_cannot_take_to_the_composition():
+    from horovod_dgc.core import wire
+    layout = wire.MessageLayout(name="w", method_id=1, numel=1000, capacity=10, value_format="float16")
+    header = layout.header(0, 0, 3, 0)
+    values = torch.ones(3)
+    for positions in ([1, 5, 5], [5, 1, 7], [1, 5, 1000], [-1, 5, 7]):
+        assert kernels.encode_message(layout, header, torch.tensor(positions), 3, values) is None
+    assert kernels.encode_message(layout, header, torch.tensor([1, 5, 7]), 3, values.double()) is None
+    tensor_header = list(header[:-1]) + [torch.tensor(0)]
+    assert kernels.encode_message(layout, tensor_header, torch.tensor([1, 5, 7]), 3, values) is None

@@ -342,6 +342,14 @@ class TensorOps(ABC):
     def scatter_add(self, out: Tensor, indices: Tensor, values: Tensor) -> Tensor:
         """``out[indices] += values``; repeated indices are summed (may overwrite ``out``)."""
 
+    def encode_message(self, layout: Any, header: Sequence[Any], positions: Tensor, count: Any,
+                       values: Optional[Tensor]) -> Optional[Tuple[Tensor, Tensor]]:
+        """A kernel's whole encode of one sparse message (``layout``: a
+        ``wire.MessageLayout``): the message bytes and the values receivers will decode, as
+        ``MessageLayout.encode``'s composition computes them. None where the adapter has no
+        such kernel or the kernel does not take these inputs: the composition then runs."""
+        return None
+
     def decode_sums(self, data: Tensor, layouts: Sequence[Any], world_size: int, step: Any,
                     outs: Sequence[Tensor], scale: float) -> Optional[Tensor]:
         """A kernel's whole decode of an allgather of sparse messages (``data``: each rank's

@@ -183,6 +183,9 @@ class MessageLayout(Layout):
                values: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
         """(the message, the values receivers will decode as float32) for ``count`` sorted
         ``positions`` and their ``values``."""
+        coded = ops.encode_message(self, header, positions, count, values)
+        if coded is not None:
+            return coded
         parts = self.indices.encode(ops, positions, count)
         decoded = None
         if self.values is not None:

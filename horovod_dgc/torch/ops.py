@@ -379,6 +379,12 @@ class TorchOps(TensorOps):
                 return summed
         return super().sum_sparse(out, messages, scale)
 
+    def encode_message(self, layout: Any, header: Sequence[Any], positions: torch.Tensor, count: Any,
+                       values: Optional[torch.Tensor]) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        if values is None or not (self._kernels(positions) and self._kernels(values)):
+            return None
+        return kernels.encode_message(layout, header, positions, count, values)
+
     def decode_sums(self, data: torch.Tensor, layouts: Sequence[Any], world_size: int, step: Any,
                     outs: Sequence[torch.Tensor], scale: float) -> Optional[torch.Tensor]:
         if not (self._kernels(data) and all(self._scatters(out) for out in outs)):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -471,6 +472,38 @@ def decode_sums(data: torch.Tensor, layouts: Sequence[wire.MessageLayout], world
              [(out.data_ptr(), start, count, table.data_ptr() + t * world_size * row_bytes,
                world_size, scale) for start, count in _ranges(out.numel(), _SUM_SPARSE_UNIT, width)])
     return flags
+
+
+@functools.lru_cache(maxsize=wire.INTERNED_LAYOUTS)
+def _encode_row(layout: wire.MessageLayout) -> Optional[torch.Tensor]:
+    """``layout``'s plan row for ``encode_message`` (a message at offset 0), or None for a
+    coding the kernel lacks."""
+    if layout.value_format not in _VALUE_KINDS:
+        return None
+    return torch.tensor(_plan_row(layout, 0, 0, 0), dtype=torch.int64, device=CPU)
+
+
+def encode_message(layout: wire.MessageLayout, header: Sequence[int], positions: torch.Tensor,
+                   count: int, values: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """(the message, the ``capacity`` values receivers will decode as float32) of ``count``
+    ascending int64 ``positions`` and their float32 ``values``, header words ``header``, in
+    one call: what ``wire.MessageLayout.encode`` composes. None where the kernel does not take
+    them (a header word that is a tensor, positions outside the tensor or out of order, a
+    coding it lacks): the composition then encodes them, or names the problem."""
+    row = _encode_row(layout)
+    if (row is None or not all(isinstance(word, int) for word in header)
+            or positions.dtype != torch.int64 or values.dtype != torch.float32
+            or positions.device.type != "cpu" or values.device.type != "cpu"
+            or positions.numel() != count or values.numel() != count):
+        return None
+    positions, values = positions.contiguous(), values.contiguous()
+    message = torch.empty(layout.nbytes, dtype=torch.uint8, device=CPU)
+    decoded = torch.empty(layout.capacity, dtype=torch.float32, device=CPU)
+    if not _bits.encode_message(row.data_ptr(), struct.pack(f"={len(header)}i", *header),
+                                positions.data_ptr(), values.data_ptr(), count,
+                                message.data_ptr(), layout.nbytes, decoded.data_ptr()):
+        return None
+    return message, decoded
 
 
 def zero(out: torch.Tensor) -> torch.Tensor:

@@ -8,9 +8,14 @@
  * Elias-Fano, bitmap) and the values of each value coding (float32, float16, bfloat16, int8
  * and a scale) written to scratch arrays, for streaming.c's sum_sparse. What the header words
  * mean and what each coding holds is the core's (wire.py, codecs.py): the adapter hands this
- * kernel a plan of offsets and kinds derived from them. */
+ * kernel a plan of offsets and kinds derived from them.
+ *
+ * encode_message: the reverse for one message: header, index coding and value coding written
+ * in one call, with the values receivers will decode (the rounding of float16, bfloat16 and
+ * int8 is the composition's, bit for bit). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #include "floats.h"
@@ -377,6 +382,152 @@ static PyObject *decode_messages(PyObject *self, PyObject *args)
     return PyLong_FromLongLong(bad);
 }
 
+/* float to IEEE half, rounded to nearest even (the compiler's conversion), or 0 where the
+ * compiler has no _Float16: the adapter then leaves float16 values to the composition. */
+#if defined(__FLT16_MAX__)
+#define HAS_FLOAT16 1
+static inline uint16_t float_to_half(float f)
+{
+    _Float16 h = (_Float16)f;
+    uint16_t u;
+    memcpy(&u, &h, 2);
+    return u;
+}
+#else
+#define HAS_FLOAT16 0
+static inline uint16_t float_to_half(float f) { (void)f; return 0; }
+#endif
+
+/* float to bfloat16 as torch rounds it: to nearest even, NaN to the quiet NaN 0x7fc0. */
+static inline uint16_t float_to_bfloat16(float f)
+{
+    uint32_t u = float_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return 0x7fc0u;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* The positions' index coding into the zeroed message; 0 where one is outside the tensor or
+ * out of order (Elias-Fano and the bitmap need them ascending). */
+static int encode_positions(uint8_t *message, const int64_t *row, const int64_t *positions, int64_t count)
+{
+    int64_t numel = row[PLAN_NUMEL];
+    uint8_t *part = message + row[PLAN_INDEX_AT];
+    for (int64_t i = 0; i < count; ++i)
+        if (positions[i] < 0 || positions[i] >= numel || (i && positions[i] <= positions[i - 1]))
+            return 0;
+    switch (row[PLAN_INDEX_KIND]) {
+    case INDEX_RAW32:
+        for (int64_t i = 0; i < count; ++i) {
+            int32_t p = (int32_t)positions[i];
+            memcpy(part + 4 * i, &p, 4);
+        }
+        return 1;
+    case INDEX_RAW64:
+        memcpy(part, positions, (size_t)count * 8);
+        return 1;
+    case INDEX_ELIAS_FANO: {
+        int64_t l = row[PLAN_LOW_BITS];
+        uint8_t *upper = message + row[PLAN_UPPER_AT];
+        for (int64_t i = 0; i < count; ++i) {
+            int64_t mark = (positions[i] >> l) + i;
+            if (mark >= row[PLAN_UPPER_BITS])
+                return 0;
+            upper[mark >> 3] |= (uint8_t)(1u << (mark & 7));
+        }
+        if (l)
+            pack_fields_range(positions, count, l, part);
+        return 1;
+    }
+    case INDEX_BITMAP:
+        return set_bits_range(positions, count, numel, part) < 0;
+    }
+    return 0;
+}
+
+/* The `count` values' coding (zeros to the capacity) and, in `decoded` (capacity entries),
+ * what receivers will read back; 0 for float16 without a compiler conversion. */
+static int encode_values(uint8_t *message, const int64_t *row, const float *values, int64_t count,
+                         float *decoded)
+{
+    int64_t capacity = row[PLAN_CAPACITY];
+    uint8_t *part = message + row[PLAN_VALUE_AT];
+    for (int64_t i = count; i < capacity; ++i)
+        decoded[i] = 0.0f;
+    switch (row[PLAN_VALUE_KIND]) {
+    case VALUE_FLOAT32:
+        memcpy(part, values, (size_t)count * 4);
+        memcpy(decoded, values, (size_t)count * 4);
+        return 1;
+    case VALUE_FLOAT16:
+        if (!HAS_FLOAT16)
+            return 0;
+        for (int64_t i = 0; i < count; ++i) {
+            float v = values[i] > 65504.0f ? 65504.0f : values[i] < -65504.0f ? -65504.0f : values[i];
+            uint16_t h = float_to_half(v);  /* clamped first, as codecs.FORMAT_MAX says */
+            memcpy(part + 2 * i, &h, 2);
+            decoded[i] = half_to_float(h);
+        }
+        return 1;
+    case VALUE_BFLOAT16:
+        for (int64_t i = 0; i < count; ++i) {
+            uint16_t b = float_to_bfloat16(values[i]);
+            memcpy(part + 2 * i, &b, 2);
+            decoded[i] = bfloat16_to_float(b);
+        }
+        return 1;
+    case VALUE_INT8: {
+        /* codecs.Int8Values: scale = max|v| * (1/127); level = round(v * (1 / max(scale,
+         * 1e-30))) within +-127, each step rounded to float32 as torch rounds it. */
+        float largest = 0.0f;
+        int nan = 0;
+        for (int64_t i = 0; i < count; ++i) {
+            float a = fabsf(values[i]);
+            nan |= a != a;
+            largest = a > largest ? a : largest;
+        }
+        float scale = (nan ? NAN : largest) * (float)(1.0 / 127.0);
+        float inverse = 1.0f / (scale < 1e-30f ? 1e-30f : scale);  /* NaN stays NaN */
+        for (int64_t i = 0; i < count; ++i) {
+            float level = nearbyintf(values[i] * inverse);
+            level = level > 127.0f ? 127.0f : level < -127.0f ? -127.0f : level;
+            part[i] = (uint8_t)(int8_t)level;
+            decoded[i] = level * scale;
+        }
+        memcpy(message + row[PLAN_SCALE_AT], &scale, 4);
+        return 1;
+    }
+    }
+    return 0;
+}
+
+static PyObject *encode_message(PyObject *self, PyObject *args)
+{
+    unsigned long long plan_row, positions, values, out, decoded;
+    const char *header;
+    Py_ssize_t header_bytes;
+    long long count, nbytes;
+    if (!PyArg_ParseTuple(args, "Ky#KKLKLK", &plan_row, &header, &header_bytes, &positions,
+                          &values, &count, &out, &nbytes, &decoded))
+        return NULL;
+    const int64_t *row = (const int64_t *)(uintptr_t)plan_row;
+    if (count < 0 || count > row[PLAN_CAPACITY] || header_bytes > nbytes) {
+        PyErr_Format(PyExc_ValueError, "encode_message: count=%lld for a capacity of %lld",
+                     count, (long long)row[PLAN_CAPACITY]);
+        return NULL;
+    }
+    uint8_t *message = (uint8_t *)(uintptr_t)out;
+    int ok;
+    Py_BEGIN_ALLOW_THREADS
+    memset(message, 0, (size_t)nbytes);
+    memcpy(message, header, (size_t)header_bytes);
+    ok = encode_positions(message, row, (const int64_t *)(uintptr_t)positions, count) &&
+         encode_values(message, row, (const float *)(uintptr_t)values, count,
+                       (float *)(uintptr_t)decoded);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(ok);
+}
+
 static PyMethodDef methods[] = {
     {"pack_fields", pack_fields, METH_VARARGS,
      "pack_fields(values, count, width, packed): the lowest width bits of each int64 value, one "
@@ -398,6 +549,11 @@ static PyMethodDef methods[] = {
      "flags_word, positions, values, table, flags) -> the first message that cannot be summed, "
      "or -1: every message's header checked, its positions and float32 values written to the "
      "scratch arrays, (positions, values, count) to its table slot, its flags word to flags."},
+    {"encode_message", encode_message, METH_VARARGS,
+     "encode_message(plan_row, header, positions, values, count, out, nbytes, decoded) -> ok: "
+     "the message of `count` ascending int64 positions and float32 values written to out (nbytes, "
+     "header bytes first), the values receivers will decode to decoded (capacity float32); False "
+     "for a position outside the tensor or out of order, or a coding this build lacks."},
     {NULL, NULL, 0, NULL},
 };
 
