@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import sys
 import time
 import traceback
@@ -199,6 +200,26 @@ def decode_all(engines: Sequence[Engine], names: Sequence[str], shapes: Sequence
         for rank, result in enumerate(results):
             averages[rank].append(result)
     return averages
+
+
+def decode_buckets(engines: Sequence[Engine], outputs: Sequence[Any], shapes: Sequence[Tuple[int, ...]],
+                   bucket_bytes: float) -> None:
+    """Every rank's decode of sparse messages (``outputs`` of :func:`compress_all`, all of
+    kind "sparse") as the fused optimizer decodes them: those of consecutive tensors of about
+    ``bucket_bytes`` of float32 gradient together, one call per bucket and rank."""
+    buckets: List[List[int]] = [[]]
+    size = 0
+    for i, shape in enumerate(shapes):
+        nbytes = 4 * math.prod(shape)
+        if buckets[-1] and size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += nbytes
+    for bucket in filter(None, buckets):
+        gathered = torch.cat([outputs[i][r][1].message for r in range(len(engines)) for i in bucket])
+        for rank, engine in enumerate(engines):
+            engine.decompress(gathered, [outputs[i][rank][1] for i in bucket])
 
 
 def measure(name: str, options: Dict[str, Any], shapes: Sequence[Tuple[int, ...]], world: int,
