@@ -717,3 +717,23 @@ def test_encode_message_leaves_what_it_cannot_take_to_the_composition():
     assert kernels.encode_message(layout, header, torch.tensor([1, 5, 7]), 3, values.double()) is None
     tensor_header = list(header[:-1]) + [torch.tensor(0)]
     assert kernels.encode_message(layout, tensor_header, torch.tensor([1, 5, 7]), 3, values) is None
+
+
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_decode_positions_reads_a_leaders_message_of_positions_only(case):
+    from horovod_dgc.core import wire
+    numel, density, _, _ = DECODE_CASES[case]
+    layout = wire.MessageLayout(name="w", method_id=4, numel=numel,
+                                capacity=max(1, round(density * numel)), value_format=None)
+    count = layout.capacity - 1 if layout.capacity > 1 else 1
+    positions = torch.randperm(numel, generator=torch.Generator().manual_seed(3))[:count].sort().values
+    message, _ = layout.encode(_Composed(), layout.header(1, 5, count, 1), positions, count)
+    got, flags = kernels.decode_positions(message, layout, 1, 5)
+    assert got.tolist() == positions.tolist() + [0] * (layout.capacity - count)  # a plain list
+    assert flags.tolist() == [1]
+    # Another sender, another step or a bad count: left to the composition, which names it.
+    assert kernels.decode_positions(message, layout, 0, 5) is None
+    assert kernels.decode_positions(message, layout, 1, 6) is None
+    if layout.indices.name != "raw":  # raw positions carry no count of their own to disagree
+        message[:wire.HEADER_BYTES].view(torch.int32)[wire.COUNT_WORD] = count - 1
+        assert kernels.decode_positions(message, layout, 1, 5) is None

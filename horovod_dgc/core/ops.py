@@ -350,6 +350,15 @@ class TensorOps(ABC):
         such kernel or the kernel does not take these inputs: the composition then runs."""
         return None
 
+    def decode_positions(self, data: Tensor, layout: Any, sender: int,
+                         step: Any) -> Optional[Tuple[Tensor, Tensor]]:
+        """A kernel's check and decode of one message of ``layout`` from ``sender``: (its
+        ``capacity`` positions, 0 past its count; its flags word), as ``wire.receive``,
+        ``MessageLayout.decode`` and ``wire.checked_positions`` compose them. None where the
+        adapter has no such kernel or the message is not as expected: the composition then
+        runs, and names any problem."""
+        return None
+
     def decode_sums(self, data: Tensor, layouts: Sequence[Any], world_size: int, step: Any,
                     outs: Sequence[Tensor], scale: float) -> Optional[Tensor]:
         """A kernel's whole decode of an allgather of sparse messages (``data``: each rank's

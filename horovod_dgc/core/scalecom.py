@@ -166,11 +166,8 @@ class ScaleCom(TwoStageMethod):
         sends NaN values, so that the all-reduce tells every rank (the leader's flag alone
         would not: only the leader's message is broadcast)."""
         layout, call = handover.data["layout"], handover.call
-        expected = [(layout, self.root(call))]
-        received = wire.receive(ops, received, expected, call.step, call.rank)
-        positions, _, consistent = layout.decode(ops, received.parts[0],
-                                                 ops.gather(received.counts, 0), "float32")
-        (indices,) = wire.checked_positions(ops, [(positions, consistent)], expected, call.step)
+        decoded = ops.decode_positions(received, layout, self.root(call), call.step)
+        indices = self._leader_positions(ops, received, handover) if decoded is None else decoded[0]
         dtype = self.config.value_dtype
         (values,), decoded = value_coding(dtype, layout.capacity).encode(
             ops, ops.gather(handover.data["p"], indices))
@@ -178,6 +175,17 @@ class ScaleCom(TwoStageMethod):
         values = nan_unless(ops, handover.data["finite"], values, dtype)
         handover.data["indices"] = indices
         return values, state
+
+    def _leader_positions(self, ops: TensorOps, received: Tensor, handover: StageHandover) -> Tensor:
+        """``TensorOps.decode_positions`` composed: the leader's message checked, its
+        positions decoded and checked."""
+        layout, call = handover.data["layout"], handover.call
+        expected = [(layout, self.root(call))]
+        received = wire.receive(ops, received, expected, call.step, call.rank)
+        positions, _, consistent = layout.decode(ops, received.parts[0],
+                                                 ops.gather(received.counts, 0), "float32")
+        (indices,) = wire.checked_positions(ops, [(positions, consistent)], expected, call.step)
+        return indices
 
     def finish(self, ops: TensorOps, received: Tensor, handover: StageHandover) -> Tuple[Tensor, Scalar]:
         call = handover.call

@@ -286,9 +286,9 @@ def receive(ops: TensorOps, data: Tensor, expected: Sequence[Expected], step: An
 
 @dataclass(frozen=True)
 class HeaderTable:
-    """Every header that the allgather of ``world_size`` ranks' messages for some layouts
-    holds (each rank's messages in layout order, rank after rank), for a kernel that checks
-    them all in one loop: message m's header starts at ``offsets[m]``, and its word w must lie
+    """Every header of some senders' messages for some layouts (each sender's messages in
+    layout order, sender after sender: an allgather's, or one broadcast message), for a
+    kernel that checks them all in one loop: message m's header starts at ``offsets[m]``, and its word w must lie
     in ``[low[m * words + w], high[m * words + w]]``, except the step word, which must equal
     :func:`step_word` of the decoding step (``low`` and ``high`` hold 0 there)."""
 
@@ -303,9 +303,9 @@ class HeaderTable:
 
 
 @functools.lru_cache(maxsize=1024)
-def header_table(layouts: Tuple[Layout, ...], world_size: int) -> HeaderTable:
-    """The :class:`HeaderTable` of ``world_size`` ranks' messages for ``layouts``."""
-    expected = [(layout, rank) for rank in range(world_size) for layout in layouts]
+def header_table(layouts: Tuple[Layout, ...], senders: Tuple[int, ...]) -> HeaderTable:
+    """The :class:`HeaderTable` of messages for ``layouts`` from each of ``senders``."""
+    expected = [(layout, sender) for sender in senders for layout in layouts]
     low, high = _bounds(expected, 0)
     return HeaderTable(low=tuple(low), high=tuple(high), offsets=tuple(_offsets(expected)),
                        total_bytes=sum(layout.nbytes for layout, _ in expected))

@@ -385,6 +385,12 @@ class TorchOps(TensorOps):
             return None
         return kernels.encode_message(layout, header, positions, count, values)
 
+    def decode_positions(self, data: torch.Tensor, layout: Any, sender: int,
+                         step: Any) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        if not self._kernels(data) or not isinstance(sender, int):
+            return None
+        return kernels.decode_positions(data, layout, sender, step)
+
     def decode_sums(self, data: torch.Tensor, layouts: Sequence[Any], world_size: int, step: Any,
                     outs: Sequence[torch.Tensor], scale: float) -> Optional[torch.Tensor]:
         if not (self._kernels(data) and all(self._scatters(out) for out in outs)):

@@ -392,14 +392,14 @@ def sum_sparse(out: torch.Tensor, messages: Sequence[Tuple[torch.Tensor, torch.T
 
 # bits.c's names for the codings (its INDEX_ and VALUE_ enums) and the width of its plan rows.
 _INDEX_KINDS = {"int32": 0, "int64": 1, "elias-fano": 2, "bitmap": 3}
-_VALUE_KINDS = {"float32": 0, "float16": 1, "bfloat16": 2, "int8": 3}
+_VALUE_KINDS = {"float32": 0, "float16": 1, "bfloat16": 2, "int8": 3, None: 4}
 _PLAN_COLUMNS = 13
 
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """Where bits.c's ``decode_messages`` finds each message of an allgather of some layouts
-    from every rank, and what it accepts in each header (``wire.header_table``)."""
+    """Where bits.c's ``decode_messages`` finds each message of some senders for some
+    layouts, and what it accepts in each header (``wire.header_table``)."""
 
     rows: torch.Tensor  # int64, one row of _PLAN_COLUMNS per message, in the order received
     bounds: torch.Tensor  # int32: every message's lowest header words, then its highest
@@ -410,7 +410,7 @@ class DecodePlan:
 def _plan_row(layout: wire.MessageLayout, offset: int, slot: int, scratch_at: int) -> List[int]:
     indices, spans = layout.indices, [at for at, _ in layout.part_spans]
     index_kind = indices.dtype if indices.name == "raw" else indices.name
-    value_at = spans[len(indices.parts)]
+    value_at = spans[len(indices.parts)] if layout.value_format else 0
     scale_at = spans[-1] if layout.value_format == "int8" else 0
     low_bits, upper_bits, upper_at = ((indices.low_bits, indices.upper_bits, spans[1])
                                       if indices.name == "elias-fano" else (0, 0, 0))
@@ -420,21 +420,56 @@ def _plan_row(layout: wire.MessageLayout, offset: int, slot: int, scratch_at: in
 
 
 @functools.lru_cache(maxsize=1024)
-def decode_plan(layouts: Tuple[wire.MessageLayout, ...], world_size: int) -> Optional[DecodePlan]:
-    """The plan of ``world_size`` ranks' messages for ``layouts`` (each rank's in that order),
-    or None when a layout has a coding the kernel lacks (a message of positions only)."""
-    if any(layout.value_format not in _VALUE_KINDS for layout in layouts):
-        return None
-    headers = wire.header_table(layouts, world_size)
+def decode_plan(layouts: Tuple[wire.MessageLayout, ...], senders: Tuple[int, ...]) -> DecodePlan:
+    """The plan of the messages for ``layouts`` from each of ``senders``, sender after
+    sender; tensor t's message from the i-th sender takes table slot ``t * len(senders) + i``."""
+    headers = wire.header_table(layouts, senders)
     rows, scratch_at = [], 0
     for m, offset in enumerate(headers.offsets):
-        rank, t = divmod(m, len(layouts))
-        # slot t * N + rank: decode_sums sums tensor t's N messages from consecutive slots
-        rows.append(_plan_row(layouts[t], offset, t * world_size + rank, scratch_at))
+        i, t = divmod(m, len(layouts))
+        rows.append(_plan_row(layouts[t], offset, t * len(senders) + i, scratch_at))
         scratch_at += layouts[t].capacity
     return DecodePlan(rows=torch.tensor(rows, dtype=torch.int64, device=CPU),
                       bounds=torch.tensor(headers.low + headers.high, dtype=torch.int32, device=CPU),
                       headers=headers, scratch_entries=scratch_at)
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """What ``decode_messages`` made of a plan's messages; the table's pointers point into
+    ``positions`` and ``values``, which must live while it is read."""
+
+    positions: torch.Tensor  # int64: each message's capacity slots, 0 past its count
+    values: torch.Tensor  # float32, the same slots
+    table: torch.Tensor  # int64 (positions pointer, values pointer, count) per table slot
+    flags: torch.Tensor  # int32 flags word of each message, in the order received
+
+
+def _decode(data: torch.Tensor, plan: DecodePlan, step: int) -> Optional[Decoded]:
+    if data.dtype != torch.uint8 or data.device.type != "cpu" or data.numel() != plan.headers.total_bytes:
+        return None
+    data = data.contiguous()
+    n_messages = len(plan.headers.offsets)
+    decoded = Decoded(positions=torch.empty(plan.scratch_entries, dtype=torch.int64, device=CPU),
+                      values=torch.empty(plan.scratch_entries, dtype=torch.float32, device=CPU),
+                      table=torch.empty(3 * n_messages, dtype=torch.int64, device=CPU),
+                      flags=torch.empty(n_messages, dtype=torch.int32, device=CPU))
+    headers = plan.headers
+    bad = _bits.decode_messages(data.data_ptr(), plan.rows.data_ptr(), n_messages,
+                                plan.bounds.data_ptr(), headers.words, headers.step_at,
+                                wire.step_word(int(step)), headers.count_at, headers.flags_at,
+                                decoded.positions.data_ptr(), decoded.values.data_ptr(),
+                                decoded.table.data_ptr(), decoded.flags.data_ptr())
+    return None if bad >= 0 else decoded
+
+
+def decode_positions(data: torch.Tensor, layout: wire.MessageLayout, sender: int,
+                     step: int) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """(the ``capacity`` int64 positions, 0 past the count; the flags word, int32 of one
+    entry) of one message from ``sender`` for ``layout``, its header checked, in one call;
+    None when it is not as expected (the caller's composition then names the problem)."""
+    decoded = _decode(data, decode_plan((layout,), (sender,)), step)
+    return None if decoded is None else (decoded.positions, decoded.flags)
 
 
 def decode_sums(data: torch.Tensor, layouts: Sequence[wire.MessageLayout], world_size: int,
@@ -447,38 +482,26 @@ def decode_sums(data: torch.Tensor, layouts: Sequence[wire.MessageLayout], world
     the size, a header, positions that disagree with their count, raw positions out of
     order, or an input the kernels do not take. The caller's composition then names the
     problem, or scatters what ``sum_sparse`` cannot take."""
-    plan = decode_plan(tuple(layouts), world_size)
-    if (plan is None or data.dtype != torch.uint8 or data.device.type != "cpu"
-            or data.numel() != plan.headers.total_bytes
+    if (any(layout.value_format is None for layout in layouts)
             or any(not supports(s) or s.numel() != layout.numel for s, layout in zip(sums, layouts))):
         return None
-    data = data.contiguous()
-    n_messages = len(layouts) * world_size
-    positions = torch.empty(plan.scratch_entries, dtype=torch.int64, device=CPU)
-    values = torch.empty(plan.scratch_entries, dtype=torch.float32, device=CPU)
-    table = torch.empty(3 * n_messages, dtype=torch.int64, device=CPU)
-    flags = torch.empty(n_messages, dtype=torch.int32, device=CPU)
-    headers = plan.headers
-    bad = _bits.decode_messages(data.data_ptr(), plan.rows.data_ptr(), n_messages,
-                                plan.bounds.data_ptr(), headers.words, headers.step_at,
-                                wire.step_word(int(step)), headers.count_at, headers.flags_at,
-                                positions.data_ptr(), values.data_ptr(), table.data_ptr(),
-                                flags.data_ptr())
-    if bad >= 0:
+    decoded = _decode(data, decode_plan(tuple(layouts), tuple(range(world_size))), step)
+    if decoded is None:
         return None
-    width, row_bytes = torch.get_num_threads(), 3 * table.element_size()
+    table, width = decoded.table, torch.get_num_threads()
+    row_bytes = 3 * table.element_size()
     for t, out in enumerate(sums):
         _run(_streaming.sum_sparse,
              [(out.data_ptr(), start, count, table.data_ptr() + t * world_size * row_bytes,
                world_size, scale) for start, count in _ranges(out.numel(), _SUM_SPARSE_UNIT, width)])
-    return flags
+    return decoded.flags
 
 
 @functools.lru_cache(maxsize=wire.INTERNED_LAYOUTS)
 def _encode_row(layout: wire.MessageLayout) -> Optional[torch.Tensor]:
     """``layout``'s plan row for ``encode_message`` (a message at offset 0), or None for a
-    coding the kernel lacks."""
-    if layout.value_format not in _VALUE_KINDS:
+    message of positions only, which it does not write."""
+    if layout.value_format is None:
         return None
     return torch.tensor(_plan_row(layout, 0, 0, 0), dtype=torch.int64, device=CPU)
 

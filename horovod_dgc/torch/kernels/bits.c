@@ -223,7 +223,7 @@ static PyObject *elias_fano_positions(PyObject *self, PyObject *args)
 
 /* A message's index and value codings, as the plan names them. */
 enum { INDEX_RAW32 = 0, INDEX_RAW64 = 1, INDEX_ELIAS_FANO = 2, INDEX_BITMAP = 3 };
-enum { VALUE_FLOAT32 = 0, VALUE_FLOAT16 = 1, VALUE_BFLOAT16 = 2, VALUE_INT8 = 3 };
+enum { VALUE_FLOAT32 = 0, VALUE_FLOAT16 = 1, VALUE_BFLOAT16 = 2, VALUE_INT8 = 3, VALUE_NONE = 4 };
 /* The plan's columns, one row per message. */
 enum {
     PLAN_OFFSET,        /* byte offset of the message in the received data */
@@ -291,11 +291,13 @@ static int decode_positions(const uint8_t *message, const int64_t *row, int64_t 
     return 0;
 }
 
-/* The first `count` values of a message as float32. */
+/* The first `count` values of a message as float32 (none for a message of positions only). */
 static void decode_values(const uint8_t *message, const int64_t *row, int64_t count, float *out)
 {
     const uint8_t *part = message + row[PLAN_VALUE_AT];
-    if (row[PLAN_VALUE_KIND] == VALUE_FLOAT32) {
+    if (row[PLAN_VALUE_KIND] == VALUE_NONE) {
+        return;
+    } else if (row[PLAN_VALUE_KIND] == VALUE_FLOAT32) {
         memcpy(out, part, (size_t)count * 4);
     } else if (row[PLAN_VALUE_KIND] == VALUE_INT8) {
         float scale;
