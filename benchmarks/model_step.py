@@ -17,8 +17,8 @@ and the median is reported::
 
 ``--composed-messages`` adds, for each method, engines whose messages are encoded and decoded
 by the core's composition of torch operations instead of the C kernels that write and read a
-whole message at once (``TorchOps.encode_message``, ``decode_sums``, ``decode_positions``), alternating
-with the others in the same process: what those kernels save.
+whole message at once (``TorchOps.encode_message``, ``decode_sums``, ``decode_positions``),
+alternating with the others in the same process: what those kernels save.
 """
 from __future__ import annotations
 
