@@ -4,6 +4,7 @@ import math
 import pytest
 import torch
 
+from benchmarks.model_step import ComposedMessages
 from horovod_dgc.core.ops import TensorOps
 from horovod_dgc.torch import kernels
 from horovod_dgc.torch.ops import TorchOps
@@ -675,19 +676,6 @@ def test_sparse_decompress_takes_the_kernel_on_the_cpu(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(outs[:2], _naive_average(layouts, sent, 2)[:2]))
 
 
-class _Composed(TorchOps):
-    """TorchOps without the message kernels: the composition they replace."""
-
-    def encode_message(self, *args):
-        return None
-
-    def decode_sums(self, *args):
-        return None
-
-    def decode_positions(self, *args):
-        return None
-
-
 @pytest.mark.parametrize("case", list(DECODE_CASES))
 @pytest.mark.parametrize("count_share", [1.0, 0.5, 0.0])
 def test_encode_message_writes_the_compositions_bytes_and_decoded_values(case, count_share):
@@ -704,7 +692,7 @@ def test_encode_message_writes_the_compositions_bytes_and_decoded_values(case, c
         values = torch.randn(count, generator=gen) * torch.logspace(-9, 6, count or 1)[:count]
         header = layout.header(2, 7, count, 0)
         got = kernels.encode_message(layout, header, positions, count, values)
-        want = layout.encode(_Composed(), header, positions, count, values)
+        want = layout.encode(ComposedMessages(), header, positions, count, values)
         assert got is not None, (case, fmt)
         assert torch.equal(got[0], want[0]), (case, fmt)
         assert torch.equal(got[1], want[1].float()), (case, fmt)
@@ -730,7 +718,7 @@ def test_decode_positions_reads_a_leaders_message_of_positions_only(case):
                                 capacity=max(1, round(density * numel)), value_format=None)
     count = layout.capacity - 1 if layout.capacity > 1 else 1
     positions = torch.randperm(numel, generator=torch.Generator().manual_seed(3))[:count].sort().values
-    message, _ = layout.encode(_Composed(), layout.header(1, 5, count, 1), positions, count)
+    message, _ = layout.encode(ComposedMessages(), layout.header(1, 5, count, 1), positions, count)
     got, flags = kernels.decode_positions(message, layout, 1, 5)
     assert got.tolist() == positions.tolist() + [0] * (layout.capacity - count)  # a plain list
     assert flags.tolist() == [1]
