@@ -302,7 +302,12 @@ class HeaderTable:
     flags_at: int = FLAGS_WORD
 
 
-@functools.lru_cache(maxsize=1024)
+# Header tables a process keeps at once: one per tensor on the stock path, one per bucket on the
+# fused one, for every tensor of large models and a few warm-up densities.
+HEADER_TABLES_KEPT = 8192
+
+
+@functools.lru_cache(maxsize=HEADER_TABLES_KEPT)
 def header_table(layouts: Tuple[Layout, ...], senders: Tuple[int, ...]) -> HeaderTable:
     """The :class:`HeaderTable` of messages for ``layouts`` from each of ``senders``."""
     expected = [(layout, sender) for sender in senders for layout in layouts]

@@ -419,7 +419,7 @@ def _plan_row(layout: wire.MessageLayout, offset: int, slot: int, scratch_at: in
             scratch_at]
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=wire.HEADER_TABLES_KEPT)  # a plan per header table
 def decode_plan(layouts: Tuple[wire.MessageLayout, ...], senders: Tuple[int, ...]) -> DecodePlan:
     """The plan of the messages for ``layouts`` from each of ``senders``, sender after
     sender; tensor t's message from the i-th sender takes table slot ``t * len(senders) + i``."""
