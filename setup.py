@@ -14,7 +14,7 @@ setup(
     ext_modules=[Extension(f"horovod_dgc.torch.kernels._{name}",
                            [f"horovod_dgc/torch/kernels/{name}.c"],
                            extra_compile_args=["-O3", "-ffp-contract=off"],
-                           depends=["horovod_dgc/torch/kernels/floats.h"])
+                           depends=["horovod_dgc/torch/kernels/common.h"])
                  for name in ("selection", "streaming", "bits")],
     install_requires=[],
     extras_require={

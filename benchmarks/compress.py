@@ -18,7 +18,7 @@ One float32 gradient of ResNet-50's size (``torch.randn``, fixed seed) is timed 
   end on rank 0 of 4 (its stage 2 and the final decoding).
 
 Each row reports the median, minimum and maximum over the timed rounds (a round runs every row
-once), its cost in read passes (medians) and its speed-up over ``torch.topk``. Then DGC's
+once, in a shuffled order), its cost in read passes (medians) and its speed-up over ``torch.topk``. Then DGC's
 selection is checked (exactly k indices, the exact top-k set) and every row with a target is
 judged against it (``TARGETS``). Every method of the table (``horovod_dgc.core.methods``) gets
 a compress row and a decode row; a selection is one line in ``SELECTIONS``.
@@ -29,6 +29,7 @@ a compress row and a decode row; a selection is one line in ``SELECTIONS``.
 from __future__ import annotations
 
 import argparse
+import random
 import json
 import os
 import statistics
@@ -63,10 +64,15 @@ EXACT_TOPK = "exact torch.topk(|x|, k)"
 DGC_SELECTION = "DGC select_sampled"
 DGC_PASS = "dgc memory pass alone (its floor)"
 DGC_COMPOSED_PASS = "dgc memory pass as composed framework ops"
-# Most read passes (medians) each row may cost: a step's unavoidable traffic is about one
-# read of every input and one write of every new memory.
+DGC_ENCODE = "dgc encode (positions, values)"
+DGC_DECODE = f"dgc decode {DECODE_WORLD} messages"
+# Most read passes (medians) each row, or the rows of a tuple together, may cost: a step's
+# unavoidable traffic is about one read of every input and one write of every new memory.
 TARGETS = {"cpu": {DGC_SELECTION: MAX_READ_PASSES, "dgc compress": 6.0, "blocksign stage 1": 8.0,
-                   "scalecom stage 1": 5.0, f"dgc decode {DECODE_WORLD} messages": 2.0},
+                   "scalecom stage 1": 5.0, DGC_DECODE: 2.0,
+                   # what the message coding adds to dgc's step: the decode's write of the
+                   # dense average is most of it
+                   (DGC_ENCODE, DGC_DECODE): 1.0},
            # A GPU's read pass is tens of microseconds, so a step's kernel launches and host
            # synchronisations weigh more against it: DGC's step gets 8.
            "cuda": {DGC_SELECTION: MAX_READ_PASSES, "dgc compress": 8.0}}
@@ -244,7 +250,7 @@ def coding_cases(ops: TorchOps, x: torch.Tensor, density: float, k: int) -> List
     positions, _ = ops.sort(dgc_selection(ops, x, k, 0))
     values = x[positions]
     header = layout.header(0, 0, k, 0)
-    cases = [Case("message coding", "dgc encode (positions, values)",
+    cases = [Case("message coding", DGC_ENCODE,
                   lambda rep: layout.encode(ops, header, positions, k, values))]
     for spec in METHODS:
         if spec.method.family != "sparse":
@@ -327,11 +333,17 @@ def time_call(case: Case, rep: int, device: torch.device) -> Tuple[float, Option
 def measure(cases: Sequence[Case], repeat: int, device: torch.device) -> List[Row]:
     """Time ``WARMUP + repeat`` rounds (round ``rep`` calls ``run(rep)``), keeping the last
     ``repeat``. Each round runs every case once, so that a burst of load from other processes
-    lands on all rows alike instead of on one."""
+    lands on all rows alike instead of on one, and in an order of its own (shuffled, seeded
+    by the round): a row that always followed a compress ran while the compress's writes
+    were still draining, and a decode timed that way took up to 1.6 times the same decode
+    in another row."""
     times: List[List[float]] = [[] for _ in cases]
     selected: List[Optional[int]] = [None] * len(cases)
     for rep in range(WARMUP + repeat):
-        for i, case in enumerate(cases):
+        order = list(range(len(cases)))
+        random.Random(rep).shuffle(order)
+        for i in order:
+            case = cases[i]
             elapsed, selected[i] = time_call(case, rep, device)
             if rep >= WARMUP:
                 times[i].append(elapsed)
@@ -423,13 +435,17 @@ def verdicts(rows: Sequence[Row], device: torch.device) -> List[Dict[str, Any]]:
     are the closest to the cost without interference."""
     read, topk, dgc = (find_row(rows, name) for name in (READ_PASS, EXACT_TOPK, DGC_SELECTION))
     targets = []
-    for name, most in TARGETS[device.type].items():
-        row = find_row(rows, name)
-        passes = row.median_ms / read.median_ms
-        targets.append({"target": f"{name} <= {most:g}x one read pass", "met": passes <= most,
-                        "detail": f"median {row.median_ms:.2f} ms = {passes:.2f}x the read pass "
-                                  f"({read.median_ms:.2f} ms); minima {row.min_ms:.2f} ms = "
-                                  f"{row.min_ms / read.min_ms:.2f}x ({read.min_ms:.2f} ms)"})
+    for names, most in TARGETS[device.type].items():
+        names = (names,) if isinstance(names, str) else names
+        median_ms = sum(find_row(rows, name).median_ms for name in names)
+        min_ms = sum(find_row(rows, name).min_ms for name in names)
+        passes = median_ms / read.median_ms
+        what = "median" if len(names) == 1 else "sum of medians"
+        targets.append({"target": f"{' + '.join(names)} <= {most:g}x one read pass",
+                        "met": passes <= most,
+                        "detail": f"{what} {median_ms:.2f} ms = {passes:.2f}x the read pass "
+                                  f"({read.median_ms:.2f} ms); minima {min_ms:.2f} ms = "
+                                  f"{min_ms / read.min_ms:.2f}x ({read.min_ms:.2f} ms)"})
     speedup = topk.median_ms / dgc.median_ms
     targets.append(
         {"target": f"DGC selection >= {MIN_TOPK_SPEEDUP:g}x faster than torch.topk",

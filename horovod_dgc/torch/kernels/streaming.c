@@ -30,18 +30,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include "floats.h"
+#include "common.h"
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h> /* for the AVX-512 stores, compiled for that target alone */
-#endif
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define VECTOR_CLONES
 #endif
 
 enum { GRAD_FLOAT32 = 0, GRAD_FLOAT16 = 1, GRAD_BFLOAT16 = 2 };

@@ -1,8 +1,15 @@
-/* Float bit patterns shared by the kernels: float32 <-> its bits, and IEEE half to float. */
-#ifndef HOROVOD_DGC_FLOATS_H
-#define HOROVOD_DGC_FLOATS_H
+/* What the kernels share: float32 <-> its bits, 16-bit floats to float, and the clones of a
+ * function for CPUs with AVX2, FMA and F16C (x86-64-v3) beside the baseline. */
+#ifndef HOROVOD_DGC_COMMON_H
+#define HOROVOD_DGC_COMMON_H
 #include <stdint.h>
 #include <string.h>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define VECTOR_CLONES
+#endif
 
 static inline uint32_t float_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float bits_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
