@@ -166,8 +166,8 @@ class ScaleCom(TwoStageMethod):
         sends NaN values, so that the all-reduce tells every rank (the leader's flag alone
         would not: only the leader's message is broadcast)."""
         layout, call = handover.data["layout"], handover.call
-        decoded = ops.decode_positions(received, layout, self.root(call), call.step)
-        indices = self._leader_positions(ops, received, handover) if decoded is None else decoded[0]
+        leader = ops.decode_positions(received, layout, self.root(call), call.step)
+        indices = self._leader_positions(ops, received, handover) if leader is None else leader[0]
         dtype = self.config.value_dtype
         (values,), decoded = value_coding(dtype, layout.capacity).encode(
             ops, ops.gather(handover.data["p"], indices))

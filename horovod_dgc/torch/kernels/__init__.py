@@ -414,9 +414,10 @@ def _plan_row(layout: wire.MessageLayout, offset: int, slot: int, scratch_at: in
     scale_at = spans[-1] if layout.value_format == "int8" else 0
     low_bits, upper_bits, upper_at = ((indices.low_bits, indices.upper_bits, spans[1])
                                       if indices.name == "elias-fano" else (0, 0, 0))
-    return [offset, _INDEX_KINDS[index_kind], layout.numel, layout.capacity, low_bits, upper_bits,
-            spans[0], upper_at, _VALUE_KINDS[layout.value_format], value_at, scale_at, slot,
-            scratch_at]
+    row = [offset, _INDEX_KINDS[index_kind], layout.numel, layout.capacity, low_bits, upper_bits,
+           spans[0], upper_at, _VALUE_KINDS[layout.value_format], value_at, scale_at, slot, scratch_at]
+    assert len(row) == _PLAN_COLUMNS, "bits.c's PLAN_ columns and this row disagree"
+    return row
 
 
 @functools.lru_cache(maxsize=wire.HEADER_TABLES_KEPT)  # a plan per header table
