@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import torch
 
 from benchmarks.compress import synchronize
-from horovod_dgc.core.collectives import ALLREDUCE, emulate
+from horovod_dgc.core.collectives import ALLREDUCE, cut_buckets, emulate
 from horovod_dgc.core.methods import BY_NAME, METHODS
 from horovod_dgc.torch.engine import Engine
 from horovod_dgc.torch.ops import TorchOps
@@ -207,16 +207,7 @@ def decode_buckets(engines: Sequence[Engine], outputs: Sequence[Any], shapes: Se
     """Every rank's decode of sparse messages (``outputs`` of :func:`compress_all`, all of
     kind "sparse") as the fused optimizer decodes them: those of consecutive tensors of about
     ``bucket_bytes`` of float32 gradient together, one call per bucket and rank."""
-    buckets: List[List[int]] = [[]]
-    size = 0
-    for i, shape in enumerate(shapes):
-        nbytes = 4 * math.prod(shape)
-        if buckets[-1] and size + nbytes > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(i)
-        size += nbytes
-    for bucket in filter(None, buckets):
+    for bucket in cut_buckets([4 * math.prod(shape) for shape in shapes], bucket_bytes):
         gathered = torch.cat([outputs[i][r][1].message for r in range(len(engines)) for i in bucket])
         for rank, engine in enumerate(engines):
             engine.decompress(gathered, [outputs[i][rank][1] for i in bucket])

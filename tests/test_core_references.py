@@ -9,7 +9,7 @@ import torch
 
 from horovod_dgc.core import (CompressCall, DGC, DGCConfig, ScaleCom,
                               ScaleComConfig, TopK, TopKConfig)
-from horovod_dgc.core.collectives import emulate
+from horovod_dgc.core.collectives import cut_buckets, emulate
 from horovod_dgc.core.selection import gaussian_threshold, top_count
 from horovod_dgc.core.blocksign import BlockSign, BlockSignConfig, block_scales
 from horovod_dgc.core.ops import TensorOps
@@ -241,3 +241,11 @@ def test_blocksign_momentum_is_nesterovs_on_the_unscaled_gradient(device):
             errors[r] = [v - (l1 if v >= 0 else -l1) for v in p]
             assert states[r]["momentum"].tolist() == pytest.approx(moms[r], rel=1e-5, abs=1e-5), (t, r)
             assert states[r]["residual"].tolist() == pytest.approx(errors[r], rel=1e-4, abs=1e-4), (t, r)
+
+
+def test_buckets_close_before_the_item_that_would_pass_the_cap():
+    # By hand: 40 + 50 fit 100; 30 would make 120; 100 alone is exactly the cap; 150 alone
+    # passes it and still gets a bucket; 1 + 1 follow it in a new one.
+    assert cut_buckets([40, 50, 30, 100, 150, 1, 1], 100) == [[0, 1], [2], [3], [4], [5, 6]]
+    assert cut_buckets([50, 50], 100) == [[0, 1]]  # reaching the cap is not passing it
+    assert cut_buckets([], 100) == []

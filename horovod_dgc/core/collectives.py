@@ -1,6 +1,6 @@
 """The collectives a method exchanges through, by kind, framework-free: what each worker
 receives (:func:`emulate`, the reference for tests), and how several tensors' messages share
-one collective (:func:`join`, :func:`split`: a bucket of the fused optimizer).
+one collective (:func:`cut_buckets`, :func:`join`, :func:`split`: the fused optimizer's buckets).
 
 The adapters' collectives modules launch the real ones under the same kinds, each as a
 :class:`Transport` (Horovod's; for PyTorch also ``torch.distributed``'s), so that a family's
@@ -18,6 +18,21 @@ ALLREDUCE = "allreduce"  # everyone receives the average of all messages
 ALLTOALL = "alltoall"    # worker j receives chunk j of every worker's message, in rank order
 ALLGATHER = "allgather"  # everyone receives all messages, concatenated in rank order
 KINDS = (BROADCAST, ALLREDUCE, ALLTOALL, ALLGATHER)
+
+
+def cut_buckets(sizes_bytes: Sequence[int], cap_bytes: float) -> List[List[int]]:
+    """The indices of consecutive items of ``sizes_bytes``, cut into buckets of about
+    ``cap_bytes``: a bucket closes before the item that would take it past the cap, and an
+    item larger than the cap has a bucket of its own."""
+    buckets: List[List[int]] = [[]]
+    size = 0
+    for i, nbytes in enumerate(sizes_bytes):
+        if buckets[-1] and size + nbytes > cap_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += nbytes
+    return [b for b in buckets if b]
 
 
 class Transport(Protocol):

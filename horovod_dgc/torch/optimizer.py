@@ -23,6 +23,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import horovod.torch as hvd
 import torch
 
+from ..core.collectives import cut_buckets
 from ..core.methods import spec_of
 from .collectives import PREFIX, wait
 from .compression import Compression, MethodCompressor, check_optimizer_compatible
@@ -59,18 +60,10 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         the order backward produces them), cut into buckets of about ``cap_mb`` dense
         megabytes."""
         engine = self._compression.engine
-        buckets: List[List[torch.nn.Parameter]] = [[]]
-        size = 0
-        for p in reversed(self._params):
-            if (engine.compresses(p) and not Engine.passes_through(p)) != compressed:
-                continue
-            nbytes = p.numel() * p.element_size()
-            if buckets[-1] and size + nbytes > cap_mb * 2 ** 20:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(p)
-            size += nbytes
-        return [b for b in buckets if b]
+        params = [p for p in reversed(self._params)
+                  if (engine.compresses(p) and not Engine.passes_through(p)) == compressed]
+        return [[params[i] for i in bucket]
+                for bucket in cut_buckets([p.numel() * p.element_size() for p in params], cap_mb * 2 ** 20)]
 
     def _reset_step(self) -> None:
         self._ready: set = set()
