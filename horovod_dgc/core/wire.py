@@ -288,9 +288,10 @@ def receive(ops: TensorOps, data: Tensor, expected: Sequence[Expected], step: An
 class HeaderTable:
     """Every header of some senders' messages for some layouts (each sender's messages in
     layout order, sender after sender: an allgather's, or one broadcast message), for a
-    kernel that checks them all in one loop: message m's header starts at ``offsets[m]``, and its word w must lie
-    in ``[low[m * words + w], high[m * words + w]]``, except the step word, which must equal
-    :func:`step_word` of the decoding step (``low`` and ``high`` hold 0 there)."""
+    kernel that checks them all in one loop: message m's header starts at ``offsets[m]``,
+    and its word w must lie in ``[low[m * words + w], high[m * words + w]]``, except the step
+    word, which must equal :func:`step_word` of the decoding step (``low`` and ``high`` hold 0
+    there)."""
 
     low: Tuple[int, ...]
     high: Tuple[int, ...]

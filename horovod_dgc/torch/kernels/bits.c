@@ -257,15 +257,6 @@ enum {
     PLAN_COLUMNS
 };
 
-/* Whether `count` positions are non-decreasing (sum_sparse's assumption). */
-static int ascending(const int64_t *positions, int64_t count)
-{
-    for (int64_t i = 1; i < count; ++i)
-        if (positions[i] < positions[i - 1])
-            return 0;
-    return 1;
-}
-
 /* The first `count` positions of a message into `out` (room for its capacity, the rest 0);
  * whether they agree with its count and lie inside its tensor, as codecs.py decides. */
 static int decode_positions(const uint8_t *message, const int64_t *row, int64_t count, int64_t *out)
@@ -531,8 +522,9 @@ static PyObject *encode_message(PyObject *self, PyObject *args)
         return NULL;
     const int64_t *row = (const int64_t *)(uintptr_t)plan_row;
     if (count < 0 || count > row[PLAN_CAPACITY] || header_bytes > nbytes) {
-        PyErr_Format(PyExc_ValueError, "encode_message: count=%lld for a capacity of %lld",
-                     count, (long long)row[PLAN_CAPACITY]);
+        PyErr_Format(PyExc_ValueError, "encode_message: count=%lld for a capacity of %lld, a "
+                     "header of %zd bytes in a message of %lld", count,
+                     (long long)row[PLAN_CAPACITY], header_bytes, nbytes);
         return NULL;
     }
     uint8_t *message = (uint8_t *)(uintptr_t)out;

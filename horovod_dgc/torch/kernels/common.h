@@ -1,5 +1,6 @@
-/* What the kernels share: float32 <-> its bits, 16-bit floats to float, and the clones of a
- * function for CPUs with AVX2, FMA and F16C (x86-64-v3) beside the baseline. */
+/* What the kernels share: float32 <-> its bits, 16-bit floats to float, the order sum_sparse
+ * assumes of positions, and the clones of a function for CPUs with AVX2, FMA and F16C
+ * (x86-64-v3) beside the baseline. */
 #ifndef HOROVOD_DGC_COMMON_H
 #define HOROVOD_DGC_COMMON_H
 #include <stdint.h>
@@ -28,4 +29,13 @@ static inline float half_to_float(uint16_t h)
 }
 
 static inline float bfloat16_to_float(uint16_t h) { return bits_float((uint32_t)h << 16); }
+
+/* Whether `count` positions are non-decreasing: what sum_sparse assumes of a message. */
+static inline int ascending(const int64_t *positions, int64_t count)
+{
+    for (int64_t i = 1; i < count; ++i)
+        if (positions[i] < positions[i - 1])
+            return 0;
+    return 1;
+}
 #endif

@@ -558,11 +558,9 @@ static PyObject *sorted_within(PyObject *self, PyObject *args)
     for (long long m = 0; m < n_messages; ++m) {
         const int64_t *positions = (const int64_t *)(uintptr_t)words[3 * m];
         int64_t count = words[3 * m + 2];
-        if (count > 0 && (positions[0] < 0 || positions[count - 1] >= numel))
+        if ((count > 0 && (positions[0] < 0 || positions[count - 1] >= numel)) ||
+            !ascending(positions, count))
             Py_RETURN_FALSE;
-        for (int64_t i = 1; i < count; ++i)
-            if (positions[i] < positions[i - 1])
-                Py_RETURN_FALSE;
     }
     Py_RETURN_TRUE;
 }
