@@ -18,10 +18,11 @@ One float32 gradient of ResNet-50's size (``torch.randn``, fixed seed) is timed 
   end on rank 0 of 4 (its stage 2 and the final decoding).
 
 Each row reports the median, minimum and maximum over the timed rounds (a round runs every row
-once, in a shuffled order), its cost in read passes (medians) and its speed-up over ``torch.topk``. Then DGC's
-selection is checked (exactly k indices, the exact top-k set) and every row with a target is
-judged against it (``TARGETS``). Every method of the table (``horovod_dgc.core.methods``) gets
-a compress row and a decode row; a selection is one line in ``SELECTIONS``.
+once, in a shuffled order), its cost in read passes (medians) and its speed-up over
+``torch.topk``. Then DGC's selection is checked (exactly k indices, the exact top-k set) and
+every row with a target is judged against it (``TARGETS``). Every method of the table
+(``horovod_dgc.core.methods``) gets a compress row and a decode row; a selection is one line
+in ``SELECTIONS``.
 
     .venv/bin/python -m benchmarks.compress [--numel N] [--density D] [--repeat R]
                                                 [--threads T] [--device cpu|cuda] [--json PATH]
@@ -29,9 +30,9 @@ a compress row and a decode row; a selection is one line in ``SELECTIONS``.
 from __future__ import annotations
 
 import argparse
-import random
 import json
 import os
+import random
 import statistics
 import time
 from dataclasses import dataclass, field

@@ -7,8 +7,8 @@ compressed, the collectives emulated), on the CPU with the C kernels, one thread
 decodes each step's messages twice, in alternating order: each tensor's on their own, as the
 stock path does, and each bucket's (about 25 MB of gradient, as ``DistributedOptimizer``
 cuts them) in one call, as our fused optimizer does; ScaleCom and blocksign finish each
-tensor on its own either way. Gradients are fresh ``randn`` draws every step; after the first ``--warmup``
-steps (not timed) each step's candidate bound fits the next, as in training
+tensor on its own either way. Gradients are fresh ``randn`` draws every step; after the
+first ``--warmup`` steps (not timed) each step's candidate bound fits the next, as in training
 (docs/benchmarks.md, "Candidates collected in the pass"). Rounds alternate between methods
 and the median is reported::
 
@@ -75,7 +75,7 @@ class Run:
         outputs = compress_all(self.engines, self.names, grads)
         seconds = {"compress_s": (time.perf_counter() - started) / world}
         sparse = [i for i, per_rank in enumerate(outputs) if per_rank[0][0] == "sparse"]
-        others = [i for i in range(len(outputs)) if i not in set(sparse)]
+        others = sorted(set(range(len(outputs))) - set(sparse))
 
         def pick(items, chosen):
             return [items[i] for i in chosen]
