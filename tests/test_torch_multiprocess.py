@@ -102,7 +102,7 @@ def test_compressors_find_the_parameter_names_of_the_stock_optimizer():
 
 
 # Slow, and out of make test, while an intermittent hang is open (README, "Open problem"):
-# 3 runs of 28 on 2026-11-26, 1 of 86 on 2026-11-27; ranks time out in Horovod's background
+# 3 runs of 28 on 2026-11-26, 1 of 158 on 2026-11-27; ranks time out in Horovod's background
 # loop on a Gloo transfer. make stress-hierarchical runs this job in a loop and dumps stacks.
 @pytest.mark.slow
 @pytest.mark.parametrize("runs", RUN_LISTS)
