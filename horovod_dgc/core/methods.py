@@ -47,6 +47,14 @@ class MethodSpec:
         """Whether the options include a ``density`` (the sparse selections do)."""
         return any(f.name == "density" for f in dataclasses.fields(self.config))
 
+    @property
+    def factory_doc(self) -> str:
+        """The docstring of both adapters' ``Compression.<name>`` factory."""
+        return (f"{self.summary[0].upper()}{self.summary[1:]}; options: "
+                f":class:`~{self.config.__module__}.{self.config.__name__}`. "
+                f"``hierarchical=True``: average densely inside each host and compress "
+                f"between hosts only (:mod:`horovod_dgc.core.hosts`).")
+
     def build(self, world_size: Optional[int] = None, **options: Any) -> Method:
         """The method with these options (validated by its config), exchanged as its
         ``aggregation`` option says, if it has one (``"auto"`` picks by ``world_size``).

@@ -414,10 +414,7 @@ def _factory(spec: MethodSpec) -> Callable[..., MethodCompressor]:
         return compressor
 
     factory.__name__ = spec.name
-    factory.__doc__ = (f"{spec.summary[0].upper()}{spec.summary[1:]}; options: "
-                       f":class:`~{spec.config.__module__}.{spec.config.__name__}`. "
-                       f"``hierarchical=True``: average densely inside each host and compress "
-                       f"between hosts only (:mod:`horovod_dgc.core.hosts`).")
+    factory.__doc__ = spec.factory_doc
     return factory
 
 
