@@ -181,11 +181,9 @@ class ScaleCom(TwoStageMethod):
         positions decoded and checked."""
         layout, call = handover.data["layout"], handover.call
         expected = [(layout, self.root(call))]
-        received = wire.receive(ops, received, expected, call.step, call.rank)
-        positions, _, consistent = layout.decode(ops, received.parts[0],
-                                                 ops.gather(received.counts, 0), "float32")
-        (indices,) = wire.checked_positions(ops, [(positions, consistent)], expected, call.step)
-        return indices
+        _, [(positions, _, _)] = wire.decode_received(ops, received, expected, call.step,
+                                                       ["float32"], call.rank)
+        return positions
 
     def finish(self, ops: TensorOps, received: Tensor, handover: StageHandover) -> Tuple[Tensor, Scalar]:
         call = handover.call

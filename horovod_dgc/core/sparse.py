@@ -185,11 +185,7 @@ def _sum_messages(ops: TensorOps, gathered: Tensor, layouts: Sequence[wire.Messa
     message decoded and its positions checked, then ``sums[t]`` = (1/N) * the sum over ranks
     of tensor t's messages. Returns the sums and each message's flags word."""
     expected = [(layout, rank) for rank in range(world_size) for layout in layouts]
-    received = wire.receive(ops, gathered, expected, step)
-    counts = [ops.gather(received.counts, i) for i in range(len(received.parts))]
-    decoded = [layouts[i % len(layouts)].decode(ops, parts, counts[i], ops.dtype(sums[i % len(layouts)]))
-               for i, parts in enumerate(received.parts)]
-    positions = wire.checked_positions(ops, [(p, ok) for p, _, ok in decoded], expected, step)
-    messages = list(zip(positions, [values for _, values, _ in decoded], counts))
+    dtypes = [ops.dtype(sums[m % len(layouts)]) for m in range(len(expected))]
+    flags, messages = wire.decode_received(ops, gathered, expected, step, dtypes)
     return ([ops.sum_sparse(s, messages[t::len(layouts)], 1.0 / world_size) for t, s in enumerate(sums)],
-            received.flags)
+            flags)

@@ -156,11 +156,9 @@ class SparseAllreduce(TwoStageMethod):
         checked."""
         call = handover.call
         expected = [(layout, r) for r in range(call.world_size)]
-        got = wire.receive(ops, received, expected, call.step, call.rank)
-        decoded = [layout.decode(ops, parts, ops.gather(got.counts, r), state_dtype(handover.dtype))
-                   for r, parts in enumerate(got.parts)]
-        positions = wire.checked_positions(ops, [(p, ok) for p, _, ok in decoded], expected, call.step)
-        return got.flags, [(where, values) for where, (_, values, _) in zip(positions, decoded)]
+        flags, messages = wire.decode_received(ops, received, expected, call.step,
+                                               [state_dtype(handover.dtype)] * len(expected), call.rank)
+        return flags, [(where, values) for where, values, _ in messages]
 
     def second(self, ops: TensorOps, state: State, received: Tensor,
                handover: StageHandover) -> Tuple[Tensor, State]:

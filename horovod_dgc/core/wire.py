@@ -380,3 +380,20 @@ def checked_positions(ops: TensorOps, decoded: Sequence[Tuple[Tensor, Any]],
         out.append(ops.slice(all_positions, offset, ops.numel(positions)))
         offset += ops.numel(positions)
     return out
+
+
+def decode_received(ops: TensorOps, data: Tensor, expected: Sequence[Expected], step: Any,
+                    dtypes: Sequence[str], receiver: Any = None
+                    ) -> Tuple[Tensor, List[Tuple[Tensor, Optional[Tensor], Any]]]:
+    """(each message's flags word, each message's (positions, values as ``dtypes[m]``,
+    count)) of ``data``, the concatenation of one message per entry of ``expected``: every
+    header checked (:func:`receive`), every message decoded, its positions checked
+    (:func:`checked_positions`). What a kernel's decode (``TensorOps.decode_sums``,
+    ``decode_positions``) does in one call, composed."""
+    received = receive(ops, data, expected, step, receiver)
+    counts = [ops.gather(received.counts, m) for m in range(len(expected))]
+    decoded = [layout.decode(ops, parts, count, dtype) for (layout, _), parts, count, dtype
+               in zip(expected, received.parts, counts, dtypes)]
+    positions = checked_positions(ops, [(where, ok) for where, _, ok in decoded], expected, step)
+    return received.flags, [(where, values, count) for where, (_, values, _), count
+                            in zip(positions, decoded, counts)]
