@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -29,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from benchmarks import ROOT, worker_env
 from horovod_dgc.core.methods import METHODS
 
-ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "pytorch_fashion_mnist.py"
 DEFAULT_OUT = Path("results") / "convergence"
 # Points of accuracy a run may lose against its reference (the bounds).
@@ -119,7 +118,7 @@ def launch(args: argparse.Namespace, run: Run) -> Dict:
                "-H", f"localhost:{args.np}", "--gloo", sys.executable, str(EXAMPLE), *flags,
                "--epochs", str(args.epochs), "--train-images", str(args.train_images),
                "--seed", str(args.seed), "--json", str(metrics)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="3")
+    env = worker_env()
     started = time.perf_counter()
     if args.show:
         print(f"-- {run.name}: {' '.join(flags) or 'defaults'}", flush=True)

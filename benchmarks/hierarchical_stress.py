@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, List, Optional, Sequence
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import ROOT, worker_env
+
 WORKER = ROOT / "tests" / "workers" / "hierarchy_torch.py"
 # The run lists of the job, alternated here; tests/test_torch_multiprocess.py's hierarchical
 # test runs each once.
@@ -157,8 +158,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
-               TF_CPP_MIN_LOG_LEVEL="3")
+    env = worker_env()
     if args.no_bytecode:
         env.update(PYTHONPYCACHEPREFIX=tempfile.mkdtemp(prefix="no-bytecode-"),
                    PYTHONDONTWRITEBYTECODE="1")

@@ -3,7 +3,6 @@ Horovod jobs from tests."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,15 +18,7 @@ sys.path.insert(0, str(ROOT))  # the benchmarks package, imported by some tests
 WORKERS = Path(__file__).resolve().parent / "workers"
 BIN = Path(sys.executable).parent
 
-
-def worker_env() -> dict:
-    env = dict(os.environ)
-    env.update(PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1",
-               OMP_NUM_THREADS="1",
-               # OpenMPI refuses root and shared-memory single copy in containers without these.
-               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMPI_MCA_btl_vader_single_copy_mechanism="none")
-    return env
+from benchmarks import worker_env  # noqa: E402  (re-exported for the tests that launch workers)
 
 
 def _run(cmd: List[str], timeout_s: float) -> str:

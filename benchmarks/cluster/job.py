@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from benchmarks import ROOT, worker_env
+
 from .netns import HOST_IFACE, ClusterError, NetnsCluster
 
-ROOT = Path(__file__).resolve().parents[2]
 POLL_INTERVAL_S = 0.2
 STOP_GRACE_S = 3.0
 LOG_TAIL_LINES = 15
@@ -93,12 +94,9 @@ class ClusterJob:
         self._threads: List[threading.Thread] = []
 
     def _env(self, extra: Dict[str, str]) -> Dict[str, str]:
-        pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-        return {**os.environ, "PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1",
-                "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "3",
-                "HOROVOD_DGC_SIZE": str(self.cluster.hosts * self.workers_per_host),
-                "HOROVOD_DGC_LOCAL_SIZE": str(self.workers_per_host),
-                "HOROVOD_DGC_RENDEZVOUS_ADDR": self.cluster.rendezvous_addr, **extra}
+        return worker_env(HOROVOD_DGC_SIZE=str(self.cluster.hosts * self.workers_per_host),
+                          HOROVOD_DGC_LOCAL_SIZE=str(self.workers_per_host),
+                          HOROVOD_DGC_RENDEZVOUS_ADDR=self.cluster.rendezvous_addr, **extra)
 
     def _start(self, label: str, ns: str, mode_args: List[str], env: Dict[str, str],
                echo: bool) -> _Process:
