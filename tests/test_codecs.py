@@ -13,7 +13,7 @@ from horovod_dgc.core import MessageError, TopK, TopKConfig
 from horovod_dgc.core.blocksign import BlockSign, BlockSignConfig
 from horovod_dgc.core.codecs import Bitmap, EliasFano, RawIndices, index_coding, value_coding
 from horovod_dgc.core.method import CompressCall
-from horovod_dgc.core.wire import HEADER_BYTES, HEADER_FIELDS, HEADER_WORDS, MessageLayout
+from horovod_dgc.core.wire import COUNT_WORD, HEADER_BYTES, HEADER_FIELDS, HEADER_WORDS, MessageLayout
 from horovod_dgc.torch.ops import TorchOps
 
 from conftest import randn
@@ -120,9 +120,8 @@ def naive_decode_message(message: bytes, layout: MessageLayout):
     values = list(struct.unpack(f"={layout.capacity}e", parts[-1]))
     if positions is None:
         return None, None
-    # Slots past the count carry position 0 and value 0 (raw keeps what the bytes say).
-    positions = positions if coding == "raw" else positions + [0] * (layout.capacity - len(positions))
-    return positions, values
+    # The slots past the count are padding: whatever their bytes hold, they add nothing.
+    return positions[:count], values[:count]
 
 
 def valid_message(rng: random.Random, device: torch.device):
@@ -205,3 +204,147 @@ def test_a_blocksign_header_names_its_scales_as_values_and_its_signs_as_indices(
     assert words[HEADER_FIELDS.index("value format")] == 1
     assert words[HEADER_FIELDS.index("index format")] == 6
     assert words[HEADER_FIELDS.index("sender rank")] == 0 and words[HEADER_FIELDS.index("step")] == 3
+
+
+VALUE_READERS = {"float32": ("f", 4), "float16": ("e", 2), "bfloat16": ("H", 2), "int8": ("b", 1)}
+
+
+def naive_read_message(message: bytes, reference: bytes, layout: MessageLayout):
+    """(positions, float32 values, flagged) of one message from its bytes alone, as the
+    format defines them, or None where the definition refuses it: every header word equal to
+    the valid ``reference`` message's but the count (0 to capacity) and the flags (0 or 1),
+    and positions that agree with the count and lie inside the tensor."""
+    words = struct.unpack(f"={HEADER_WORDS}i", message[:HEADER_BYTES])
+    fixed = struct.unpack(f"={HEADER_WORDS}i", reference[:HEADER_BYTES])
+    count, flags = words[HEADER_FIELDS.index("count")], words[HEADER_FIELDS.index("flags")]
+    varying = {HEADER_FIELDS.index("count"), HEADER_FIELDS.index("flags")}
+    if (any(w != f for i, (w, f) in enumerate(zip(words, fixed)) if i not in varying)
+            or not 0 <= count <= layout.capacity or flags not in (0, 1)):
+        return None
+    parts, offset = [], HEADER_BYTES
+    for dtype, size in layout.parts:
+        width = {"uint8": 1, "int8": 1, "int32": 4, "float16": 2, "bfloat16": 2, "float32": 4}[dtype]
+        parts.append(message[offset:offset + size * width])
+        offset += -(-size * width // 8) * 8
+    coding, capacity = layout.indices.name, layout.capacity
+    if coding == "elias-fano":
+        positions = naive_decode_elias_fano(parts[0], parts[1], layout.numel, capacity, count)
+    elif coding == "raw":
+        positions = list(struct.unpack(f"={capacity}i", parts[0]))
+        positions = positions if all(0 <= p < layout.numel for p in positions) else None
+    else:
+        ones = [i for i, bit in enumerate(bytes_to_bits(parts[0])[:layout.numel]) if bit]
+        positions = ones if len(ones) == count else None
+    if positions is None:
+        return None
+    # The slots past the count are padding: whatever their bytes hold, they add nothing.
+    positions = positions[:count]
+    fmt = layout.values.name if layout.values.name == "int8" else layout.values.dtype
+    code, _ = VALUE_READERS[fmt]
+    raw = struct.unpack(f"={capacity}{code}", parts[len(layout.indices.parts)])
+    if fmt == "bfloat16":
+        values = torch.tensor([struct.unpack("=f", struct.pack("=I", h << 16))[0] for h in raw])
+    elif fmt == "int8":
+        (scale,) = struct.unpack("=f", parts[-1][:4])
+        values = torch.tensor(raw, dtype=torch.float32) * torch.tensor(scale, dtype=torch.float32)
+    else:
+        values = torch.tensor(raw, dtype=torch.float32)
+    return positions, values[:count], bool(flags)
+
+
+def gathered_messages(rng: random.Random, fmt: str):
+    """A valid allgather of 2 ranks' messages for 3 tensors whose sizes and densities pick
+    Elias-Fano, bitmap and raw index codings, values in ``fmt`` (a bfloat16 gradient for
+    bfloat16), at a random step: (method, the bytes, each message's layout in order, step)."""
+    method = TopK(TopKConfig(value_dtype="float16" if fmt == "bfloat16" else fmt))
+    dtype = torch.bfloat16 if fmt == "bfloat16" else torch.float32
+    tensors = [(rng.choice([5000, 20_000]), rng.choice([0.002, 0.01])),
+               (rng.choice([1000, 3000]), rng.choice([0.3, 0.5])),
+               (rng.choice([64, 200]), 0.01)]
+    step, world, messages, layouts = rng.randrange(1 << 20), 2, [], []
+    for rank in range(world):
+        for t, (n, density) in enumerate(tensors):
+            grad = torch.randn(n, generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+            result = method.compress(ops, method.init_state(ops, grad.to(dtype), True, world),
+                                     grad.to(dtype), CompressCall(f"t{t}", rank, world, step, density))
+            messages.append(result.message)
+            layouts.append(result.layout)
+    return method, bytes(torch.cat(messages).numpy().tobytes()), layouts, step
+
+
+class CountingOps(TorchOps):
+    """TorchOps that counts the decodes its C kernels took, or (``kernel=False``) makes a
+    GPU's choices on the CPU: every decode is then the core's composition of torch
+    operations, as on a GPU."""
+
+    def __init__(self, kernel: bool) -> None:
+        super().__init__()
+        self.kernel, self.kernel_decodes = kernel, 0
+
+    def sizes_cost_a_wait(self, x: torch.Tensor) -> bool:
+        return not self.kernel or super().sizes_cost_a_wait(x)
+
+    def decode_sums(self, *args, **kwargs):
+        flags = super().decode_sums(*args, **kwargs)
+        self.kernel_decodes += flags is not None
+        return flags
+
+
+@pytest.mark.parametrize("decoder", ["kernel", "composition"])
+@pytest.mark.parametrize("fmt", ["float32", "float16", "bfloat16", "int8"])
+def test_2500_mutated_gathers_of_each_value_format_decode_as_the_definition_or_raise(fmt, decoder):
+    """The C decoder (``decode_messages`` and ``sum_sparse``) and the core's composition on
+    hostile input, 10,000 trials each over the four value formats: 2 ranks' messages for 3
+    tensors coded as Elias-Fano, bitmap and raw, random bytes changed, a count lowered (or
+    all bytes random, or cut short). Every trial ends in a MessageError or in each tensor
+    being exactly the average the definition reads from the bytes (NaN where a rank flagged
+    it). Catches a decoder that accepts a header word it should not (a sender's rank, the
+    step), adds the padding past a count, reads a bitmap's padding bits, takes an int8 scale
+    from the wrong place, decodes bfloat16 as float16, adds rank 1's values to the wrong
+    tensor, or reads past a message (a crash)."""
+    rng, decoding = random.Random(f"gathers-{fmt}"), CountingOps(kernel=decoder == "kernel")
+    outcomes, codings = {"error": 0, "decoded": 0}, set()
+    for trial in range(2500):
+        if trial % 50 == 0:
+            method, valid, layouts, step = gathered_messages(rng, fmt)
+            codings |= {layout.indices.name for layout in layouts}
+        data = bytearray(valid)
+        if trial % 10 == 0:
+            data = bytearray(rng.randrange(256) for _ in range(len(data)))
+        else:
+            for _ in range(rng.choice([1, 1, 2, 5])):
+                data[rng.randrange(len(data))] = rng.randrange(256)
+        if trial % 7 == 3:  # a count below the capacity: only raw positions can agree with it
+            layout = rng.choice(layouts)
+            at = sum(other.nbytes for other in layouts[:layouts.index(layout)]) + 4 * COUNT_WORD
+            data[at:at + 4] = struct.pack("=i", rng.randrange(layout.capacity + 1))
+        if trial % 97 == 0:
+            data = data[:rng.randrange(len(data))]
+        out_dtype = "bfloat16" if fmt == "bfloat16" else "float32"
+        try:
+            received = torch.frombuffer(data, dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+            outs, _ = method.decompress(decoding, received, layouts[:3], 2, step, [out_dtype] * 3)
+        except MessageError:
+            outcomes["error"] += 1
+            continue
+        offsets = [sum(layout.nbytes for layout in layouts[:m]) for m in range(len(layouts))]
+        read = [naive_read_message(bytes(data[o:o + layout.nbytes]), valid[o:o + layout.nbytes], layout)
+                for o, layout in zip(offsets, layouts)]
+        assert all(r is not None for r in read), f"trial {trial}: accepted a gather the definition refuses"
+        for t, out in enumerate(outs):
+            expected = torch.zeros(layouts[t].numel)
+            for positions, values, _ in read[t::3]:  # rank 0's message, then rank 1's
+                expected.index_add_(0, torch.tensor(positions, dtype=torch.int64), values * 0.5)
+            if any(flagged for _, _, flagged in read[t::3]):
+                expected.fill_(float("nan"))
+            expected = expected.to(out.dtype)
+            assert torch.equal(out.isnan(), expected.isnan()), f"trial {trial}, tensor {t}"
+            assert torch.equal(out.nan_to_num(), expected.nan_to_num()), f"trial {trial}, tensor {t}"
+        outcomes["decoded"] += 1
+    assert codings == {"elias-fano", "bitmap", "raw"}, codings
+    assert outcomes["error"] > 250 and outcomes["decoded"] > 250, outcomes
+    if decoder == "kernel":
+        # It leaves raw positions out of order (a changed raw index) to the composition.
+        assert decoding.kernel_decodes > 0.9 * outcomes["decoded"], (decoding.kernel_decodes, outcomes)
+    else:
+        assert decoding.kernel_decodes == 0

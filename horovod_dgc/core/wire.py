@@ -201,11 +201,16 @@ class MessageLayout(Layout):
     def decode(self, ops: TensorOps, parts: Sequence[Tensor], count: Any,
                dtype: str) -> Tuple[Tensor, Optional[Tensor], Any]:
         """(``capacity`` positions, their values in ``dtype`` or None, whether the positions
-        agree with ``count`` and the tensor's size)."""
+        agree with ``count`` and the tensor's size). The slots past ``count`` are padding,
+        position 0 and value 0, whatever their bytes hold (a raw coding's, or a changed
+        count's), so that they add nothing."""
         n = len(self.indices.parts)
         positions, consistent = self.indices.decode(ops, parts[:n], count)
-        values = None if self.values is None else self.values.decode(ops, parts[n:], dtype)
-        return positions, values, consistent
+        padding = ops.greater_equal(ops.arange(self.capacity, like=positions), count)
+        positions = ops.where(padding, 0, positions)
+        if self.values is None:
+            return positions, None, consistent
+        return positions, ops.where(padding, 0.0, self.values.decode(ops, parts[n:], dtype)), consistent
 
 
 @dataclass(frozen=True)
