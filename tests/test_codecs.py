@@ -11,6 +11,7 @@ import torch
 
 from horovod_dgc.core import MessageError, TopK, TopKConfig
 from horovod_dgc.core.blocksign import BlockSign, BlockSignConfig
+from horovod_dgc.core.scalecom import ScaleCom, ScaleComConfig, leader_positions
 from horovod_dgc.core.codecs import Bitmap, EliasFano, RawIndices, index_coding, value_coding
 from horovod_dgc.core.method import CompressCall
 from horovod_dgc.core.wire import COUNT_WORD, HEADER_BYTES, HEADER_FIELDS, HEADER_WORDS, MessageLayout
@@ -239,6 +240,8 @@ def naive_read_message(message: bytes, reference: bytes, layout: MessageLayout):
         return None
     # The slots past the count are padding: whatever their bytes hold, they add nothing.
     positions = positions[:count]
+    if layout.values is None:
+        return positions, None, bool(flags)
     fmt = layout.values.name if layout.values.name == "int8" else layout.values.dtype
     code, _ = VALUE_READERS[fmt]
     raw = struct.unpack(f"={capacity}{code}", parts[len(layout.indices.parts)])
@@ -348,3 +351,49 @@ def test_2500_mutated_gathers_of_each_value_format_decode_as_the_definition_or_r
         assert decoding.kernel_decodes > 0.9 * outcomes["decoded"], (decoding.kernel_decodes, outcomes)
     else:
         assert decoding.kernel_decodes == 0
+
+
+@pytest.mark.parametrize("decoder", ["kernel", "composition"])
+def test_10000_mutated_leader_messages_decode_as_the_definition_or_raise(decoder):
+    """ScaleCom's broadcast of the leader's positions (no values) through
+    ``scalecom.leader_positions``, the C kernel's ``decode_positions`` or the composition, on
+    hostile input: each trial a valid message (Elias-Fano, bitmap or raw) with random bytes
+    changed, a count lowered, all bytes random, or cut short, decoded as from leader 1 at its
+    step. Every trial ends in a MessageError or in the positions the definition reads from
+    the bytes, 0 past the count. Catches a decoder that accepts another leader's or step's
+    message, keeps a raw message's positions past a lowered count, or reads past the message."""
+    decoding, rng = CountingOps(kernel=decoder == "kernel"), random.Random(f"leader-{decoder}")
+    method, outcomes, codings = ScaleCom(ScaleComConfig()), {"error": 0, "decoded": 0}, set()
+    for trial in range(10_000):
+        if trial % 50 == 0:
+            n, density = rng.choice([(20_000, 0.002), (3000, 0.3), (200, 0.01)])
+            layout = method.index_layout("w", n, density)
+            codings.add(layout.indices.name)
+            step, count = rng.randrange(1 << 20), layout.capacity
+            positions = sorted(rng.sample(range(n), count))
+            message, _ = layout.encode(ops, layout.header(1, step, count, 0),
+                                       torch.tensor(positions, dtype=torch.int64), count)
+            valid = bytes(message.numpy().tobytes())
+        data = bytearray(valid)
+        if trial % 10 == 0:
+            data = bytearray(rng.randrange(256) for _ in range(len(data)))
+        else:
+            for _ in range(rng.choice([1, 1, 2, 5])):
+                data[rng.randrange(len(data))] = rng.randrange(256)
+        if trial % 7 == 3:
+            data[4 * COUNT_WORD:4 * COUNT_WORD + 4] = struct.pack("=i", rng.randrange(layout.capacity + 1))
+        if trial % 97 == 0:
+            data = data[:rng.randrange(len(data))]
+        received = torch.frombuffer(data, dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+        try:
+            got = leader_positions(decoding, received, layout, 1, step, 0)
+        except MessageError:
+            outcomes["error"] += 1
+            continue
+        read = naive_read_message(bytes(data), valid, layout)
+        assert read is not None, f"trial {trial}: accepted a message the definition refuses"
+        expected, _, _ = read
+        assert got.tolist() == expected + [0] * (layout.capacity - len(expected)), f"trial {trial}"
+        outcomes["decoded"] += 1
+    assert codings == {"elias-fano", "bitmap", "raw"}, codings
+    assert outcomes["error"] > 500 and outcomes["decoded"] > 500, outcomes

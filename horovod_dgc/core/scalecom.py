@@ -166,8 +166,7 @@ class ScaleCom(TwoStageMethod):
         sends NaN values, so that the all-reduce tells every rank (the leader's flag alone
         would not: only the leader's message is broadcast)."""
         layout, call = handover.data["layout"], handover.call
-        leader = ops.decode_positions(received, layout, self.root(call), call.step)
-        indices = self._leader_positions(ops, received, handover) if leader is None else leader[0]
+        indices = leader_positions(ops, received, layout, self.root(call), call.step, call.rank)
         dtype = self.config.value_dtype
         (values,), decoded = value_coding(dtype, layout.capacity).encode(
             ops, ops.gather(handover.data["p"], indices))
@@ -175,15 +174,6 @@ class ScaleCom(TwoStageMethod):
         values = nan_unless(ops, handover.data["finite"], values, dtype)
         handover.data["indices"] = indices
         return values, state
-
-    def _leader_positions(self, ops: TensorOps, received: Tensor, handover: StageHandover) -> Tensor:
-        """``TensorOps.decode_positions`` composed: the leader's message checked, its
-        positions decoded and checked."""
-        layout, call = handover.data["layout"], handover.call
-        expected = [(layout, self.root(call))]
-        _, [(positions, _, _)] = wire.decode_received(ops, received, expected, call.step,
-                                                       ["float32"], call.rank)
-        return positions
 
     def finish(self, ops: TensorOps, received: Tensor, handover: StageHandover) -> Tuple[Tensor, Scalar]:
         call = handover.call
@@ -193,3 +183,16 @@ class ScaleCom(TwoStageMethod):
         dense = ops.scatter_add(dense, handover.data["indices"], ops.cast(received, ops.dtype(dense)))
         update = ops.cast(dense, handover.dtype)
         return nan_unless(ops, finite, update, handover.dtype), finite
+
+
+def leader_positions(ops: TensorOps, received: Tensor, layout: wire.MessageLayout, leader: int,
+                     step: Any, receiver: Any) -> Tensor:
+    """The ``capacity`` positions of the leader's broadcast message (0 past its count), its
+    header and positions checked: by the adapter's kernel (``TensorOps.decode_positions``)
+    where it takes the message, else composed, naming any problem."""
+    decoded = ops.decode_positions(received, layout, leader, step)
+    if decoded is not None:
+        return decoded[0]
+    _, [(positions, _, _)] = wire.decode_received(ops, received, [(layout, leader)], step,
+                                                   ["float32"], receiver)
+    return positions

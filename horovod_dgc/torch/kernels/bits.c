@@ -277,7 +277,7 @@ static int decode_positions(const uint8_t *message, const int64_t *row, int64_t 
             }
             if (p < 0 || p >= numel)  /* padding slots too: the raw coding writes them 0 */
                 return 0;
-            out[i] = p;
+            out[i] = i < count ? p : 0;  /* past the count: padding, whatever the bytes hold */
         }
         return 1;
     case INDEX_ELIAS_FANO: {
