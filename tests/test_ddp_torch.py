@@ -34,6 +34,13 @@ def test_ddp_hook_and_horovod_stock_path_give_the_same_parameters(tmp_path):
             assert torch.equal(hooked[method], first[method]), f"{method}: ranks differ"
 
 
+def test_ddp_gradient_accumulation_under_no_sync_equals_one_pass_of_the_sum():
+    methods = ",".join(PARITY_METHODS)
+    out = torchrun("ddp_torch.py", 2, ["accumulate", "--methods", methods])
+    for method in PARITY_METHODS:
+        assert out.count(f"{method} ddp accumulate ok") == 2, out
+
+
 @pytest.fixture(scope="module")
 def checkpoint_and_misuse():
     """One job for both: the hook's state round trip, and what register() refuses."""

@@ -87,6 +87,15 @@ def test_fused_and_stock_paths_give_the_same_parameters_for_every_method():
         assert out.count(f"{method} paths agree") == 2, out
 
 
+def test_gradient_accumulation_compresses_once_a_step_on_both_paths():
+    """backward_passes_per_step=2 gives the parameters of one pass of the two gradients'
+    sum, every method, stock and fused paths (tests/workers/accumulation_torch.py)."""
+    out = horovodrun("accumulation_torch.py", 2)
+    for method in ("dgc", "topk", "gaussiank", "scalecom", "blocksign"):
+        for path in ("stock", "own"):
+            assert out.count(f"{method} {path} accumulation ok") == 2, out
+
+
 def test_bfloat16_models_adam_and_dgc_refusing_adam():
     out = horovodrun("conditions_torch.py", 2)
     assert out.count("conditions ok") == 2, out

@@ -9,6 +9,7 @@ Modes (first argument, comma-separated):
   gradients, parameters saved to ``DIR/ddp_rank{r}.pt``. With ``--horovod`` (run under
   ``horovodrun``) the same steps go through the stock ``hvd.DistributedOptimizer`` instead
   and are saved to ``DIR/horovod_rank{r}.pt``: the test compares the two.
+* ``accumulate``: gradient accumulation under DDP's ``no_sync`` equals one pass of the sum.
 * ``checkpoint``: the hook's state saved after 3 steps and loaded into a fresh model and
   compressor continues exactly as the original; another rank's or method's state is refused.
 * ``misuse``: what ``register`` refuses, and with which error.
@@ -139,6 +140,34 @@ def train_horovod(method: str, hvd) -> torch.Tensor:
     return flat(module)
 
 
+# -- accumulate -------------------------------------------------------------------------------
+def accumulate(method: str) -> None:
+    """Gradient accumulation under ``no_sync``: a first backward pass outside DDP's
+    synchronisation, a second inside it, each step, give the parameters one backward pass of
+    the two gradients' sum gives (autograd adds the passes with the same rounding). Catches a
+    hook whose state counts something per pass or drops what ``no_sync`` accumulated."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    runs = []
+    for passes in (2, 1):
+        module, model, state, sgd = setup(method)
+        for step in range(STEPS):
+            state.set_epoch(0)
+            sgd.zero_grad()
+            first, second = gradients(module, rank, 2 * step), gradients(module, rank, 2 * step + 1)
+            if passes == 2:
+                with model.no_sync():
+                    model(first).backward()
+                model(second).backward()
+            else:
+                model([a + b for a, b in zip(first, second)]).backward()
+            sgd.step()
+        runs.append(flat(module))
+    difference = float((runs[0] - runs[1]).abs().max())
+    assert float((runs[1] - flat(Injected())).abs().max()) > 0.01, f"{method}: nothing moved"
+    assert difference <= 1e-6, f"rank {rank} {method}: accumulation under no_sync differs by {difference}"
+    print(f"rank {rank}/{size} {method} ddp accumulate ok", flush=True)
+
+
 # -- checkpoint -------------------------------------------------------------------------------
 def checkpoint(method: str) -> None:
     rank = dist.get_rank()
@@ -222,7 +251,7 @@ def no_horovod_initialized() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("modes", help="comma-separated: aggregate, train, checkpoint, misuse")
+    parser.add_argument("modes", help="comma-separated: aggregate, train, accumulate, checkpoint, misuse")
     parser.add_argument("--methods", default="topk,dgc")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--horovod", action="store_true",
@@ -246,6 +275,9 @@ def main() -> None:
             results = {m: train_ddp(m) for m in methods}
             torch.save(results, args.out / f"ddp_rank{dist.get_rank()}.pt")
             print(f"rank {dist.get_rank()} ddp trained", flush=True)
+        elif mode == "accumulate":
+            for method in methods:
+                accumulate(method)
         elif mode == "checkpoint":
             for method in methods:
                 checkpoint(method)
