@@ -69,6 +69,17 @@ def test_keras_optimizer_compressors_need_no_variables(methods):
 @pytest.mark.parametrize("methods", [
     "dgc,scalecom,blocksign",  # one of each exchange: allgather, broadcast + allreduce, alltoall
     pytest.param("topk,gaussiank", marks=pytest.mark.slow)])
+def test_keras_gradient_accumulation_compresses_once_a_step(methods):
+    """backward_passes_per_step=2 through Horovod's Keras optimizer gives the weights of one
+    pass of the two gradients' sum (tests/workers/accumulation_tensorflow.py)."""
+    out = horovodrun("accumulation_tensorflow.py", 2, ["--methods", methods], timeout_s=600)
+    for method in methods.split(","):
+        assert out.count(f"{method} keras accumulation ok") == 2, out
+
+
+@pytest.mark.parametrize("methods", [
+    "dgc,scalecom,blocksign",  # one of each exchange: allgather, broadcast + allreduce, alltoall
+    pytest.param("topk,gaussiank", marks=pytest.mark.slow)])
 def test_loss_scale_overflow_on_one_rank_is_skipped_by_every_rank_and_memories_stay_unscaled(methods):
     out = horovodrun("amp_tensorflow.py", 2, ["--methods", methods], timeout_s=900)
     for method in methods.split(","):
