@@ -96,6 +96,12 @@ def test_gradient_accumulation_compresses_once_a_step_on_both_paths():
             assert out.count(f"{method} {path} accumulation ok") == 2, out
 
 
+def test_sparse_gradients_are_refused_or_compressed_as_dense_as_asked():
+    out = horovodrun("sparse_torch.py", 2)
+    for method in ("dgc", "topk"):
+        assert out.count(f"{method} sparse_as_dense ok") == 2, out
+
+
 def test_bfloat16_models_adam_and_dgc_refusing_adam():
     out = horovodrun("conditions_torch.py", 2)
     assert out.count("conditions ok") == 2, out

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import threading
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -146,11 +147,22 @@ class MethodCompressor(CompressorControls, Compressor):
             if entry is None or entry[1].grad is not tensor:
                 self._by_grad = {id(p.grad): (n, p) for n, p in self._parameters().items()
                                  if p.grad is not None}
-                entry = self._by_grad.get(id(tensor))
+                entry = self._by_grad.get(id(tensor)) or self._densified_from(tensor)
         if entry is None:
             raise ValueError(f"compress() got a tensor of shape {tuple(tensor.shape)} that is not "
-                             f"the .grad of any parameter in named_parameters")
+                             f"the .grad of any parameter in named_parameters (nor the dense form "
+                             f"of exactly one parameter's sparse .grad)")
         return entry
+
+    def _densified_from(self, tensor: torch.Tensor) -> Optional[Tuple[str, torch.nn.Parameter]]:
+        """The parameter whose sparse gradient ``tensor`` is the dense form of: Horovod's
+        ``sparse_as_dense=True`` hands compress() ``p.grad.to_dense()``, a new tensor. Values
+        decide only between sparse gradients of the same shape. Caller holds the lock."""
+        matches = [(n, p) for n, p in self._parameters().items()
+                   if p.grad is not None and p.grad.is_sparse and p.grad.shape == tensor.shape]
+        if len(matches) > 1:
+            matches = [(n, p) for n, p in matches if torch.equal(p.grad.to_dense(), tensor)]
+        return matches[0] if len(matches) == 1 else None
 
     def compress(self, tensor: torch.Tensor):
         if Engine.passes_through(tensor):
@@ -220,6 +232,19 @@ class MethodCompressor(CompressorControls, Compressor):
                     f"horovod_dgc compressors exchange among all {hvd.size()} workers; the "
                     f"optimizer was given a process set of {process_set.size()}: use the "
                     f"global process set (process sets are not supported)")
+            if not getattr(optimizer, "sparse_as_dense", True):
+                self._warn_of_sparse_gradients()
+
+    def _warn_of_sparse_gradients(self) -> None:
+        """Horovod sends a sparse gradient by an allgather of its own, never through
+        compress(): say which parameters travel so, uncompressed."""
+        with self._lock:
+            sparse = [n for n, p in self._parameters().items() if p.grad is not None and p.grad.is_sparse]
+        if sparse:
+            warnings.warn(f"the sparse gradients of {sparse} bypass the compressor: Horovod sends "
+                          f"them uncompressed by a sparse allgather of its own; pass "
+                          f"sparse_as_dense=True to hvd.DistributedOptimizer to compress them",
+                          stacklevel=2)
 
 
 @dataclass

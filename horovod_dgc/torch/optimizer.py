@@ -11,7 +11,8 @@ Same signature as ``hvd.DistributedOptimizer``. Against the stock path it adds:
   path, and the bucket's messages share one collective per stage (the compressor's family
   says how) instead of one per tensor plus a placeholder all-reduce. The tensors that travel
   dense form buckets of their own the same way, one all-reduce per bucket and dtype;
-* ``backward_passes_per_step``: gradients accumulate locally and compress once.
+* ``backward_passes_per_step``: gradients accumulate locally and compress once;
+* ``sparse_as_dense``: as Horovod's, a sparse gradient is made dense (and then compressed).
 """
 from __future__ import annotations
 
@@ -37,9 +38,10 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, named_parameters: List[Tuple[str, torch.nn.Parameter]],
                  compression: MethodCompressor, backward_passes_per_step: int,
-                 bucket_cap_mb: float):
+                 bucket_cap_mb: float, sparse_as_dense: bool):
         super(self.__class__, self).__init__(params)
         self._compression = compression
+        self._sparse_as_dense = sparse_as_dense
         self._names: Dict[torch.nn.Parameter, str] = {p: n for n, p in named_parameters}
         self._params: List[torch.nn.Parameter] = [p for _, p in named_parameters if p.requires_grad]
         self.backward_passes_per_step = backward_passes_per_step
@@ -86,6 +88,13 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
             self._submit(p)
 
     def _submit(self, p: torch.nn.Parameter) -> None:
+        if p.grad.is_sparse:
+            if not self._sparse_as_dense:
+                raise ValueError(f"parameter {self._names[p]!r} has a sparse gradient (an "
+                                 "nn.Embedding(sparse=True)?): compression takes dense gradients; "
+                                 "pass sparse_as_dense=True, as to Horovod's DistributedOptimizer, "
+                                 "to compress it as a dense one")
+            p.grad = p.grad.to_dense()
         engine, name, grad = self._compression.engine, self._names[p], p.grad
         if p in self._dense_bucket_of:
             update = None if Engine.passes_through(grad) else engine.dense(name, grad, p)
@@ -253,19 +262,22 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                          named_parameters: Optional[Iterable[Tuple[str, torch.nn.Parameter]]] = None,
                          compression=Compression.none, backward_passes_per_step: int = 1,
                          op=hvd.Average, gradient_predivide_factor: float = 1.0,
+                         sparse_as_dense: bool = False,
                          bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, **horovod_options):
     """Horovod's ``DistributedOptimizer`` with fused sparse exchange.
 
     Args are Horovod's; with a sparse ``compression`` (``Compression.dgc()`` and friends)
     the optimizer returned is this module's, else Horovod's own. ``bucket_cap_mb``: dense
-    megabytes of gradient per fused allgather.
+    megabytes of gradient per fused allgather. ``sparse_as_dense``: a sparse gradient
+    (``nn.Embedding(sparse=True)``) is made dense and compressed like any other; without it
+    such a gradient is refused at the first backward pass, naming the parameter.
     """
     if not isinstance(compression, MethodCompressor):
         return hvd.DistributedOptimizer(optimizer, named_parameters=named_parameters,
                                         compression=compression,
                                         backward_passes_per_step=backward_passes_per_step, op=op,
                                         gradient_predivide_factor=gradient_predivide_factor,
-                                        **horovod_options)
+                                        sparse_as_dense=sparse_as_dense, **horovod_options)
     if op != hvd.Average or gradient_predivide_factor != 1.0 or horovod_options:
         raise ValueError("sparse compression averages the gradients itself: it supports "
                          "op=hvd.Average, gradient_predivide_factor=1.0 and no other Horovod option "
@@ -278,7 +290,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     compression.bind(named)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_FusedDistributedOptimizer.__dict__))
-    return cls(optimizer.param_groups, named, compression, backward_passes_per_step, bucket_cap_mb)
+    return cls(optimizer.param_groups, named, compression, backward_passes_per_step, bucket_cap_mb,
+               sparse_as_dense)
 
 
 def _named_parameters(optimizer: torch.optim.Optimizer,
