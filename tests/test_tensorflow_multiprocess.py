@@ -66,6 +66,13 @@ def test_keras_optimizer_compressors_need_no_variables(methods):
     assert out.count("double momentum refused") == 2, out
 
 
+def test_embedding_gradients_are_compressed_with_sparse_as_dense_and_named_without():
+    out = horovodrun("sparse_tensorflow.py", 2, timeout_s=600)
+    for path in ("tape", "keras"):
+        for sparse_as_dense in (True, False):
+            assert out.count(f"{path} sparse_as_dense={sparse_as_dense} sparse ok") == 2, out
+
+
 @pytest.mark.parametrize("methods", [
     "dgc,scalecom,blocksign",  # one of each exchange: allgather, broadcast + allreduce, alltoall
     pytest.param("topk,gaussiank", marks=pytest.mark.slow)])

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import re
 import sys
+import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
@@ -106,16 +107,16 @@ def _caller_frames() -> Iterator[Any]:
         frame = frame.f_back
 
 
-def _horovod_reduction(tensor: tf.Tensor) -> Optional[Tuple[Any, Sequence[Any]]]:
-    """(the variable paired with ``tensor``, all the variables) in the Horovod
-    ``allreduce_grads`` call that is compressing ``tensor`` (found among the callers'
+def _horovod_reduction(tensor: tf.Tensor) -> Optional[Tuple[Any, Sequence[Any], Sequence[Any]]]:
+    """(the variable paired with ``tensor``, all the variables, all their gradients) in the
+    Horovod ``allreduce_grads`` call that is compressing ``tensor`` (found among the callers'
     frames), or None when ``compress`` was called some other way."""
     for frame in _caller_frames():
         if frame.f_code.co_name.endswith(_REDUCER):
             grads, variables = frame.f_locals.get("grads"), frame.f_locals.get("vars")
             index = next((i for i, g in enumerate(grads or ()) if g is tensor), None)
             if variables is not None and index is not None:
-                return variables[index], variables
+                return variables[index], variables, grads
     return None
 
 
@@ -306,7 +307,7 @@ class MethodCompressor(CompressorControls, Compressor):
         trace.uses[name] = occurrence + 1
         return name, variable, 0 if graph is None else occurrence
 
-    def _paired(self, variable: Any, variables: Sequence[Any]) -> Tuple[str, Any]:
+    def _paired(self, variable: Any, variables: Sequence[Any], grads: Sequence[Any]) -> Tuple[str, Any]:
         """(name, variable) of the variable Horovod's ``allreduce_grads`` paired with the
         tensor; binds the compressor to that call's ``variables`` if it has none yet."""
         if not self._variables:
@@ -316,6 +317,7 @@ class MethodCompressor(CompressorControls, Compressor):
             optimizer = _horovod_keras_optimizer()
             if optimizer is not None:
                 self.check_optimizer(optimizer)
+            self._warn_of_sparse_gradients(variables, grads)
         name = self._names.get(_identity(variable))
         if name is None:
             known = ", ".join(n for n, _ in self._variables[:3])
@@ -324,6 +326,17 @@ class MethodCompressor(CompressorControls, Compressor):
                 f"this compressor's {len(self._variables)} variables ({known}, ...): a compressor "
                 f"keeps memories for one model's variables; give each tape or optimizer its own")
         return name, variable
+
+    def _warn_of_sparse_gradients(self, variables: Sequence[Any], grads: Sequence[Any]) -> None:
+        """Horovod sends a ``tf.IndexedSlices`` gradient (an embedding's) by allgathers of its
+        own, never through compress(): say which variables travel so, uncompressed."""
+        sparse = [self._names.get(_identity(v), variable_name(v))
+                  for v, g in zip(variables, grads) if isinstance(g, tf.IndexedSlices)]
+        if sparse:
+            warnings.warn(f"the sparse gradients (tf.IndexedSlices) of {sparse} bypass the "
+                          f"compressor: Horovod sends them uncompressed by allgathers of its own; "
+                          f"pass sparse_as_dense=True to the tape or optimizer to compress them",
+                          stacklevel=2)
 
     def _next_by_shape(self, tensor: tf.Tensor, trace: _Trace) -> Tuple[str, Any]:
         """Without Horovod's pairing: the next variable of ``tensor``'s shape and dtype at or
@@ -344,6 +357,10 @@ class MethodCompressor(CompressorControls, Compressor):
         if Engine.passes_through(tensor):
             return tensor, None
         name, variable, occurrence = self._lookup(tensor)
+        if not tensor.shape.is_fully_defined():
+            # sparse_as_dense: Horovod makes a tf.IndexedSlices dense with rows unknown
+            # until run time; the engine sizes its messages from the static shape.
+            tensor = tf.ensure_shape(tensor, variable.shape)
         engine = self.engine
         if not engine.compresses(tensor):
             update = engine.dense(name, tensor, variable)
