@@ -1,10 +1,13 @@
 """The coded message formats against a naive coder written here (Python ints and bytes, the
-format's definition), and a fuzz test of the decoder: random and mutated messages end in a
-clean MessageError or decode to exactly what the naive decoder reads from them."""
+format's definition), and fuzz tests of the decoders (one message; gathers of 2 ranks' messages
+in every value format; ScaleCom's leader positions; the C kernels and the core's composition):
+random and mutated messages end in a clean MessageError or decode to exactly what the naive
+reader (``naive_read_message``) reads from them."""
 import math
 import random
 import struct
 import zlib
+from typing import Sequence, Tuple
 
 import pytest
 import torch
@@ -100,29 +103,72 @@ def test_int8_values_are_levels_of_max_over_127_and_16_bit_values_are_clamped(de
     assert decoded.tolist() == [65504.0, -7.0]
 
 
-def naive_decode_message(message: bytes, layout: MessageLayout):
-    """(positions, values) of a sparse message, from its bytes alone, or None if invalid."""
+VALUE_CODES = {"float32": "f", "float16": "e", "bfloat16": "H", "int8": "b"}  # struct codes
+
+
+def naive_read_message(message: bytes, reference: bytes, layout: MessageLayout):
+    """(positions, float32 values, flagged) of one message from its bytes alone, as the
+    format defines them, or None where the definition refuses it: every header word equal to
+    the valid ``reference`` message's but the count (0 to capacity) and the flags (0 or 1),
+    and positions that agree with the count and lie inside the tensor."""
     words = struct.unpack(f"={HEADER_WORDS}i", message[:HEADER_BYTES])
-    count, offset = words[6], HEADER_BYTES
-    parts = []
+    fixed = struct.unpack(f"={HEADER_WORDS}i", reference[:HEADER_BYTES])
+    count, flags = words[HEADER_FIELDS.index("count")], words[HEADER_FIELDS.index("flags")]
+    varying = {HEADER_FIELDS.index("count"), HEADER_FIELDS.index("flags")}
+    if (any(w != f for i, (w, f) in enumerate(zip(words, fixed)) if i not in varying)
+            or not 0 <= count <= layout.capacity or flags not in (0, 1)):
+        return None
+    parts, offset = [], HEADER_BYTES
     for dtype, size in layout.parts:
-        width = {"uint8": 1, "int8": 1, "int32": 4, "float16": 2, "float32": 4}[dtype]
+        width = {"uint8": 1, "int8": 1, "int32": 4, "float16": 2, "bfloat16": 2, "float32": 4}[dtype]
         parts.append(message[offset:offset + size * width])
         offset += -(-size * width // 8) * 8
-    coding = layout.indices.name
+    coding, capacity = layout.indices.name, layout.capacity
     if coding == "elias-fano":
-        positions = naive_decode_elias_fano(parts[0], parts[1], layout.numel, layout.capacity, count)
+        positions = naive_decode_elias_fano(parts[0], parts[1], layout.numel, capacity, count)
     elif coding == "raw":
-        positions = list(struct.unpack(f"={layout.capacity}i", parts[0]))
+        positions = list(struct.unpack(f"={capacity}i", parts[0]))
         positions = positions if all(0 <= p < layout.numel for p in positions) else None
     else:
         ones = [i for i, bit in enumerate(bytes_to_bits(parts[0])[:layout.numel]) if bit]
         positions = ones if len(ones) == count else None
-    values = list(struct.unpack(f"={layout.capacity}e", parts[-1]))
     if positions is None:
-        return None, None
+        return None
     # The slots past the count are padding: whatever their bytes hold, they add nothing.
-    return positions[:count], values[:count]
+    positions = positions[:count]
+    if layout.values is None:
+        return positions, None, bool(flags)
+    fmt = layout.values.name if layout.values.name == "int8" else layout.values.dtype
+    code = VALUE_CODES[fmt]
+    raw = struct.unpack(f"={capacity}{code}", parts[len(layout.indices.parts)])
+    if fmt == "bfloat16":
+        values = torch.tensor([struct.unpack("=f", struct.pack("=I", h << 16))[0] for h in raw])
+    elif fmt == "int8":
+        (scale,) = struct.unpack("=f", parts[-1][:4])
+        values = torch.tensor(raw, dtype=torch.float32) * torch.tensor(scale, dtype=torch.float32)
+    else:
+        values = torch.tensor(raw, dtype=torch.float32)
+    return positions, values[:count], bool(flags)
+
+
+def mutated(rng: random.Random, valid: bytes, trial: int,
+            counts: Sequence[Tuple[int, int]] = ()) -> bytearray:
+    """``valid`` with 1, 2 or 5 random bytes changed (every tenth trial: all of them random);
+    on every seventh a message's count word lowered (``counts``: each message's (offset of its
+    count word, capacity)), where only raw positions can still agree with it; every 97th cut
+    short."""
+    if trial % 10 == 0:
+        data = bytearray(rng.randrange(256) for _ in range(len(valid)))
+    else:
+        data = bytearray(valid)
+        for _ in range(rng.choice([1, 1, 2, 5])):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+    if counts and trial % 7 == 3:
+        at, capacity = rng.choice(counts)
+        data[at:at + 4] = struct.pack("=i", rng.randrange(capacity + 1))
+    if trial % 97 == 0:
+        data = data[:rng.randrange(len(data))]
+    return data
 
 
 def valid_message(rng: random.Random, device: torch.device):
@@ -144,14 +190,8 @@ def test_10000_random_and_mutated_messages_end_in_a_clean_error_or_a_correct_dec
     for trial in range(10_000):
         if trial % 50 == 0:
             method, result = valid_message(rng, device)
-        data = bytearray(result.message.cpu().numpy().tobytes())
-        if trial % 10 == 0:
-            data = bytearray(rng.randrange(256) for _ in range(len(data)))
-        else:
-            for _ in range(rng.choice([1, 1, 2, 5])):
-                data[rng.randrange(len(data))] = rng.randrange(256)
-        if trial % 97 == 0:
-            data = data[:rng.randrange(len(data))]
+        valid = bytes(result.message.cpu().numpy().tobytes())
+        data = mutated(rng, valid, trial)
         message = torch.tensor(list(data), dtype=torch.uint8, device=device)
         try:
             (out,), _ = method.decompress(decoding, message, [result.layout], 1, 0, ["float32"])
@@ -159,15 +199,15 @@ def test_10000_random_and_mutated_messages_end_in_a_clean_error_or_a_correct_dec
         except MessageError:
             outcomes["error"] += 1
             continue
-        positions, values = naive_decode_message(bytes(data), result.layout)
-        assert positions is not None, f"trial {trial}: accepted a message the definition refuses"
+        read = naive_read_message(bytes(data), valid, result.layout)
+        assert read is not None, f"trial {trial}: accepted a message the definition refuses"
+        positions, values, flagged = read
         # Summed on the CPU, in order, whatever the device (then compared there).
         expected = torch.zeros(result.layout.numel, device="cpu")
-        expected.index_add_(0, torch.tensor(positions, dtype=torch.int64, device="cpu"),
-                            torch.tensor(values, device="cpu"))
+        expected.index_add_(0, torch.tensor(positions, dtype=torch.int64), values)
         out = out.cpu()
-        if struct.unpack("=i", bytes(data[HEADER_BYTES - 4:HEADER_BYTES]))[0]:
-            expected.fill_(float("nan"))  # flagged: the sender's gradient was not finite
+        if flagged:
+            expected.fill_(float("nan"))  # the sender's gradient was not finite
         assert torch.equal(out.isnan(), expected.isnan()), f"trial {trial}"
         assert torch.equal(out.nan_to_num(), expected.nan_to_num()), f"trial {trial}"
         outcomes["decoded"] += 1
@@ -205,54 +245,6 @@ def test_a_blocksign_header_names_its_scales_as_values_and_its_signs_as_indices(
     assert words[HEADER_FIELDS.index("value format")] == 1
     assert words[HEADER_FIELDS.index("index format")] == 6
     assert words[HEADER_FIELDS.index("sender rank")] == 0 and words[HEADER_FIELDS.index("step")] == 3
-
-
-VALUE_READERS = {"float32": ("f", 4), "float16": ("e", 2), "bfloat16": ("H", 2), "int8": ("b", 1)}
-
-
-def naive_read_message(message: bytes, reference: bytes, layout: MessageLayout):
-    """(positions, float32 values, flagged) of one message from its bytes alone, as the
-    format defines them, or None where the definition refuses it: every header word equal to
-    the valid ``reference`` message's but the count (0 to capacity) and the flags (0 or 1),
-    and positions that agree with the count and lie inside the tensor."""
-    words = struct.unpack(f"={HEADER_WORDS}i", message[:HEADER_BYTES])
-    fixed = struct.unpack(f"={HEADER_WORDS}i", reference[:HEADER_BYTES])
-    count, flags = words[HEADER_FIELDS.index("count")], words[HEADER_FIELDS.index("flags")]
-    varying = {HEADER_FIELDS.index("count"), HEADER_FIELDS.index("flags")}
-    if (any(w != f for i, (w, f) in enumerate(zip(words, fixed)) if i not in varying)
-            or not 0 <= count <= layout.capacity or flags not in (0, 1)):
-        return None
-    parts, offset = [], HEADER_BYTES
-    for dtype, size in layout.parts:
-        width = {"uint8": 1, "int8": 1, "int32": 4, "float16": 2, "bfloat16": 2, "float32": 4}[dtype]
-        parts.append(message[offset:offset + size * width])
-        offset += -(-size * width // 8) * 8
-    coding, capacity = layout.indices.name, layout.capacity
-    if coding == "elias-fano":
-        positions = naive_decode_elias_fano(parts[0], parts[1], layout.numel, capacity, count)
-    elif coding == "raw":
-        positions = list(struct.unpack(f"={capacity}i", parts[0]))
-        positions = positions if all(0 <= p < layout.numel for p in positions) else None
-    else:
-        ones = [i for i, bit in enumerate(bytes_to_bits(parts[0])[:layout.numel]) if bit]
-        positions = ones if len(ones) == count else None
-    if positions is None:
-        return None
-    # The slots past the count are padding: whatever their bytes hold, they add nothing.
-    positions = positions[:count]
-    if layout.values is None:
-        return positions, None, bool(flags)
-    fmt = layout.values.name if layout.values.name == "int8" else layout.values.dtype
-    code, _ = VALUE_READERS[fmt]
-    raw = struct.unpack(f"={capacity}{code}", parts[len(layout.indices.parts)])
-    if fmt == "bfloat16":
-        values = torch.tensor([struct.unpack("=f", struct.pack("=I", h << 16))[0] for h in raw])
-    elif fmt == "int8":
-        (scale,) = struct.unpack("=f", parts[-1][:4])
-        values = torch.tensor(raw, dtype=torch.float32) * torch.tensor(scale, dtype=torch.float32)
-    else:
-        values = torch.tensor(raw, dtype=torch.float32)
-    return positions, values[:count], bool(flags)
 
 
 def gathered_messages(rng: random.Random, fmt: str):
@@ -310,19 +302,10 @@ def test_2500_mutated_gathers_of_each_value_format_decode_as_the_definition_or_r
     for trial in range(2500):
         if trial % 50 == 0:
             method, valid, layouts, step = gathered_messages(rng, fmt)
+            counts = [(sum(other.nbytes for other in layouts[:m]) + 4 * COUNT_WORD, layout.capacity)
+                      for m, layout in enumerate(layouts)]
             codings |= {layout.indices.name for layout in layouts}
-        data = bytearray(valid)
-        if trial % 10 == 0:
-            data = bytearray(rng.randrange(256) for _ in range(len(data)))
-        else:
-            for _ in range(rng.choice([1, 1, 2, 5])):
-                data[rng.randrange(len(data))] = rng.randrange(256)
-        if trial % 7 == 3:  # a count below the capacity: only raw positions can agree with it
-            layout = rng.choice(layouts)
-            at = sum(other.nbytes for other in layouts[:layouts.index(layout)]) + 4 * COUNT_WORD
-            data[at:at + 4] = struct.pack("=i", rng.randrange(layout.capacity + 1))
-        if trial % 97 == 0:
-            data = data[:rng.randrange(len(data))]
+        data = mutated(rng, valid, trial, counts)
         out_dtype = "bfloat16" if fmt == "bfloat16" else "float32"
         try:
             received = torch.frombuffer(data, dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
@@ -374,16 +357,7 @@ def test_10000_mutated_leader_messages_decode_as_the_definition_or_raise(decoder
             message, _ = layout.encode(ops, layout.header(1, step, count, 0),
                                        torch.tensor(positions, dtype=torch.int64), count)
             valid = bytes(message.numpy().tobytes())
-        data = bytearray(valid)
-        if trial % 10 == 0:
-            data = bytearray(rng.randrange(256) for _ in range(len(data)))
-        else:
-            for _ in range(rng.choice([1, 1, 2, 5])):
-                data[rng.randrange(len(data))] = rng.randrange(256)
-        if trial % 7 == 3:
-            data[4 * COUNT_WORD:4 * COUNT_WORD + 4] = struct.pack("=i", rng.randrange(layout.capacity + 1))
-        if trial % 97 == 0:
-            data = data[:rng.randrange(len(data))]
+        data = mutated(rng, valid, trial, [(4 * COUNT_WORD, layout.capacity)])
         received = torch.frombuffer(data, dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
         try:
             got = leader_positions(decoding, received, layout, 1, step, 0)
