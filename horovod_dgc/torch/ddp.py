@@ -150,6 +150,14 @@ class DDPCompressionState:
         params, views = bucket.parameters(), bucket.gradients()
         buffer = bucket.buffer()
         names = [self._name_of(p)[0] for p in params]
+        if buffer.is_sparse:
+            # DDP hands a sparse gradient over as a bucket of its own with no dense views:
+            # returning it unchanged would apply each rank's local gradient.
+            error = ValueError(f"rank {self.transport.rank()}: the gradient of {names} is sparse "
+                               f"(an nn.Embedding(sparse=True)?); this hook averages dense "
+                               f"gradients only: make that layer's gradient dense (sparse=False)")
+            self._fail(error)
+            raise error
         flight = _BucketInFlight(bucket.index(), buffer, views, names, torch.futures.Future())
         try:
             self._launch(flight, params)
@@ -248,7 +256,8 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, compression: 
         TypeError: ``ddp_model`` is not a ``DistributedDataParallel``, or ``compression`` not
             one of ours (Horovod's ``Compression.none``/``fp16`` included: use DDP's own
             hooks for those).
-        ValueError: the optimizer would apply momentum twice.
+        ValueError: the optimizer would apply momentum twice, or an embedding of the model
+            has sparse gradients (``sparse=True``).
     """
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"register() needs a torch.nn.parallel.DistributedDataParallel model, "
@@ -258,6 +267,13 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, compression: 
                         f"horovod_dgc.torch), got {type(compression).__module__}."
                         f"{type(compression).__qualname__}; for no compression or float16 use "
                         f"DDP's own hooks (torch.distributed.algorithms.ddp_comm_hooks)")
+    sparse = [name for name, module in ddp_model.module.named_modules()
+              if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse]
+    if sparse:
+        raise ValueError(f"the model's embeddings {sparse} have sparse=True: DDP hands a sparse gradient to the hook as a "
+                         f"bucket of its own, which it can neither compress nor average; build "
+                         f"them with sparse=False (their gradients are then compressed like any "
+                         f"other)")
     transport = DistTransport(ddp_model.process_group)
     state = DDPCompressionState(compression, ddp_model.module.named_parameters(), transport)
     if optimizer is not None:

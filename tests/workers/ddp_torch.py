@@ -29,6 +29,7 @@ import torch.distributed as dist
 import horovod_dgc.torch as hdgc
 from horovod_dgc.core.selection import top_count
 from horovod_dgc.torch import ddp
+from horovod_dgc.torch.dist_collectives import DistTransport
 from aggregate_torch import exact_topk_dense, sent_values
 
 STEPS = 20
@@ -241,7 +242,24 @@ def misuse() -> None:
            register_with(hdgc.Compression.fp16))
     expect(TypeError, ["DistributedDataParallel", "Injected"],
            lambda: ddp.register(module, hdgc.Compression.topk()))
+    sparse_misuse()
     print(f"rank {rank} misuse ok", flush=True)
+
+
+def sparse_misuse() -> None:
+    """A sparse embedding is refused by register(); the hook itself, registered by hand,
+    refuses the sparse bucket DDP gives it instead of letting each rank apply its own
+    gradient (what it silently did: the ranks' embeddings drifted apart)."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Embedding(100, 4, sparse=True), torch.nn.Flatten(),
+                                 torch.nn.Linear(8, 2))
+    expect(ValueError, ["['0']", "sparse=True"], lambda: ddp.register(ddp_model(module), hdgc.Compression.topk()))
+    model = ddp_model(module)
+    state = ddp.DDPCompressionState(hdgc.Compression.topk(), module.named_parameters(),
+                                    DistTransport(model.process_group))
+    model.register_comm_hook(state, ddp.hook)
+    tokens = torch.randint(100, (4, 2), generator=torch.Generator().manual_seed(dist.get_rank()))
+    expect(Exception, ["['0.weight'] is sparse"], lambda: model(tokens).sum().backward())
 
 
 def no_horovod_initialized() -> None:
