@@ -150,14 +150,6 @@ class DDPCompressionState:
         params, views = bucket.parameters(), bucket.gradients()
         buffer = bucket.buffer()
         names = [self._name_of(p)[0] for p in params]
-        if buffer.is_sparse:
-            # DDP hands a sparse gradient over as a bucket of its own with no dense views:
-            # returning it unchanged would apply each rank's local gradient.
-            error = ValueError(f"rank {self.transport.rank()}: the gradient of {names} is sparse "
-                               f"(an nn.Embedding(sparse=True)?); this hook averages dense "
-                               f"gradients only: make that layer's gradient dense (sparse=False)")
-            self._fail(error)
-            raise error
         flight = _BucketInFlight(bucket.index(), buffer, views, names, torch.futures.Future())
         try:
             self._launch(flight, params)
@@ -172,6 +164,12 @@ class DDPCompressionState:
 
     def _launch(self, flight: _BucketInFlight, params: List[torch.Tensor]) -> None:
         engine, transport = self.compression.engine, self.transport
+        if flight.buffer.is_sparse:
+            # DDP hands a sparse gradient over as a bucket of its own with no dense views:
+            # returning it unchanged would apply each rank's local gradient.
+            raise ValueError(f"rank {transport.rank()}: the gradient of {flight.names} is sparse "
+                             f"(an nn.Embedding(sparse=True)?); this hook averages dense "
+                             f"gradients only: make that layer's gradient dense (sparse=False)")
         entries = []
         for position, (name, param, grad) in enumerate(zip(flight.names, params, flight.views)):
             if grad.numel() and not _inside(grad, flight.buffer):
@@ -270,10 +268,10 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, compression: 
     sparse = [name for name, module in ddp_model.module.named_modules()
               if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse]
     if sparse:
-        raise ValueError(f"the model's embeddings {sparse} have sparse=True: DDP hands a sparse gradient to the hook as a "
-                         f"bucket of its own, which it can neither compress nor average; build "
-                         f"them with sparse=False (their gradients are then compressed like any "
-                         f"other)")
+        raise ValueError(f"the model's embeddings {sparse} have sparse=True: DDP hands a sparse "
+                         f"gradient to the hook as a bucket of its own, which it can neither "
+                         f"compress nor average; build them with sparse=False (their gradients "
+                         f"are then compressed like any other)")
     transport = DistTransport(ddp_model.process_group)
     state = DDPCompressionState(compression, ddp_model.module.named_parameters(), transport)
     if optimizer is not None:
