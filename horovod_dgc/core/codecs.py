@@ -44,6 +44,11 @@ def part_bytes(parts: Parts) -> int:
     return sum(-(-count * DTYPE_BYTES[dtype] // ALIGN_BYTES) * ALIGN_BYTES for dtype, count in parts)
 
 
+def past_count(ops: TensorOps, capacity: int, count: Scalar, like: Tensor) -> Tensor:
+    """Which of a message's ``capacity`` slots lie past its ``count``: its padding."""
+    return ops.greater_equal(ops.arange(capacity, like=like), count)
+
+
 @dataclass(frozen=True)
 class IndexCoding:
     """One way to code the sorted positions of a message of ``capacity`` slots for a tensor
@@ -88,8 +93,11 @@ class RawIndices(IndexCoding):
         return [ops.pad(ops.cast(positions, self.dtype), self.capacity)]
 
     def decode(self, ops: TensorOps, parts: Sequence[Tensor], count: Scalar) -> Tuple[Tensor, Scalar]:
+        # Every slot must lie in the tensor (the coding writes 0 past the count), but what a
+        # slot past the count holds is padding: 0, whatever its bytes say.
         positions = ops.cast(parts[0], "int64")
-        return positions, self._in_range(ops, positions)
+        return ops.where(past_count(ops, self.capacity, count, positions), 0, positions), \
+            self._in_range(ops, positions)
 
 
 @dataclass(frozen=True)

@@ -202,15 +202,15 @@ class MessageLayout(Layout):
                dtype: str) -> Tuple[Tensor, Optional[Tensor], Any]:
         """(``capacity`` positions, their values in ``dtype`` or None, whether the positions
         agree with ``count`` and the tensor's size). The slots past ``count`` are padding,
-        position 0 and value 0, whatever their bytes hold (a raw coding's, or a changed
-        count's), so that they add nothing."""
+        position 0 (every index coding's decode) and value 0, whatever their bytes hold, so
+        that they add nothing."""
         n = len(self.indices.parts)
         positions, consistent = self.indices.decode(ops, parts[:n], count)
-        padding = ops.greater_equal(ops.arange(self.capacity, like=positions), count)
-        positions = ops.where(padding, 0, positions)
         if self.values is None:
             return positions, None, consistent
-        return positions, ops.where(padding, 0.0, self.values.decode(ops, parts[n:], dtype)), consistent
+        values = self.values.decode(ops, parts[n:], dtype)
+        padding = codecs.past_count(ops, self.capacity, count, positions)
+        return positions, ops.where(padding, 0.0, values), consistent
 
 
 @dataclass(frozen=True)
