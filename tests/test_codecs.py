@@ -17,7 +17,8 @@ from horovod_dgc.core.blocksign import BlockSign, BlockSignConfig
 from horovod_dgc.core.scalecom import ScaleCom, ScaleComConfig, leader_positions
 from horovod_dgc.core.codecs import Bitmap, EliasFano, RawIndices, index_coding, value_coding
 from horovod_dgc.core.method import CompressCall
-from horovod_dgc.core.wire import COUNT_WORD, HEADER_BYTES, HEADER_FIELDS, HEADER_WORDS, MessageLayout
+from horovod_dgc.core.wire import (COUNT_WORD, HEADER_BYTES, HEADER_FIELDS, HEADER_WORDS, MessageLayout,
+                                   PartsLayout, encode_parts)
 from horovod_dgc.torch.ops import TorchOps
 
 from conftest import randn
@@ -371,3 +372,16 @@ def test_10000_mutated_leader_messages_decode_as_the_definition_or_raise(decoder
         outcomes["decoded"] += 1
     assert codings == {"elias-fano", "bitmap", "raw"}, codings
     assert outcomes["error"] > 500 and outcomes["decoded"] > 500, outcomes
+
+
+def test_a_part_of_another_dtype_than_its_layout_is_refused_naming_the_tensor():
+    """A part's bytes are padded or cut to its slot: a float64 part in a float32 slot would
+    travel as garbage (blocksign's float64 scales did)."""
+    layout = PartsLayout(name="fc.weight", method_id=5, numel=64, capacity=64,
+                         part_list=(("uint8", 8), ("float32", 1)))
+    header = layout.header(0, 0, 64, 0)
+    signs = torch.zeros(8, dtype=torch.uint8)
+    with pytest.raises(TypeError, match=r"'fc.weight': a float64 part where the layout holds float32"):
+        encode_parts(ops, layout, header, [signs, torch.ones(1, dtype=torch.float64)])
+    message = encode_parts(ops, layout, header, [signs, torch.ones(1)])
+    assert message.numel() == layout.nbytes

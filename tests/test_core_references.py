@@ -166,6 +166,41 @@ def test_float16_gradients_too_large_to_sum_in_float16_are_still_finite_and_clip
     assert float(sent[0].float().abs().max()) == pytest.approx(300.0 / norm, rel=1e-3)
 
 
+def exchange(engine: Engine, grad: torch.Tensor) -> torch.Tensor:
+    """The update a one-worker engine decodes from its own message(s) for ``grad`` (a copy:
+    the engine may write the update over the gradient it is given)."""
+    grad = grad.clone()
+    if engine.method.family == "sparse":
+        message = engine.compress("w", grad, None)
+        return engine.decompress(message.message, [message])[0]
+    first, handover = engine.first("w", grad, None)
+    return engine.finish(engine.second("w", first, handover), handover, grad.shape)
+
+
+EVERY_EXCHANGE = [("dgc", {}), ("topk", {}), ("gaussiank", {}), ("scalecom", {}), ("blocksign", {}),
+                  ("blocksign", {"block_size": 64}), ("dgc", {"aggregation": "sparse_allreduce"})]
+
+
+@pytest.mark.parametrize("name,options", EVERY_EXCHANGE)
+def test_float64_gradients_travel_as_their_float32_twins_and_keep_float64_memories(name, options,
+                                                                                   device):
+    """A float64 model's values and scales travel in the wire's float32 and come back float64;
+    each step's update equals the float32 gradient's within float32 rounding. Catches float64
+    bytes cut into a float32 part of the message (blocksign's scales were: its updates came
+    back 1e18 and then NaN) and float64 memories rounded to float32."""
+    from horovod_dgc.core.methods import BY_NAME
+
+    spec = BY_NAME[name]
+    single, double = (Engine(spec.build(**options), world_size=1, rank=0) for _ in range(2))
+    for t in range(3):
+        grad = randn(64, 64, generator=torch.Generator().manual_seed(t), device=device)
+        want, got = exchange(single, grad), exchange(double, grad.double())
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got.float(), want, rtol=1e-5, atol=1e-7)
+    memories = double.state_dict()["states"]["w"]
+    assert {m.dtype for m in memories.values()} == {torch.float64}, sorted(memories)
+
+
 @pytest.mark.parametrize("name,options", [("dgc", {}), ("topk", {}), ("scalecom", {}), ("blocksign", {}),
                                           ("dgc", {"aggregation": "sparse_allreduce"})])
 def test_memories_hold_unscaled_gradients_whatever_the_loss_scale(name, options, device):
@@ -175,16 +210,8 @@ def test_memories_hold_unscaled_gradients_whatever_the_loss_scale(name, options,
     plain, scaled = (Engine(spec.build(**options), world_size=1, rank=0) for _ in range(2))
     scaled.use_loss_scale(lambda: 1024.0)
     grads = [randn(64, 64, generator=torch.Generator().manual_seed(t), device=device) for t in range(3)]
-    for t, grad in enumerate(grads):
-        outputs = []
-        for engine, g in ((plain, grad), (scaled, grad * 1024.0)):
-            if engine.method.family == "sparse":
-                message = engine.compress("w", g, None)
-                outputs.append(engine.decompress(message.message, [message])[0])
-            else:
-                first, handover = engine.first("w", g, None)
-                second = engine.second("w", first, handover)
-                outputs.append(engine.finish(second, handover, g.shape))
+    for grad in grads:
+        outputs = [exchange(plain, grad), exchange(scaled, grad * 1024.0)]
         torch.testing.assert_close(outputs[1], outputs[0] * 1024.0, rtol=1e-6, atol=0)
     for key, value in plain.state_dict()["states"]["w"].items():
         torch.testing.assert_close(scaled.state_dict()["states"]["w"][key], value, rtol=1e-6, atol=1e-7)

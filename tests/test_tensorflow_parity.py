@@ -541,3 +541,43 @@ def test_under_a_loss_scale_memories_stay_unscaled_and_the_update_goes_back_scal
         np.testing.assert_allclose(got, want * current, rtol=1e-6, err_msg=f"step {step}")
         np.testing.assert_allclose(np.asarray(engine.state_dict()["states"]["w"]["residual"]).reshape(-1),
                                    residual, rtol=1e-5, atol=1e-6, err_msg=f"step {step}")
+
+
+FLOAT64_METHODS = {"dgc": METHODS["dgc"], "gaussiank": METHODS["gaussiank"],
+                   "dgc-sparse-allreduce": lambda: DGC(DGCConfig(density=0.01, aggregation="sparse_allreduce")),
+                   **TWO_STAGE}
+
+
+@pytest.mark.parametrize("name", list(FLOAT64_METHODS))
+def test_float64_gradients_agree_with_torch(name):
+    """A float64 model in a tf.function: the same updates as the PyTorch engine's, bit for
+    bit, in float64. Catches float64 bytes cut into the wire's float32 parts (blocksign's
+    scales were: updates of 4e19, and a negative shape with blocks)."""
+    method = FLOAT64_METHODS[name]()
+    shape = (64, 64)
+    spec = [tf.TensorSpec(shape, tf.float64, "w")]
+    torch_engine = TorchEngine(method, world_size=1, rank=0)
+    if method.family == "sparse":
+        engine = Engine(method, spec, world_size=1, rank=0)
+
+        def tf_step(grad):
+            outcome = engine.compress("w", grad, None)
+            return engine.decompress(outcome.message, outcome)
+    else:
+        engine = TwoStageEngine(method, spec, world_size=1, rank=0)
+
+        def tf_step(grad):
+            return engine.exchange("w", grad, None, emulated_single_worker, "w")[0]
+    tf_step = graph_function(tf_step)
+    rs = np.random.RandomState(7)
+    for t in range(3):
+        grad = rs.standard_normal(shape)
+        if method.family == "sparse":
+            outcome = torch_engine.compress("w", torch.from_numpy(grad.copy()), None)
+            expected = torch_engine.decompress(outcome.message, [outcome])[0]
+        else:
+            first, handover = torch_engine.first("w", torch.from_numpy(grad.copy()), None)
+            expected = torch_engine.finish(torch_engine.second("w", first, handover), handover, shape)
+        got = tf_step(tf.constant(grad))
+        assert got.dtype == tf.float64 and expected.dtype == torch.float64
+        np.testing.assert_array_equal(expected.numpy(), got.numpy().reshape(shape), err_msg=f"step {t}")

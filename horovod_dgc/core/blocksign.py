@@ -60,10 +60,15 @@ def shard_length(numel: int, world_size: int, block_size: Optional[int]) -> int:
     return max(1, math.ceil(numel / world_size / unit)) * unit
 
 
+# Block scales travel in float32 whatever the gradient's dtype: a float64 model's scales are
+# rounded before its residual is taken, so the residual keeps what the rounding loses.
+SCALE_DTYPE = "float32"
+
+
 def block_scales(ops: TensorOps, sums: Tensor, block: int, valid: int, length: int) -> Tensor:
-    """``||x_b||_1 / d_b`` per block of ``x`` zero-padded to ``length`` entries, from the
-    block sums ``sums`` of its first ``valid`` entries; d_b counts the block's entries below
-    ``valid``."""
+    """``||x_b||_1 / d_b`` (in :data:`SCALE_DTYPE`) per block of ``x`` zero-padded to
+    ``length`` entries, from the block sums ``sums`` of its first ``valid`` entries; d_b
+    counts the block's entries below ``valid``."""
     sums = ops.pad(sums, -(-length // block))
     full, rest = valid // block, valid % block
     parts = [ops.scale(ops.slice(sums, 0, full), 1.0 / block)]
@@ -72,7 +77,7 @@ def block_scales(ops: TensorOps, sums: Tensor, block: int, valid: int, length: i
     tail = ops.numel(sums) - full - (1 if rest else 0)
     if tail:
         parts.append(ops.slice(sums, ops.numel(sums) - tail, tail))
-    return ops.concat(parts)
+    return ops.cast(ops.concat(parts), SCALE_DTYPE)
 
 
 class BlockSign(TwoStageMethod):
@@ -105,7 +110,7 @@ class BlockSign(TwoStageMethod):
         scales = shard // self._server_block(shard)
         return wire.interned(wire.PartsLayout(name=name, method_id=self.method_id, numel=numel,
                                               capacity=shard,
-                                              part_list=(("uint8", shard // 8), ("float32", scales))))
+                                              part_list=(("uint8", shard // 8), (SCALE_DTYPE, scales))))
 
     def exchanges(self, numel: int, grad_dtype: str, density: float,
                   world_size: int) -> Tuple[Tuple[str, int], ...]:

@@ -226,6 +226,10 @@ class PartsLayout(Layout):
 
 def encode_parts(ops: TensorOps, layout: Layout, header: List[Any], parts: Sequence[Tensor]) -> Tensor:
     """The message bytes; each part already holds its count of entries in its dtype."""
+    for (dtype, _), part in zip(layout.parts, parts):
+        if ops.dtype(part) != dtype:  # its bytes would be cut or padded into another dtype's
+            raise TypeError(f"{layout.name!r}: a {ops.dtype(part)} part where the layout "
+                            f"holds {dtype}")
     encoded = [ops.to_bytes(ops.constant(header, "int32", like=parts[0]))]
     encoded += [ops.pad(ops.to_bytes(part), layout.part_bytes(i)) for i, part in enumerate(parts)]
     return ops.concat(encoded)

@@ -1,6 +1,8 @@
 """Training conditions beyond float32 with plain SGD, on real ranks: a bfloat16 model on every
-method and both paths (Horovod all-reduces no bfloat16), Adam under a method that keeps a
-plain residual, and DGC refusing Adam (it keeps the momentum itself)."""
+method and both paths (Horovod all-reduces no bfloat16), a float64 model on every method and
+both paths (the same parameters as the float32 model's, within float32 rounding: values and
+scales travel as float32), Adam under a method that keeps a plain residual, and DGC refusing
+Adam (it keeps the momentum itself)."""
 import horovod.torch as hvd
 import torch
 
@@ -26,23 +28,36 @@ def steps(net, optimizer, count: int, dtype=torch.float32) -> None:
 
 
 def same_on_every_rank(net, label: str) -> None:
-    flat = torch.cat([p.detach().float().reshape(-1) for p in net.parameters()])
-    assert torch.isfinite(flat).all(), f"{label}: parameters not finite"
-    for other in hvd.allgather_object(flat, name=label):
-        assert torch.equal(other, flat), f"{label}: ranks hold different parameters"
+    values = flat(net)
+    assert torch.isfinite(values).all(), f"{label}: parameters not finite"
+    for other in hvd.allgather_object(values, name=label):
+        assert torch.equal(other, values), f"{label}: ranks hold different parameters"
+
+
+def flat(net: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().double().reshape(-1) for p in net.parameters()])
 
 
 def bfloat16_model(method: str, path: str) -> None:
-    net = model(torch.bfloat16)
-    before = [p.detach().clone() for p in net.parameters()]
+    assert not torch.equal(trained(method, path, torch.bfloat16), flat(model(torch.bfloat16))), \
+        f"bf16.{method}.{path}: no update"
+
+
+def trained(method: str, path: str, dtype: torch.dtype) -> torch.Tensor:
+    net = model(dtype)
     compression = getattr(hdgc.Compression, method)(named_parameters=net.named_parameters(),
                                                     **OPTIONS[method])
     wrap = hvd.DistributedOptimizer if path == "stock" else hdgc.DistributedOptimizer
     optimizer = wrap(torch.optim.SGD(net.parameters(), lr=0.05), named_parameters=net.named_parameters(),
                      compression=compression)
-    steps(net, optimizer, 3, torch.bfloat16)
-    assert any(not torch.equal(p, q) for p, q in zip(net.parameters(), before)), "no update"
-    same_on_every_rank(net, f"bf16.{method}.{path}")
+    steps(net, optimizer, 3, dtype)
+    same_on_every_rank(net, f"{dtype}.{method}.{path}")
+    return flat(net)
+
+
+def float64_model(method: str, path: str) -> None:
+    difference = float((trained(method, path, torch.float64) - trained(method, path, torch.float32)).abs().max())
+    assert difference < 1e-5, f"float64.{method}.{path}: {difference} from the float32 model"
 
 
 def adam_under_a_plain_residual(path: str) -> None:
@@ -86,6 +101,7 @@ if __name__ == "__main__":
     for spec in METHODS:
         for path in ("stock", "own"):
             bfloat16_model(spec.name, path)
+            float64_model(spec.name, path)
     for path in ("stock", "own"):
         adam_under_a_plain_residual(path)
     dgc_refuses_adam()
