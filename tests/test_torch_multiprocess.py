@@ -102,7 +102,8 @@ def test_sparse_gradients_are_refused_or_compressed_as_dense_as_asked():
         assert out.count(f"{method} sparse_as_dense ok") == 2, out
 
 
-def test_bfloat16_and_float64_models_adam_and_dgc_refusing_adam():
+def test_16_and_64_bit_models_two_optimizers_at_once_adam_and_dgc_refusing_adam():
+    """tests/workers/conditions_torch.py: every method on both paths."""
     out = horovodrun("conditions_torch.py", 2)
     assert out.count("conditions ok") == 2, out
 

@@ -106,8 +106,16 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         self._ready.add(p)
         bucket = self._bucket_of[p]
         if all(q in self._ready for q in self._buckets[bucket]):
+            members = self._buckets[bucket]
             self._exchanges[bucket] = self._compression.launch(
-                f"bucket{bucket}", [(self._names[q], q.grad, q) for q in self._buckets[bucket]])
+                self._label("bucket", members), [(self._names[q], q.grad, q) for q in members])
+
+    def _label(self, kind: str, members: List[torch.nn.Parameter]) -> str:
+        """A bucket's collective name: its first parameter's, which no other bucket of this
+        optimizer or of another one in flight at once shares (Horovod's rule for its own
+        names: unique parameter names, e.g. ``named_parameters(prefix=...)`` per model). A
+        bucket's number would be the same in two optimizers stepping in one backward pass."""
+        return f"{kind}.{self._names[members[0]]}"
 
     def _launch_dense(self, bucket: int) -> List[Tuple[int, List[torch.nn.Parameter]]]:
         """One all-reduce per dtype of the bucket's dense tensors, each under a name of its
@@ -119,7 +127,7 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         launched = []
         for dtype, members in by_dtype.items():
             flat = torch.cat([self._dense_ready[p][0].reshape(-1) for p in members])
-            name = f"{PREFIX}dense{bucket}.{str(dtype).replace('torch.', '')}"
+            name = f"{PREFIX}{self._label('dense', members)}.{str(dtype).replace('torch.', '')}"
             launched.append((hvd.allreduce_async_(flat, name=name, op=hvd.Average), members))
         return launched
 

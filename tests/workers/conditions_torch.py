@@ -1,8 +1,9 @@
 """Training conditions beyond float32 with plain SGD, on real ranks: a bfloat16 model on every
 method and both paths (Horovod all-reduces no bfloat16), a float64 model on every method and
 both paths (the same parameters as the float32 model's, within float32 rounding: values and
-scales travel as float32), Adam under a method that keeps a plain residual, and DGC refusing
-Adam (it keeps the momentum itself)."""
+scales travel as float32), two models with an optimizer each stepping after one backward
+pass (a GAN's generator and discriminator: their collectives in flight at once), Adam under a
+method that keeps a plain residual, and DGC refusing Adam (it keeps the momentum itself)."""
 import horovod.torch as hvd
 import torch
 
@@ -60,6 +61,38 @@ def float64_model(method: str, path: str) -> None:
     assert difference < 1e-5, f"float64.{method}.{path}: {difference} from the float32 model"
 
 
+def two_optimizers(method: str, path: str, one_backward: bool) -> torch.Tensor:
+    """Two models (names prefixed, as Horovod asks), each with its own optimizer and
+    compressor, trained by one backward pass of both losses or by one pass each."""
+    wrap = hvd.DistributedOptimizer if path == "stock" else hdgc.DistributedOptimizer
+    nets, optimizers = [], []
+    for prefix in ("generator", "discriminator"):
+        net = model()
+        compression = getattr(hdgc.Compression, method)(named_parameters=net.named_parameters(prefix),
+                                                        **OPTIONS[method])
+        optimizers.append(wrap(torch.optim.SGD(net.parameters(), lr=0.05), compression=compression,
+                               named_parameters=net.named_parameters(prefix)))
+        nets.append(net)
+    for step in range(3):
+        x = torch.randn(16, 64, generator=torch.Generator().manual_seed(100 * step + hvd.rank()))
+        losses = [nets[0](x).pow(2).mean(), nets[1](x).abs().mean()]
+        if one_backward:
+            sum(losses).backward()
+        for optimizer, loss in zip(optimizers, losses):
+            if not one_backward:
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return torch.cat([flat(net) for net in nets])
+
+
+def optimizers_in_flight_at_once(method: str, path: str) -> None:
+    """Catches collectives named by bucket number (the fused path's were: two optimizers'
+    first buckets shared a name, and Horovod refused the second)."""
+    together, apart = (two_optimizers(method, path, one_backward) for one_backward in (True, False))
+    assert torch.equal(together, apart), f"two optimizers.{method}.{path}: one backward pass differs"
+
+
 def adam_under_a_plain_residual(path: str) -> None:
     net = model()
     compression = hdgc.Compression.topk(named_parameters=net.named_parameters(), density=0.05)
@@ -102,6 +135,7 @@ if __name__ == "__main__":
         for path in ("stock", "own"):
             bfloat16_model(spec.name, path)
             float64_model(spec.name, path)
+            optimizers_in_flight_at_once(spec.name, path)
     for path in ("stock", "own"):
         adam_under_a_plain_residual(path)
     dgc_refuses_adam()
