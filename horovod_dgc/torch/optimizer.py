@@ -157,6 +157,7 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         (compressing them again would send the average once more)."""
         if self._synchronized:
             return
+        self._refuse_unregistered_gradients()
         for p in self._params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -169,6 +170,16 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
             self._delay[p] = self.backward_passes_per_step
         self._reset_step()
         self._synchronized = True
+
+    def _refuse_unregistered_gradients(self) -> None:
+        """A parameter frozen when the optimizer was built has no hook: unfrozen later, its
+        gradient would be applied unaveraged and the ranks would drift apart, silently."""
+        unregistered = [self._names.get(p, "?") for group in self.param_groups for p in group["params"]
+                        if p.grad is not None and p not in self._delay]
+        if unregistered:
+            raise ValueError(f"parameters {unregistered[:5]} have gradients but required none when "
+                             f"the DistributedOptimizer was built, so nothing averages them: build "
+                             f"the optimizer again after unfreezing them")
 
     @contextmanager
     def skip_synchronize(self):

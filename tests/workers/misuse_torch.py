@@ -1,7 +1,8 @@
 """Misuse is refused with a clear error on every rank: momentum applied twice (stock path)
 and the own path moving SGD's momentum over (a dampening refused, another Nesterov flag
 warned of), with a weight decay per param group; a second synchronize() before step() sends
-nothing again."""
+nothing again; a parameter frozen when the fused optimizer was built and unfrozen later is
+refused by name (nothing would average its gradient)."""
 import warnings
 
 import horovod.torch as hvd
@@ -93,6 +94,17 @@ def second_synchronize_sends_nothing() -> None:
         optimizer.step()
 
 
+def unfrozen_after_construction() -> None:
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
+    net[0].requires_grad_(False)
+    optimizer = hdgc.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                          named_parameters=net.named_parameters(),
+                                          compression=hdgc.Compression.topk(density=0.05))
+    one_step(optimizer, net)
+    net[0].requires_grad_(True)
+    expect_error(lambda: one_step(optimizer, net), "['0.weight', '0.bias'] have gradients")
+
+
 def hierarchical_on_one_host() -> None:
     expect_error(lambda: hdgc.Compression.dgc(hierarchical=True), "every worker runs on one host")
 
@@ -104,5 +116,6 @@ if __name__ == "__main__":
     momentum_of_another_form_is_refused_or_warned_of()
     weight_decay_per_param_group()
     second_synchronize_sends_nothing()
+    unfrozen_after_construction()
     hierarchical_on_one_host()
     print(f"rank {hvd.rank()} misuse ok", flush=True)
