@@ -172,14 +172,16 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = True
 
     def _refuse_unregistered_gradients(self) -> None:
-        """A parameter frozen when the optimizer was built has no hook: unfrozen later, its
-        gradient would be applied unaveraged and the ranks would drift apart, silently."""
-        unregistered = [self._names.get(p, "?") for group in self.param_groups for p in group["params"]
+        """A parameter frozen when the optimizer was built (or added later by
+        ``add_param_group``) has no hook: its gradient would be applied unaveraged and the
+        ranks would drift apart, silently."""
+        unregistered = [self._names.get(p, f"param_groups[{i}][{j}]")
+                        for i, group in enumerate(self.param_groups) for j, p in enumerate(group["params"])
                         if p.grad is not None and p not in self._delay]
         if unregistered:
-            raise ValueError(f"parameters {unregistered[:5]} have gradients but required none when "
-                             f"the DistributedOptimizer was built, so nothing averages them: build "
-                             f"the optimizer again after unfreezing them")
+            raise ValueError(f"parameters {unregistered[:5]} have gradients but were frozen when the "
+                             f"DistributedOptimizer was built (or added by add_param_group since), so "
+                             f"nothing averages them: build the optimizer again after unfreezing them")
 
     @contextmanager
     def skip_synchronize(self):

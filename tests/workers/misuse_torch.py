@@ -2,7 +2,7 @@
 and the own path moving SGD's momentum over (a dampening refused, another Nesterov flag
 warned of), with a weight decay per param group; a second synchronize() before step() sends
 nothing again; a parameter frozen when the fused optimizer was built and unfrozen later is
-refused by name (nothing would average its gradient)."""
+refused by name (nothing would average its gradient), and so is one added by add_param_group."""
 import warnings
 
 import horovod.torch as hvd
@@ -103,6 +103,13 @@ def unfrozen_after_construction() -> None:
     one_step(optimizer, net)
     net[0].requires_grad_(True)
     expect_error(lambda: one_step(optimizer, net), "['0.weight', '0.bias'] have gradients")
+    net, head = torch.nn.Linear(64, 4), torch.nn.Linear(4, 4)
+    optimizer = hdgc.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                          named_parameters=net.named_parameters(),
+                                          compression=hdgc.Compression.topk(density=0.05))
+    optimizer.add_param_group({"params": head.parameters()})
+    expect_error(lambda: one_step(optimizer, torch.nn.Sequential(net, head)),
+                 "['param_groups[1][0]', 'param_groups[1][1]'] have gradients")
 
 
 def hierarchical_on_one_host() -> None:
