@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from horovod_dgc.core import DGC, CompressCall, DGCConfig, MessageError, TopKConfig
+from horovod_dgc.core import DGC, CompressCall, DGCConfig, MessageError, TopK, TopKConfig
 from horovod_dgc.torch.ops import TorchOps
 
 from conftest import torch_compression
@@ -103,6 +103,16 @@ def test_rank_with_another_density_is_named(device):
     other = method.compress(ops, method.init_state(ops, grad, True, 3), grad,
                             CompressCall("fc.weight", 1, 3, 0, 0.02))
     with pytest.raises(MessageError, match=r"rank 1 .*'fc.weight'.*capacity is 80, expected 40"):
+        _decode([parts[0], other.message, parts[2]], layout)
+
+
+def test_rank_with_another_method_is_named_with_both_methods(device):
+    _, parts, layout = _messages(3, device)
+    grad = torch.randn(4000, device="cpu").to(device)
+    topk = TopK(TopKConfig(density=0.01))
+    other = topk.compress(ops, topk.init_state(ops, grad, True, 3), grad,
+                          CompressCall("fc.weight", 1, 3, 0, 0.01))
+    with pytest.raises(MessageError, match=r"rank 1 .*'fc.weight'.*method is 1 \(topk\), expected 2 \(dgc\)"):
         _decode([parts[0], other.message, parts[2]], layout)
 
 

@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple, Type
 
+from . import wire
 from .blocksign import BlockSign, BlockSignConfig
 from .config import CompressionConfig, GatheredConfig
 from .dgc import DGC, DGCConfig
@@ -90,6 +91,7 @@ def _check_unique() -> None:
                                f"{spec.method.method_id}")
     if len(BY_NAME) != len(METHODS) or len(BY_CLASS) != len(METHODS):
         raise RuntimeError("two methods of the table share a name or a class")
+    wire.METHOD_NAMES.update(ids)
 
 
 _check_unique()

@@ -25,7 +25,7 @@ import functools
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 from . import codecs
 from .ops import Tensor, TensorOps
@@ -34,6 +34,8 @@ MAGIC = 0x44474332  # "DGC" and format version 2 (coded indices and values)
 HEADER_FIELDS = ("magic", "method", "tensor id", "numel (low)", "numel (high)", "capacity",
                  "count", "value format", "index format", "sender rank", "step", "flags")
 HEADER_WORDS = len(HEADER_FIELDS)
+# Each method id's name, for errors: the method table (methods.py) registers them.
+METHOD_NAMES: Dict[int, str] = {}
 HEADER_BYTES = HEADER_WORDS * 4
 FLAGS_WORD = HEADER_FIELDS.index("flags")
 COUNT_WORD = HEADER_FIELDS.index("count")
@@ -147,6 +149,8 @@ class Layout:
         for field, got, least, most in zip(HEADER_FIELDS, words, low, high):
             if not least <= got <= most:
                 wanted = least if least == most else f"{least} to {most}"
+                if field == "method":  # another method on that rank: say which
+                    got, wanted = (f"{i} ({METHOD_NAMES.get(i, 'none')})" for i in (got, wanted))
                 self._fail(rank, f"{field} is {got}, expected {wanted}")
 
     def _fail(self, rank: int, detail: str) -> None:
