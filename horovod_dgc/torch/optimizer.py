@@ -17,6 +17,7 @@ Same signature as ``hvd.DistributedOptimizer``. Against the stock path it adds:
 from __future__ import annotations
 
 import dataclasses
+import sys
 import warnings
 from contextlib import contextmanager
 from typing import Dict, Iterable, List, Optional, Tuple
@@ -193,6 +194,11 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure=None):
+        if _stepped_by_horovods_state_broadcast():
+            # It creates a new optimizer's state with a step of zero gradients, which it takes
+            # locally on its own DistributedOptimizer; an exchange here would count as a
+            # training step (the compressor's step counter, ScaleCom's leader, warm-up).
+            return super(self.__class__, self).step(closure)
         if self._should_synchronize:
             self.synchronize()
         self._synchronized = False
@@ -215,6 +221,16 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).load_state_dict(state_dict)
         if compression_state is not None:
             self._compression.load_state_dict(compression_state)
+
+
+def _stepped_by_horovods_state_broadcast() -> bool:
+    """Whether ``hvd.broadcast_optimizer_state`` is on the call stack."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is hvd.broadcast_optimizer_state.__code__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _move_sgd_hyperparameters(optimizer: torch.optim.Optimizer, compression: MethodCompressor,

@@ -2,7 +2,8 @@
 method and both paths (Horovod all-reduces no bfloat16), a float64 model on every method and
 both paths (the same parameters as the float32 model's, within float32 rounding: values and
 scales travel as float32), two models with an optimizer each stepping after one backward
-pass (a GAN's generator and discriminator: their collectives in flight at once), Adam under a
+pass (a GAN's generator and discriminator: their collectives in flight at once), Horovod's
+``broadcast_optimizer_state`` before training (no training step), Adam under a
 method that keeps a plain residual, and DGC refusing Adam (it keeps the momentum itself)."""
 import horovod.torch as hvd
 import torch
@@ -93,6 +94,29 @@ def optimizers_in_flight_at_once(method: str, path: str) -> None:
     assert torch.equal(together, apart), f"two optimizers.{method}.{path}: one backward pass differs"
 
 
+def state_broadcast_is_no_step(method: str) -> None:
+    """Horovod's recipe broadcasts the optimizer's state before training; for a new optimizer
+    it steps it once on zero gradients, locally for its own DistributedOptimizer. Catches the
+    fused optimizer exchanging then (a compressor step: ScaleCom's leader moves on, DGC's
+    weight decay applies once more)."""
+    results = []
+    for broadcast in (True, False):
+        net = model()
+        compression = getattr(hdgc.Compression, method)(named_parameters=net.named_parameters(),
+                                                        **OPTIONS[method])
+        # DGC takes the momentum and weight decay over; ScaleCom's SGD would apply its own.
+        moved = dict(momentum=0.9, weight_decay=0.01) if method == "dgc" else {}
+        sgd = torch.optim.SGD(net.parameters(), lr=0.05, **moved)
+        optimizer = hdgc.DistributedOptimizer(sgd, named_parameters=net.named_parameters(),
+                                              compression=compression)
+        if broadcast:
+            hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        steps(net, optimizer, 3)
+        assert compression.stats().steps == 3, f"{method}: {compression.stats().steps} steps"
+        results.append(flat(net))
+    assert torch.equal(*results), f"{method}: the state broadcast changed the training"
+
+
 def adam_under_a_plain_residual(path: str) -> None:
     net = model()
     compression = hdgc.Compression.topk(named_parameters=net.named_parameters(), density=0.05)
@@ -136,6 +160,8 @@ if __name__ == "__main__":
             bfloat16_model(spec.name, path)
             float64_model(spec.name, path)
             optimizers_in_flight_at_once(spec.name, path)
+    for method in ("dgc", "scalecom"):
+        state_broadcast_is_no_step(method)
     for path in ("stock", "own"):
         adam_under_a_plain_residual(path)
     dgc_refuses_adam()
