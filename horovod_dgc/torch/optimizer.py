@@ -182,7 +182,8 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         if unregistered:
             raise ValueError(f"parameters {unregistered[:5]} have gradients but were frozen when the "
                              f"DistributedOptimizer was built (or added by add_param_group since), so "
-                             f"nothing averages them: build the optimizer again after unfreezing them")
+                             f"nothing averages them and each rank would apply its own: build the "
+                             f"optimizer again after unfreezing them (or set a stale .grad to None)")
 
     @contextmanager
     def skip_synchronize(self):
@@ -197,7 +198,7 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         if _stepped_by_horovods_state_broadcast():
             # It creates a new optimizer's state with a step of zero gradients, which it takes
             # locally on its own DistributedOptimizer; an exchange here would count as a
-            # training step (the compressor's step counter, ScaleCom's leader, warm-up).
+            # training step (the compressor's step counter, which turns leaders and warm-up).
             return super(self.__class__, self).step(closure)
         if self._should_synchronize:
             self.synchronize()
