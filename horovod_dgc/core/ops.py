@@ -299,7 +299,7 @@ class TensorOps(ABC):
         """``scales[i // block] * (+1 where bit i of packed is set, else -1)`` for ``i < n``,
         in ``dtype``; added to ``add_to`` when given (which may be overwritten)."""
         signs = self.slice(self.unpack_signs(packed, dtype), 0, n)
-        decoded = self.multiply(signs, self.cast(self.repeat_blocks(scales, block, n), dtype))
+        decoded = self.multiply(signs, self.repeat_blocks(self.cast(scales, dtype), block, n))
         return decoded if add_to is None else self.scale_add(add_to, 1.0, decoded)
 
     def sign_decode_all(self, messages: Sequence[Tuple[Tensor, Tensor, int, int]],

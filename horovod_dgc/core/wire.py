@@ -34,13 +34,13 @@ MAGIC = 0x44474332  # "DGC" and format version 2 (coded indices and values)
 HEADER_FIELDS = ("magic", "method", "tensor id", "numel (low)", "numel (high)", "capacity",
                  "count", "value format", "index format", "sender rank", "step", "flags")
 HEADER_WORDS = len(HEADER_FIELDS)
-# Each method id's name, for errors: the method table (methods.py) registers them.
-METHOD_NAMES: Dict[int, str] = {}
 HEADER_BYTES = HEADER_WORDS * 4
 FLAGS_WORD = HEADER_FIELDS.index("flags")
 COUNT_WORD = HEADER_FIELDS.index("count")
 STEP_WORD = HEADER_FIELDS.index("step")
 ALIGN_BYTES = codecs.ALIGN_BYTES
+# Each method id's name, for errors: the method table (methods.py) registers them.
+METHOD_NAMES: Dict[int, str] = {}
 
 DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3, "int32": 4, "int64": 5, "uint8": 6,
                "int8": 7}
