@@ -65,6 +65,17 @@ def choices(request, monkeypatch):
     return request.param
 
 
+def exchange(engine, grad: torch.Tensor) -> torch.Tensor:
+    """The update a one-worker PyTorch engine decodes from its own message(s) for ``grad`` (a
+    copy: the engine may write the update over the gradient it is given)."""
+    grad = grad.clone()
+    if engine.method.family == "sparse":
+        message = engine.compress("w", grad, None)
+        return engine.decompress(message.message, [message])[0]
+    first, handover = engine.first("w", grad, None)
+    return engine.finish(engine.second("w", first, handover), handover, grad.shape)
+
+
 def torch_compression():
     """``horovod_dgc.torch.Compression``, or a skip where Horovod is not installed (a GPU
     machine that runs the engine's and the core's tests)."""

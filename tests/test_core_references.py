@@ -17,7 +17,7 @@ from horovod_dgc.core.twostage import simulate_step
 from horovod_dgc.torch.engine import Engine
 from horovod_dgc.torch.ops import TorchOps
 
-from conftest import randn
+from conftest import exchange, randn
 
 ops = TorchOps()
 
@@ -164,17 +164,6 @@ def test_float16_gradients_too_large_to_sum_in_float16_are_still_finite_and_clip
     assert bool(finite) and torch.isfinite(sent[0]).all()
     norm = (300.0 ** 2 * 20_000) ** 0.5
     assert float(sent[0].float().abs().max()) == pytest.approx(300.0 / norm, rel=1e-3)
-
-
-def exchange(engine: Engine, grad: torch.Tensor) -> torch.Tensor:
-    """The update a one-worker engine decodes from its own message(s) for ``grad`` (a copy:
-    the engine may write the update over the gradient it is given)."""
-    grad = grad.clone()
-    if engine.method.family == "sparse":
-        message = engine.compress("w", grad, None)
-        return engine.decompress(message.message, [message])[0]
-    first, handover = engine.first("w", grad, None)
-    return engine.finish(engine.second("w", first, handover), handover, grad.shape)
 
 
 EVERY_EXCHANGE = [("dgc", {}), ("topk", {}), ("gaussiank", {}), ("scalecom", {}), ("blocksign", {}),

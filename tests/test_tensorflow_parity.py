@@ -24,6 +24,7 @@ from horovod_dgc.core.selection import top_count
 from horovod_dgc.tensorflow.engine import Engine
 from horovod_dgc.tensorflow.twostage import TwoStageEngine
 from tf_emulation import graph_function, single_worker as emulated_single_worker
+from conftest import exchange
 from horovod_dgc.torch.engine import Engine as TorchEngine
 from horovod_dgc.torch.ops import TorchOps
 
@@ -572,12 +573,7 @@ def test_float64_gradients_agree_with_torch(name):
     rs = np.random.RandomState(7)
     for t in range(3):
         grad = rs.standard_normal(shape)
-        if method.family == "sparse":
-            outcome = torch_engine.compress("w", torch.from_numpy(grad.copy()), None)
-            expected = torch_engine.decompress(outcome.message, [outcome])[0]
-        else:
-            first, handover = torch_engine.first("w", torch.from_numpy(grad.copy()), None)
-            expected = torch_engine.finish(torch_engine.second("w", first, handover), handover, shape)
+        expected = exchange(torch_engine, torch.from_numpy(grad))
         got = tf_step(tf.constant(grad))
         assert got.dtype == tf.float64 and expected.dtype == torch.float64
         np.testing.assert_array_equal(expected.numpy(), got.numpy().reshape(shape), err_msg=f"step {t}")

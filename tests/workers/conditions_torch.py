@@ -45,13 +45,18 @@ def bfloat16_model(method: str, path: str) -> None:
         f"bf16.{method}.{path}: no update"
 
 
-def trained(method: str, path: str, dtype: torch.dtype) -> torch.Tensor:
-    net = model(dtype)
-    compression = getattr(hdgc.Compression, method)(named_parameters=net.named_parameters(),
+def distributed(net, method: str, path: str, optimizer: torch.optim.Optimizer, prefix: str = ""):
+    """(``optimizer`` wrapped by the ``path``'s DistributedOptimizer with a ``method``
+    compressor of its own, the compressor); parameter names prefixed with ``prefix``."""
+    compression = getattr(hdgc.Compression, method)(named_parameters=net.named_parameters(prefix),
                                                     **OPTIONS[method])
     wrap = hvd.DistributedOptimizer if path == "stock" else hdgc.DistributedOptimizer
-    optimizer = wrap(torch.optim.SGD(net.parameters(), lr=0.05), named_parameters=net.named_parameters(),
-                     compression=compression)
+    return wrap(optimizer, named_parameters=net.named_parameters(prefix), compression=compression), compression
+
+
+def trained(method: str, path: str, dtype: torch.dtype) -> torch.Tensor:
+    net = model(dtype)
+    optimizer, _ = distributed(net, method, path, torch.optim.SGD(net.parameters(), lr=0.05))
     steps(net, optimizer, 3, dtype)
     same_on_every_rank(net, f"{dtype}.{method}.{path}")
     return flat(net)
@@ -65,14 +70,11 @@ def float64_model(method: str, path: str) -> None:
 def two_optimizers(method: str, path: str, one_backward: bool) -> torch.Tensor:
     """Two models (names prefixed, as Horovod asks), each with its own optimizer and
     compressor, trained by one backward pass of both losses or by one pass each."""
-    wrap = hvd.DistributedOptimizer if path == "stock" else hdgc.DistributedOptimizer
     nets, optimizers = [], []
     for prefix in ("generator", "discriminator"):
         net = model()
-        compression = getattr(hdgc.Compression, method)(named_parameters=net.named_parameters(prefix),
-                                                        **OPTIONS[method])
-        optimizers.append(wrap(torch.optim.SGD(net.parameters(), lr=0.05), compression=compression,
-                               named_parameters=net.named_parameters(prefix)))
+        optimizers.append(distributed(net, method, path, torch.optim.SGD(net.parameters(), lr=0.05),
+                                      prefix)[0])
         nets.append(net)
     for step in range(3):
         x = torch.randn(16, 64, generator=torch.Generator().manual_seed(100 * step + hvd.rank()))
@@ -102,13 +104,10 @@ def state_broadcast_is_no_step(method: str) -> None:
     results = []
     for broadcast in (True, False):
         net = model()
-        compression = getattr(hdgc.Compression, method)(named_parameters=net.named_parameters(),
-                                                        **OPTIONS[method])
         # DGC takes the momentum and weight decay over; ScaleCom's SGD would apply its own.
         moved = dict(momentum=0.9, weight_decay=0.01) if method == "dgc" else {}
-        sgd = torch.optim.SGD(net.parameters(), lr=0.05, **moved)
-        optimizer = hdgc.DistributedOptimizer(sgd, named_parameters=net.named_parameters(),
-                                              compression=compression)
+        optimizer, compression = distributed(net, method, "own",
+                                             torch.optim.SGD(net.parameters(), lr=0.05, **moved))
         if broadcast:
             hvd.broadcast_optimizer_state(optimizer, root_rank=0)
         steps(net, optimizer, 3)
@@ -119,10 +118,7 @@ def state_broadcast_is_no_step(method: str) -> None:
 
 def adam_under_a_plain_residual(path: str) -> None:
     net = model()
-    compression = hdgc.Compression.topk(named_parameters=net.named_parameters(), density=0.05)
-    wrap = hvd.DistributedOptimizer if path == "stock" else hdgc.DistributedOptimizer
-    optimizer = wrap(torch.optim.Adam(net.parameters(), lr=1e-3), named_parameters=net.named_parameters(),
-                     compression=compression)
+    optimizer, _ = distributed(net, "topk", path, torch.optim.Adam(net.parameters(), lr=1e-3))
     steps(net, optimizer, 3)
     same_on_every_rank(net, f"adam.topk.{path}")
 
