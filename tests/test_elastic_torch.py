@@ -1,9 +1,12 @@
 """Elastic Horovod (Gloo) with a compressor: a worker dies mid-interval, the others roll back
 to the last commit and go on; parameters identical, gradient mass conserved
-(tests/workers/elastic_torch.py checks both on every rank)."""
+(tests/workers/elastic_torch.py checks both on every rank), on Horovod's optimizer and on our
+fused one, whose step the reset interrupts with gradients submitted and exchanges in flight."""
 import socket
 import subprocess
 import sys
+
+import pytest
 
 from conftest import BIN, ROOT, WORKERS, worker_env
 
@@ -13,7 +16,8 @@ HOSTS = ("localhost", "127.0.0.1", socket.gethostname())
 VICTIM = "127.0.0.1"
 
 
-def test_worker_lost_mid_interval_rolls_back_and_conserves_gradient_mass(tmp_path):
+@pytest.mark.parametrize("method,path", [("topk", "stock"), ("topk", "fused"), ("scalecom", "fused")])
+def test_worker_lost_mid_interval_rolls_back_and_conserves_gradient_mass(tmp_path, method, path):
     discovery = tmp_path / "discover_hosts.sh"
     discovery.write_text("#!/bin/sh\n" + "".join(f"echo {h}:1\n" for h in HOSTS))
     discovery.chmod(0o755)
@@ -21,7 +25,7 @@ def test_worker_lost_mid_interval_rolls_back_and_conserves_gradient_mass(tmp_pat
     cmd = [str(BIN / "horovodrun"), "-np", "3", "--min-np", "2", "--max-np", "3",
            "--host-discovery-script", str(discovery), "--gloo", "--gloo-timeout-seconds", "10",
            sys.executable, str(WORKERS / "elastic_torch.py"), "--victim", VICTIM,
-           "--marker", str(marker)]
+           "--marker", str(marker), "--method", method, "--path", path]
     proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=300)
     out = proc.stdout

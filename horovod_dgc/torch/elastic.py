@@ -12,19 +12,23 @@ parameters is what it was at the commit, so no gradient mass is lost, and the pa
 restored to the same commit, stay identical on every rank.
 
 Uncommitted memories (the steps since the last commit) are rolled back with the parameters.
-Supports compressors given to the stock ``hvd.DistributedOptimizer``.
+Works with the stock ``hvd.DistributedOptimizer`` and with our fused ``DistributedOptimizer``,
+whose compressor it takes when ``compression`` is not given, and whose step interrupted by a
+reset it abandons.
 """
 from __future__ import annotations
 
+import copy
 from typing import Dict, Optional
 
 import horovod.torch as hvd
 import torch
-from horovod.torch.elastic.state import StateHandler
+from horovod.torch.elastic.state import OptimizerStateHandler, StateHandler
 
 from ..core.state import with_states
 from .checkpoint import shard
 from .compression import MethodCompressor
+from .optimizer import COMPRESSOR_STATE_KEY, is_fused
 
 
 def pool_across_ranks(compressor: MethodCompressor) -> dict:
@@ -78,12 +82,37 @@ class CompressorStateHandler(StateHandler):
             self.value.load_state_dict(shard(self._committed, hvd.size(), hvd.rank()))
 
 
+class FusedOptimizerStateHandler(OptimizerStateHandler):
+    """Horovod's optimizer handler for our fused optimizer, less the compressor part that its
+    ``state_dict()`` carries: :class:`CompressorStateHandler` commits the memories pooled
+    across ranks, and a copy of this rank's own at each commit would double their memory."""
+
+    def __init__(self, optimizer):
+        StateHandler.__init__(self, optimizer)
+        self.save()
+
+    def save(self) -> None:
+        state = self.value.state_dict()
+        state.pop(COMPRESSOR_STATE_KEY)
+        self._saved_optimizer_state = copy.deepcopy(state)
+
+
 class TorchState(hvd.elastic.TorchState):
-    """``hvd.elastic.TorchState`` that also commits ``compression``'s memories."""
+    """``hvd.elastic.TorchState`` that also commits ``compression``'s memories (by default,
+    those of the compressor inside our fused ``optimizer``)."""
 
     def __init__(self, model=None, optimizer=None, compression: Optional[MethodCompressor] = None,
                  **kwargs):
+        fused = optimizer is not None and is_fused(optimizer)
+        if fused:
+            if compression not in (None, optimizer._compression):
+                raise ValueError("compression= is not the compressor of the fused optimizer: leave "
+                                 "it out, the optimizer's own is committed")
+            compression = optimizer._compression
         super().__init__(model, optimizer, **kwargs)
+        if fused:
+            self._handlers["optimizer"] = FusedOptimizerStateHandler(optimizer)
+            self.register_reset_callbacks([optimizer.abandon_step])
         if compression is not None:
             handler = CompressorStateHandler(compression)
             self._handlers["compression"] = handler

@@ -32,6 +32,8 @@ from .compression import Compression, MethodCompressor, check_optimizer_compatib
 from .engine import DenseUpdate, Engine
 
 DEFAULT_BUCKET_CAP_MB = 25.0
+# The key under which the optimizer's state_dict() carries this rank's compressor part.
+COMPRESSOR_STATE_KEY = "horovod_dgc"
 
 
 class _FusedDistributedOptimizer(torch.optim.Optimizer):
@@ -46,7 +48,6 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         self._names: Dict[torch.nn.Parameter, str] = {p: n for n, p in named_parameters}
         self._params: List[torch.nn.Parameter] = [p for _, p in named_parameters if p.requires_grad]
         self.backward_passes_per_step = backward_passes_per_step
-        self._delay = {p: backward_passes_per_step for p in self._params}
         self._buckets = self._make_buckets(bucket_cap_mb, compressed=True)
         self._bucket_of = {p: i for i, bucket in enumerate(self._buckets) for p in bucket}
         self._dense_buckets = self._make_buckets(bucket_cap_mb, compressed=False)
@@ -69,6 +70,9 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
                 for bucket in cut_buckets([p.numel() * p.element_size() for p in params], cap_mb * 2 ** 20)]
 
     def _reset_step(self) -> None:
+        """Ready for a new step: nothing submitted or in flight, every parameter's backward
+        passes to count again."""
+        self._delay = {p: self.backward_passes_per_step for p in self._params}
         self._ready: set = set()
         self._exchanges: Dict[int, object] = {}
         # A dense tensor waits in _dense_ready (what to send, how to give the result back)
@@ -167,10 +171,16 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
                 self._submit(p)
         self._finish_buckets()
         self._finish_dense()
-        for p in self._params:
-            self._delay[p] = self.backward_passes_per_step
         self._reset_step()
         self._synchronized = True
+
+    def abandon_step(self) -> None:
+        """Forget a step that an elastic reset interrupted: the gradients submitted and the
+        exchanges in flight (:class:`horovod_dgc.torch.elastic.TorchState` calls it). Without
+        it the next ``zero_grad()`` finds the old step's gradients still waiting."""
+        self._reset_step()
+        self._synchronized = False
+        self._compression.abandon_exchanges()
 
     def _refuse_unregistered_gradients(self) -> None:
         """A parameter frozen when the optimizer was built (or added later by
@@ -213,15 +223,21 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         state = super(self.__class__, self).state_dict()
-        state["horovod_dgc"] = self._compression.state_dict()
+        state[COMPRESSOR_STATE_KEY] = self._compression.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         state_dict = dict(state_dict)
-        compression_state = state_dict.pop("horovod_dgc", None)
+        compression_state = state_dict.pop(COMPRESSOR_STATE_KEY, None)
         super(self.__class__, self).load_state_dict(state_dict)
         if compression_state is not None:
             self._compression.load_state_dict(compression_state)
+
+
+def is_fused(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is this module's ``DistributedOptimizer`` (a class made for each
+    wrapped optimizer class, as Horovod makes its own)."""
+    return type(optimizer).__dict__.get("synchronize") is _FusedDistributedOptimizer.__dict__["synchronize"]
 
 
 def _stepped_by_horovods_state_broadcast() -> bool:
