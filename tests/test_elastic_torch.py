@@ -25,7 +25,7 @@ def test_worker_lost_mid_interval_rolls_back_and_conserves_gradient_mass(tmp_pat
     cmd = [str(BIN / "horovodrun"), "-np", "3", "--min-np", "2", "--max-np", "3",
            "--host-discovery-script", str(discovery), "--gloo", "--gloo-timeout-seconds", "10",
            sys.executable, str(WORKERS / "elastic_torch.py"), "--victim", VICTIM,
-           "--marker", str(marker), "--method", method, "--path", path]
+           "--event", "kill", "--marker", str(marker), "--method", method, "--path", path]
     proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=300)
     out = proc.stdout
@@ -35,3 +35,25 @@ def test_worker_lost_mid_interval_rolls_back_and_conserves_gradient_mass(tmp_pat
     # The commit before the failure was at step 10: the survivors resume there, two of them.
     assert out.count("of 2 entry at step 10: identical and conserved ok") == 2, out[-6000:]
     assert out.count("of 2 final at step 24: identical and conserved ok") == 2, out[-6000:]
+
+
+@pytest.mark.parametrize("path", ["stock", "fused"])
+def test_worker_added_at_a_commit_takes_its_share_and_conserves_gradient_mass(tmp_path, path):
+    marker = tmp_path / "host_added"
+    discovery = tmp_path / "discover_hosts.sh"
+    discovery.write_text(f"#!/bin/sh\necho {HOSTS[0]}:1\necho {HOSTS[1]}:1\n"
+                         f"[ -e {marker} ] && echo {HOSTS[2]}:1\nexit 0\n")
+    discovery.chmod(0o755)
+    cmd = [str(BIN / "horovodrun"), "-np", "2", "--min-np", "2", "--max-np", "3",
+           "--host-discovery-script", str(discovery), "--gloo", "--gloo-timeout-seconds", "10",
+           sys.executable, str(WORKERS / "elastic_torch.py"), "--event", "grow",
+           "--marker", str(marker), "--path", path]
+    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=300)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-6000:]
+    assert marker.read_text() == "host added at step 10"
+    assert out.count("of 2 entry at step 0: identical and conserved ok") == 2, out[-6000:]
+    # The newcomer syncs to the commit at step 10 and takes its share of the memories.
+    assert out.count("of 3 entry at step 10: identical and conserved ok") == 3, out[-6000:]
+    assert out.count("of 3 final at step 24: identical and conserved ok") == 3, out[-6000:]

@@ -8,7 +8,8 @@ average gradient of every step that was kept. Conservation of gradient mass:
 
 (the bias is not compressed: ``b0 - b == grad_sum``). The worker on host ``--victim`` kills
 itself in the middle of the commit interval; survivors roll back to the last commit and go
-on with fewer workers. On every entry into the training function (after each reset) every
+on with fewer workers. With ``--event grow`` a third host appears instead (the discovery script
+lists it once ``--marker`` exists) and its worker joins at the commit of step 10. On every entry into the training function (after each reset) every
 rank checks that the parameters and residuals are identical on all ranks and that the law
 holds; at the end it checks the law again. Top-k's law holds exactly (every value's rounding to
 the wire stays in its residual); ScaleCom's all-reduce sums float32 values, whose rounding no
@@ -18,6 +19,7 @@ step with gradients submitted and exchanges in flight.
 import argparse
 import os
 import signal
+import time
 from pathlib import Path
 
 import horovod.torch as hvd
@@ -29,6 +31,7 @@ from horovod_dgc.torch.elastic import TorchState
 STEPS = 24
 COMMIT_EVERY = 5
 KILL_AT = 12  # two steps after the commit at step 10
+GROW_AT = 10  # at the commit
 # What the law may miss by: the float32 all-reduce's rounding for ScaleCom, nothing for Top-k.
 TOLERANCE = {"topk": 1e-12, "scalecom": 1e-5}
 
@@ -72,7 +75,18 @@ def check(state, model, compression, initial: dict, label: str, same_residuals: 
           f"conserved ok", flush=True)
 
 
-def main(victim: str, marker: Path, method: str, path: str) -> None:
+def wait_for_the_new_host(state, marker: Path) -> None:
+    """Rank 0 asks for a third host; every rank polls until Horovod interrupts with it."""
+    if hvd.rank() == 0:
+        marker.write_text(f"host added at step {state.step}")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        state.check_host_updates()  # raises HostsUpdatedInterrupt once the driver has it
+        time.sleep(0.2)
+    raise TimeoutError("no host was added within 60 s")
+
+
+def main(victim: str, marker: Path, method: str, path: str, event: str) -> None:
     hvd.init()
     torch.set_num_threads(1)
     model = make_model()
@@ -90,7 +104,9 @@ def main(victim: str, marker: Path, method: str, path: str) -> None:
     def train(state):
         check(state, model, compression, initial, "entry", True, TOLERANCE[method])
         while state.step < STEPS:
-            if host == victim and state.step == KILL_AT and not marker.exists():
+            if event == "grow" and state.step == GROW_AT and hvd.size() == 2:
+                wait_for_the_new_host(state, marker)
+            if event == "kill" and host == victim and state.step == KILL_AT and not marker.exists():
                 marker.write_text(f"killed at step {state.step}")
                 os.kill(os.getpid(), signal.SIGKILL)
             grads = gradients(state.step, hvd.rank(), hvd.size(), model)
@@ -110,9 +126,11 @@ def main(victim: str, marker: Path, method: str, path: str) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--victim", required=True, help="host name whose worker dies")
-    parser.add_argument("--marker", type=Path, required=True, help="file written when it dies")
+    parser.add_argument("--event", choices=("kill", "grow"), default="kill")
+    parser.add_argument("--victim", help="host name whose worker dies (--event kill)")
+    parser.add_argument("--marker", type=Path, required=True,
+                        help="file written when the worker dies or the host is asked for")
     parser.add_argument("--method", choices=sorted(TOLERANCE), default="topk")
     parser.add_argument("--path", choices=("stock", "fused"), default="stock")
     args = parser.parse_args()
-    main(args.victim, args.marker, args.method, args.path)
+    main(args.victim, args.marker, args.method, args.path, args.event)
