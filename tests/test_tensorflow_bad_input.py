@@ -137,3 +137,15 @@ def test_state_of_another_method_config_tensor_set_or_shape_is_refused():
             {**state, "states": {**state["states"], "fc/kernel": {"residual": np.zeros(64 * 100 - 1)}}})
     with pytest.raises(ValueError, match="not a horovod_dgc compressor state"):
         _engine("topk").load_state_dict({"states": {}})
+
+
+@pytest.mark.parametrize("factory", [Compression.dgc, Compression.scalecom, Compression.blocksign])
+def test_elastic_horovod_is_refused_at_construction(factory, monkeypatch):
+    """Under elastic Horovod a reset changes the number of workers that a traced step's layout
+    keeps, and Horovod's TensorFlow elastic.run swallowed the failure of our collectives (train()
+    returned early, without an error): refused before training starts."""
+    monkeypatch.setenv("HOROVOD_ELASTIC", "1")
+    with pytest.raises(ValueError, match="do not support elastic Horovod"):
+        factory()
+    monkeypatch.setenv("HOROVOD_ELASTIC", "0")
+    factory()

@@ -31,6 +31,7 @@ Within one trace, the ``k``-th compression of a variable's gradient (a second
 """
 from __future__ import annotations
 
+import os
 import re
 import sys
 import warnings
@@ -427,8 +428,23 @@ COMPRESSORS = {"sparse": SparseCompressor, "two-stage": TwoStageCompressor}
 _TRACED: Dict[Tuple[str, str, str], MethodCompressor] = {}
 
 
+def _refuse_elastic_jobs() -> None:
+    """Elastic Horovod (``horovodrun --min-np/--host-discovery-script``, which sets
+    ``HOROVOD_ELASTIC=1``) changes the number of workers at a reset, while a traced step keeps
+    the number it was traced with in its message layout; and Horovod's TensorFlow ``elastic.run``
+    treats a failed collective as a lost worker only when the op has one of Horovod's own
+    names, so a lost worker would end ``train()`` early without an error. Refused, not
+    half-supported."""
+    if int(os.environ.get("HOROVOD_ELASTIC", "0")):
+        raise ValueError("horovod_dgc's TensorFlow compressors do not support elastic Horovod "
+                         "(HOROVOD_ELASTIC=1): a traced step keeps the number of workers it was "
+                         "traced with; launch a fixed number of workers (horovodrun -np N), or "
+                         "train elastically with PyTorch (horovod_dgc.torch.elastic.TorchState)")
+
+
 def _factory(spec: MethodSpec) -> Callable[..., MethodCompressor]:
     def build(variables: Optional[Iterable[Any]], hierarchical: bool, options) -> MethodCompressor:
+        _refuse_elastic_jobs()
         hosts = find_hosts() if hierarchical else None
         workers = hosts.count if hosts else hvd.size() if hvd.is_initialized() else None
         method = spec.build(workers, **options)
