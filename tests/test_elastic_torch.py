@@ -16,19 +16,23 @@ HOSTS = ("localhost", "127.0.0.1", socket.gethostname())
 VICTIM = "127.0.0.1"
 
 
-@pytest.mark.parametrize("method,path", [("topk", "stock"), ("topk", "fused"), ("scalecom", "fused")])
-def test_worker_lost_mid_interval_rolls_back_and_conserves_gradient_mass(tmp_path, method, path):
+def lose_a_worker(tmp_path, *options: str) -> subprocess.CompletedProcess:
+    """Three workers; the one on VICTIM dies at step 12, two steps after a commit."""
     discovery = tmp_path / "discover_hosts.sh"
     discovery.write_text("#!/bin/sh\n" + "".join(f"echo {h}:1\n" for h in HOSTS))
     discovery.chmod(0o755)
-    marker = tmp_path / "victim_died"
     cmd = [str(BIN / "horovodrun"), "-np", "3", "--min-np", "2", "--max-np", "3",
            "--host-discovery-script", str(discovery), "--gloo", "--gloo-timeout-seconds", "10",
            sys.executable, str(WORKERS / "elastic_torch.py"), "--victim", VICTIM,
-           "--event", "kill", "--marker", str(marker), "--method", method, "--path", path]
-    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE,
+           "--event", "kill", "--marker", str(tmp_path / "victim_died"), *options]
+    return subprocess.run(cmd, cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=300)
-    out = proc.stdout
+
+
+@pytest.mark.parametrize("method,path", [("topk", "stock"), ("topk", "fused"), ("scalecom", "fused")])
+def test_worker_lost_mid_interval_rolls_back_and_conserves_gradient_mass(tmp_path, method, path):
+    proc = lose_a_worker(tmp_path, "--method", method, "--path", path)
+    marker, out = tmp_path / "victim_died", proc.stdout
     assert proc.returncode == 0, out[-6000:]
     assert marker.read_text() == "killed at step 12"
     assert out.count("of 3 entry at step 0: identical and conserved ok") == 3, out[-6000:]
@@ -57,3 +61,12 @@ def test_worker_added_at_a_commit_takes_its_share_and_conserves_gradient_mass(tm
     # The newcomer syncs to the commit at step 10 and takes its share of the memories.
     assert out.count("of 3 entry at step 10: identical and conserved ok") == 3, out[-6000:]
     assert out.count("of 3 final at step 24: identical and conserved ok") == 3, out[-6000:]
+
+
+def test_a_reset_that_bypasses_our_state_is_refused_naming_the_old_and_new_world(tmp_path):
+    """Horovod's own TorchState resizes the world under the compressor: the survivors stop at
+    their next exchange with an error that says so, not with malformed-message errors."""
+    proc = lose_a_worker(tmp_path, "--state", "horovods")
+    assert proc.returncode != 0
+    assert "joined as rank 0 of 3 workers, but this is now rank 0 of 2" in proc.stdout, proc.stdout[-6000:]
+    assert "horovod_dgc.torch.elastic.TorchState" in proc.stdout, proc.stdout[-6000:]

@@ -190,9 +190,23 @@ class MethodCompressor(CompressorControls, Compressor):
     def launch(self, label: str, entries: Sequence[Entry]):
         """Start exchanging the compressed tensors ``entries`` through collectives named
         after ``label`` (identical on every rank); returns the exchange for :meth:`finish`."""
+        self._check_place_in_the_world()
         if self.hierarchical:
             return self._host_reductions.launch(label, entries)
         return self._launch(label, entries)
+
+    def _check_place_in_the_world(self) -> None:
+        """The memories, the step counters and the message layouts belong to the world the
+        engine joined: a world resized by an elastic reset that did not go through
+        :class:`horovod_dgc.torch.elastic.TorchState` would be read as malformed messages."""
+        engine, transport = self.engine, self.transport
+        if (transport.size(), transport.rank()) != (engine.world_size, engine.rank):
+            raise RuntimeError(
+                f"this compressor joined as rank {engine.rank} of {engine.world_size} workers, but "
+                f"this is now rank {transport.rank()} of {transport.size()} (an elastic reset?): its "
+                f"memories belong to the old world; commit them with "
+                f"horovod_dgc.torch.elastic.TorchState(model, optimizer, compression=...), which "
+                f"redistributes them at every reset")
 
     def finish(self, exchange) -> List[torch.Tensor]:
         """The averaged gradients of an exchange's tensors, shaped like them."""

@@ -86,7 +86,7 @@ def wait_for_the_new_host(state, marker: Path) -> None:
     raise TimeoutError("no host was added within 60 s")
 
 
-def main(victim: str, marker: Path, method: str, path: str, event: str) -> None:
+def main(victim: str, marker: Path, method: str, path: str, event: str, state_kind: str) -> None:
     hvd.init()
     torch.set_num_threads(1)
     model = make_model()
@@ -95,14 +95,18 @@ def main(victim: str, marker: Path, method: str, path: str, event: str) -> None:
     wrap = DistributedOptimizer if path == "fused" else hvd.DistributedOptimizer
     optimizer = wrap(torch.optim.SGD(model.parameters(), lr=1.0),
                      named_parameters=model.named_parameters(), compression=compression)
-    # The fused optimizer's state commits its own compressor unasked.
-    state = TorchState(model, optimizer, compression=compression if path == "stock" else None, step=0,
-                       grad_sum={n: torch.zeros_like(p) for n, p in initial.items()})
+    counters = dict(step=0, grad_sum={n: torch.zeros_like(p) for n, p in initial.items()})
+    if state_kind == "horovods":  # which knows nothing of the compressor: refused at the reset
+        state = hvd.elastic.TorchState(model, optimizer, **counters)
+    else:  # the fused optimizer's state commits its own compressor unasked
+        state = TorchState(model, optimizer, compression=compression if path == "stock" else None,
+                           **counters)
     host = os.environ.get("HOROVOD_HOSTNAME", "")
 
     @hvd.elastic.run
     def train(state):
-        check(state, model, compression, initial, "entry", True, TOLERANCE[method])
+        if state_kind == "ours" or state.step == 0:
+            check(state, model, compression, initial, "entry", True, TOLERANCE[method])
         while state.step < STEPS:
             if event == "grow" and state.step == GROW_AT and hvd.size() == 2:
                 wait_for_the_new_host(state, marker)
@@ -132,5 +136,6 @@ if __name__ == "__main__":
                         help="file written when the worker dies or the host is asked for")
     parser.add_argument("--method", choices=sorted(TOLERANCE), default="topk")
     parser.add_argument("--path", choices=("stock", "fused"), default="stock")
+    parser.add_argument("--state", choices=("ours", "horovods"), default="ours")
     args = parser.parse_args()
-    main(args.victim, args.marker, args.method, args.path, args.event)
+    main(args.victim, args.marker, args.method, args.path, args.event, args.state)
