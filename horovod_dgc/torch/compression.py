@@ -423,10 +423,12 @@ def check_plain_optimizer(optimizer: torch.optim.Optimizer, config,
         mine = getattr(config, key, 0.0)
         theirs = [g.get(key, 0.0) for g in optimizer.param_groups]
         if mine and any(theirs):
+            setter = (" (a scheduler may have set it: OneCycleLR and CyclicLR cycle momentum "
+                      "unless given cycle_momentum=False)" if key == "momentum" else "")
             raise ValueError(
-                f"the wrapped optimizer has {key}={max(theirs)} but the compressor applies "
-                f"{key}={mine} itself: give the optimizer {key}=0 (the compressor applies it), "
-                f"or {instead}")
+                f"the wrapped optimizer has {key}={max(theirs)}{setter} but the compressor "
+                f"applies {key}={mine} itself: give the optimizer {key}=0 (the compressor "
+                f"applies it), or {instead}")
 
 
 COMPRESSORS = {"sparse": SparseCompressor, "two-stage": TwoStageCompressor}

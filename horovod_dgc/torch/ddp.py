@@ -83,7 +83,7 @@ class DDPCompressionState:
     :meth:`state_dict`.
     """
 
-    __slots__ = ("compression", "transport", "_names", "_in_flight")
+    __slots__ = ("compression", "transport", "_names", "_in_flight", "_optimizer")
 
     def __init__(self, compression: MethodCompressor,
                  named_parameters: Iterable[Tuple[str, torch.nn.Parameter]],
@@ -93,6 +93,7 @@ class DDPCompressionState:
         self.transport = transport
         self._names: Dict[int, Tuple[str, torch.nn.Parameter]] = {id(p): (n, p) for n, p in named}
         self._in_flight: List[_BucketInFlight] = []
+        self._optimizer: Optional[torch.optim.Optimizer] = None
         compression.use_transport(transport)
         compression.bind(named)
 
@@ -133,8 +134,10 @@ class DDPCompressionState:
         compressor applies already (DGC; blocksign with momentum), by the rule of the Horovod
         paths: it must be ``torch.optim.SGD`` with ``momentum=0`` (and ``weight_decay=0``
         when the compressor has one). DDP never sees the optimizer: call this once, or pass
-        ``optimizer=`` to :func:`register`."""
+        ``optimizer=`` to :func:`register`. The optimizer is checked again at every step (a
+        scheduler that cycles momentum sets it in ``param_groups``)."""
         check_plain_optimizer(optimizer, self.compression.config, _INSTEAD)
+        self._optimizer = optimizer
 
     # -- the hook's work -------------------------------------------------------------------------
     def _name_of(self, param: torch.Tensor) -> Tuple[str, torch.nn.Parameter]:
@@ -152,6 +155,8 @@ class DDPCompressionState:
         names = [self._name_of(p)[0] for p in params]
         flight = _BucketInFlight(bucket.index(), buffer, views, names, torch.futures.Future())
         try:
+            if not self._in_flight and self._optimizer is not None:  # a step's first bucket
+                check_plain_optimizer(self._optimizer, self.compression.config, _INSTEAD)
             self._launch(flight, params)
         except BaseException as error:
             self._fail(error)

@@ -28,10 +28,12 @@ import torch
 from ..core.collectives import cut_buckets
 from ..core.methods import spec_of
 from .collectives import PREFIX, wait
-from .compression import Compression, MethodCompressor, check_optimizer_compatible
+from .compression import Compression, MethodCompressor, check_optimizer_compatible, check_plain_optimizer
 from .engine import DenseUpdate, Engine
 
 DEFAULT_BUCKET_CAP_MB = 25.0
+_MOVED_AT_CONSTRUCTION = ("keep it 0 after construction, when this DistributedOptimizer moved the "
+                          "SGD's momentum and weight decay into the compressor")
 # The key under which the optimizer's state_dict() carries this rank's compressor part.
 COMPRESSOR_STATE_KEY = "horovod_dgc"
 
@@ -210,6 +212,9 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
             # locally on its own DistributedOptimizer; an exchange here would count as a
             # training step (the compressor's step counter, which turns leaders and warm-up).
             return super(self.__class__, self).step(closure)
+        # Checked at every step: what moved into the compressor at construction may have been
+        # set again in param_groups since, by a scheduler that cycles momentum.
+        check_plain_optimizer(self, self._compression.config, _MOVED_AT_CONSTRUCTION)
         if self._should_synchronize:
             self.synchronize()
         self._synchronized = False

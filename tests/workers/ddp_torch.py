@@ -243,7 +243,19 @@ def misuse() -> None:
     expect(TypeError, ["DistributedDataParallel", "Injected"],
            lambda: ddp.register(module, hdgc.Compression.topk()))
     sparse_misuse()
+    momentum_cycled_by_a_scheduler(module)
     print(f"rank {rank} misuse ok", flush=True)
+
+
+def momentum_cycled_by_a_scheduler(module: torch.nn.Module) -> None:
+    """OneCycleLR sets the SGD's momentum after register() checked the optimizer: the hook
+    refuses it at the next step, before DGC's momentum is applied twice."""
+    sgd = torch.optim.SGD(module.parameters(), lr=0.1)
+    model = ddp_model(module)
+    ddp.register(model, hdgc.Compression.dgc(), optimizer=sgd)
+    torch.optim.lr_scheduler.OneCycleLR(sgd, max_lr=0.1, total_steps=10)
+    expect(Exception, ["cycle_momentum=False", "compressor applies"],
+           lambda: model(gradients(module, dist.get_rank(), 0)).backward())
 
 
 def sparse_misuse() -> None:

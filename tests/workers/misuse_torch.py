@@ -2,7 +2,8 @@
 and the own path moving SGD's momentum over (a dampening refused, another Nesterov flag
 warned of), with a weight decay per param group; a second synchronize() before step() sends
 nothing again; a parameter frozen when the fused optimizer was built and unfrozen later is
-refused by name (nothing would average its gradient), and so is one added by add_param_group."""
+refused by name (nothing would average its gradient), and so is one added by add_param_group;
+a scheduler that cycles momentum is refused on both paths (DGC's momentum applied twice)."""
 import warnings
 
 import horovod.torch as hvd
@@ -112,6 +113,22 @@ def unfrozen_after_construction() -> None:
                  "['param_groups[1][0]', 'param_groups[1][1]'] have gradients")
 
 
+def momentum_cycled_by_a_scheduler() -> None:
+    """OneCycleLR sets the SGD's momentum in param_groups at construction and every step: the
+    fused optimizer, which moved it into the compressor before the scheduler existed, refuses
+    it at the next step, and the stock path at its first."""
+    for wrap in (hdgc.DistributedOptimizer, hvd.DistributedOptimizer):
+        net = torch.nn.Linear(64, 64)
+        compression = hdgc.Compression.dgc(named_parameters=net.named_parameters())
+        optimizer = wrap(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9 if wrap is hdgc.DistributedOptimizer else 0.0),
+                         named_parameters=net.named_parameters(), compression=compression)
+        torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=10)
+        expect_error(lambda: one_step(optimizer, net), "cycle_momentum=False")
+        if wrap is hdgc.DistributedOptimizer:
+            assert all(p.grad is None or not optimizer.state[p] for p in net.parameters()), \
+                "the SGD stepped with the scheduler's momentum before the refusal"
+
+
 def hierarchical_on_one_host() -> None:
     expect_error(lambda: hdgc.Compression.dgc(hierarchical=True), "every worker runs on one host")
 
@@ -124,5 +141,6 @@ if __name__ == "__main__":
     weight_decay_per_param_group()
     second_synchronize_sends_nothing()
     unfrozen_after_construction()
+    momentum_cycled_by_a_scheduler()
     hierarchical_on_one_host()
     print(f"rank {hvd.rank()} misuse ok", flush=True)
