@@ -1,31 +1,39 @@
 """Mixed precision in Horovod's documented recipe (``torch.amp`` autocast in float16 with a
-``GradScaler``), through the stock ``hvd.DistributedOptimizer`` and the fused optimizer. At
-step OVERFLOW rank 1 alone overflows: every rank must skip that step, back its scale off,
-keep every memory (dense tensors' momentum included) exactly as it was, and keep parameters
-identical to the other ranks'; the steps after it train on.
+``GradScaler``), through the stock ``hvd.DistributedOptimizer`` and the fused optimizer; with
+``--ddp`` (under ``torchrun``), in PyTorch's recipe through the DDP hook. At step OVERFLOW
+rank 1 alone overflows: every rank must skip that step, back its scale off, keep every memory
+(dense tensors' momentum included) exactly as it was, and keep parameters identical to the
+other ranks'; the steps after it train on.
 """
 import argparse
 
 import horovod.torch as hvd
 import torch
+import torch.distributed as dist
 
 import horovod_dgc.torch as hdgc
+from horovod_dgc.torch import ddp
 
 STEPS, OVERFLOW = 6, 3
 
 
 def build(method: str, path: str):
+    """(the module, what runs it, the compressor, the optimizer, the scaler)."""
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
     options = dict(density=0.05) if method != "blocksign" else dict(momentum=0.5)
     compression = getattr(hdgc.Compression, method)(named_parameters=net.named_parameters(), **options)
-    wrap = hvd.DistributedOptimizer if path == "stock" else hdgc.DistributedOptimizer
-    optimizer = wrap(torch.optim.SGD(net.parameters(), lr=0.05), named_parameters=net.named_parameters(),
-                     compression=compression)
+    model, sgd = net, torch.optim.SGD(net.parameters(), lr=0.05)
+    if path == "ddp":
+        model, optimizer = torch.nn.parallel.DistributedDataParallel(net), sgd
+        ddp.register(model, compression, optimizer=optimizer)
+    else:
+        wrap = hvd.DistributedOptimizer if path == "stock" else hdgc.DistributedOptimizer
+        optimizer = wrap(sgd, named_parameters=net.named_parameters(), compression=compression)
     # A growing scale (every 2 good steps) shows that memories do not follow the scale.
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
     compression.attach_grad_scaler(scaler)
-    return net, compression, optimizer, scaler
+    return net, model, compression, optimizer, scaler
 
 
 def memories(compression) -> dict:
@@ -34,8 +42,8 @@ def memories(compression) -> dict:
 
 
 def run(method: str, path: str) -> None:
-    rank = hvd.rank()
-    net, compression, optimizer, scaler = build(method, path)
+    rank = dist.get_rank() if path == "ddp" else hvd.rank()
+    net, model, compression, optimizer, scaler = build(method, path)
     for step in range(STEPS):
         gen = torch.Generator().manual_seed(100 * step + rank)
         x, labels = torch.randn(32, 64, generator=gen), torch.randint(10, (32,), generator=gen)
@@ -43,14 +51,17 @@ def run(method: str, path: str) -> None:
         kept, scale = memories(compression), scaler.get_scale()
         optimizer.zero_grad()
         with torch.autocast("cpu", dtype=torch.float16):
-            loss = torch.nn.functional.cross_entropy(net(x).float(), labels)
+            loss = torch.nn.functional.cross_entropy(model(x).float(), labels)
         if rank == 1 and step == OVERFLOW:
             loss = loss * float("inf")
         scaler.scale(loss).backward()
-        optimizer.synchronize()
-        scaler.unscale_(optimizer)
-        with optimizer.skip_synchronize():
+        if path == "ddp":  # PyTorch's recipe: the hook averaged the gradients in backward
             scaler.step(optimizer)
+        else:
+            optimizer.synchronize()
+            scaler.unscale_(optimizer)
+            with optimizer.skip_synchronize():
+                scaler.step(optimizer)
         scaler.update()
         moved = any(not torch.equal(p, q) for p, q in zip(net.parameters(), params))
         if step == OVERFLOW:
@@ -65,7 +76,12 @@ def run(method: str, path: str) -> None:
             assert scaler.get_scale() >= scale, f"{method}/{path} step {step}: scale fell"
     flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
     assert torch.isfinite(flat).all()
-    for other in hvd.allgather_object(flat, name=f"amp.{method}.{path}"):
+    if path == "ddp":
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, flat)
+    else:
+        everyone = hvd.allgather_object(flat, name=f"amp.{method}.{path}")
+    for other in everyone:
         assert torch.equal(other, flat), f"{method}/{path}: ranks hold different parameters"
     print(f"rank {rank} {method} {path} amp ok", flush=True)
 
@@ -73,9 +89,15 @@ def run(method: str, path: str) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--methods", default="dgc,topk,scalecom,blocksign")
+    parser.add_argument("--ddp", action="store_true", help="the DDP hook, under torchrun")
     args = parser.parse_args()
-    hvd.init()
     torch.set_num_threads(1)
-    for path in ("stock", "own"):
+    if args.ddp:
+        dist.init_process_group("gloo")
+    else:
+        hvd.init()
+    for path in ("ddp",) if args.ddp else ("stock", "own"):
         for method in args.methods.split(","):
             run(method, path)
+    if args.ddp:
+        dist.destroy_process_group()
