@@ -17,6 +17,11 @@ def test_aggregated_gradient_equals_dense_reference_and_misuse_is_named():
 
 
 @pytest.mark.slow  # the same allgather as topk's with another selection (unit-tested in graphs)
+def test_a_tape_given_a_process_set_of_part_of_the_world_is_refused():
+    out = horovodrun("process_set_tensorflow.py", 4)
+    assert out.count("process set refused ok") == 4, out
+
+
 def test_gaussiank_aggregated_gradient_equals_dense_reference():
     out = horovodrun("aggregate_tensorflow.py", 2,
                      ["--function-methods", "gaussiank", "--function-only"], timeout_s=600)

@@ -121,6 +121,23 @@ def _horovod_reduction(tensor: tf.Tensor) -> Optional[Tuple[Any, Sequence[Any], 
     return None
 
 
+def _refuse_a_process_set() -> None:
+    """Our collectives run among all workers, whatever process set the tape or Keras
+    optimizer was given: the Horovod ``allreduce`` calling ``compress`` holds it (the nearest
+    caller's frame with a ``process_set``: autograph runs a converted copy of that function, so
+    no code object or name identifies it); a subset of the workers is refused rather than
+    averaged over all."""
+    for frame in _caller_frames():
+        process_set = frame.f_locals.get("process_set")
+        if isinstance(process_set, hvd.ProcessSet):
+            if process_set is not hvd.global_process_set and process_set.size() != hvd.size():
+                raise ValueError(
+                    f"horovod_dgc compressors exchange among all {hvd.size()} workers; the tape "
+                    f"or optimizer was given a process set of {process_set.size()}: use the "
+                    f"global process set (process sets are not supported)")
+            return
+
+
 def _horovod_keras_optimizer() -> Optional[Any]:
     """The Horovod Keras ``DistributedOptimizer`` whose gradients are being compressed (the
     ``self`` of a caller holding Horovod's ``_allreduce_grads``), or None (a tape)."""
@@ -357,6 +374,7 @@ class MethodCompressor(CompressorControls, Compressor):
     def compress(self, tensor: tf.Tensor):
         if Engine.passes_through(tensor):
             return tensor, None
+        _refuse_a_process_set()
         name, variable, occurrence = self._lookup(tensor)
         if not tensor.shape.is_fully_defined():
             # sparse_as_dense: Horovod makes a tf.IndexedSlices dense with rows unknown
