@@ -19,8 +19,9 @@ from __future__ import annotations
 import dataclasses
 import sys
 import warnings
+import weakref
 from contextlib import contextmanager
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import horovod.torch as hvd
 import torch
@@ -36,6 +37,28 @@ _MOVED_AT_CONSTRUCTION = ("keep it 0 after construction, when this DistributedOp
                           "SGD's momentum and weight decay into the compressor")
 # The key under which the optimizer's state_dict() carries this rank's compressor part.
 COMPRESSOR_STATE_KEY = "horovod_dgc"
+
+
+# id(parameter) -> (a weak reference to it, its hook's handle) for the newest fused optimizer
+# built over it.
+_HOOKS: Dict[int, Tuple[Any, Any]] = {}
+
+
+def _hook_for_the_newest_optimizer(p: torch.nn.Parameter, hook: Callable) -> None:
+    """Hook ``p`` for the optimizer being built, removing the hook of an older one built over
+    it. An optimizer built again (after unfreezing layers, as the refusal below advises, or
+    for a new phase of training) left the old hooks firing: both optimizers exchanged every
+    gradient, under the same collective names, which Horovod refuses."""
+    key = id(p)
+    previous = _HOOKS.get(key)
+    if previous is not None and previous[0]() is p:
+        previous[1].remove()
+
+    def forget(ref: Any) -> None:
+        if _HOOKS.get(key, (None,))[0] is ref:
+            del _HOOKS[key]
+
+    _HOOKS[key] = (weakref.ref(p, forget), p.register_post_accumulate_grad_hook(hook))
 
 
 class _FusedDistributedOptimizer(torch.optim.Optimizer):
@@ -58,7 +81,7 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         self._should_synchronize = True
         self._synchronized = False
         for p in self._params:
-            p.register_post_accumulate_grad_hook(self._hook)
+            _hook_for_the_newest_optimizer(p, self._hook)
 
     # -- construction helpers ------------------------------------------------------------------------
     def _make_buckets(self, cap_mb: float, compressed: bool) -> List[List[torch.nn.Parameter]]:
@@ -95,6 +118,11 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
             self._submit(p)
 
     def _submit(self, p: torch.nn.Parameter) -> None:
+        if not self._ready and not self._dense_ready:
+            # The step's first gradient, before anything is launched: what moved into the
+            # compressor at construction may have been set again in param_groups since, by a
+            # scheduler that cycles momentum.
+            check_plain_optimizer(self, self._compression.config, _MOVED_AT_CONSTRUCTION)
         if p.grad.is_sparse:
             if not self._sparse_as_dense:
                 raise ValueError(f"parameter {self._names[p]!r} has a sparse gradient (an "
@@ -164,7 +192,18 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         (compressing them again would send the average once more)."""
         if self._synchronized:
             return
-        self._refuse_unregistered_gradients()
+        unregistered = self._unregistered_gradients()
+        if unregistered:
+            # Finished first, so that no collective stays in flight under a name that a
+            # rebuilt optimizer would use again (Horovod refuses a name in flight).
+            self._finish_buckets()
+            self._finish_dense()
+            self._reset_step()
+            raise ValueError(f"parameters {unregistered[:5]} have gradients but were frozen when "
+                             f"the DistributedOptimizer was built (or added by add_param_group "
+                             f"since), so nothing averages them and each rank would apply its own: "
+                             f"build the optimizer again after unfreezing them (or set a stale "
+                             f".grad to None)")
         for p in self._params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -184,18 +223,13 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._compression.abandon_exchanges()
 
-    def _refuse_unregistered_gradients(self) -> None:
-        """A parameter frozen when the optimizer was built (or added later by
-        ``add_param_group``) has no hook: its gradient would be applied unaveraged and the
-        ranks would drift apart, silently."""
-        unregistered = [self._names.get(p, f"param_groups[{i}][{j}]")
-                        for i, group in enumerate(self.param_groups) for j, p in enumerate(group["params"])
-                        if p.grad is not None and p not in self._delay]
-        if unregistered:
-            raise ValueError(f"parameters {unregistered[:5]} have gradients but were frozen when the "
-                             f"DistributedOptimizer was built (or added by add_param_group since), so "
-                             f"nothing averages them and each rank would apply its own: build the "
-                             f"optimizer again after unfreezing them (or set a stale .grad to None)")
+    def _unregistered_gradients(self) -> List[str]:
+        """The parameters with a gradient but no hook: frozen when the optimizer was built (or
+        added later by ``add_param_group``), their gradients would be applied unaveraged and
+        the ranks would drift apart, silently."""
+        return [self._names.get(p, f"param_groups[{i}][{j}]")
+                for i, group in enumerate(self.param_groups) for j, p in enumerate(group["params"])
+                if p.grad is not None and p not in self._delay]
 
     @contextmanager
     def skip_synchronize(self):
@@ -212,9 +246,6 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
             # locally on its own DistributedOptimizer; an exchange here would count as a
             # training step (the compressor's step counter, which turns leaders and warm-up).
             return super(self.__class__, self).step(closure)
-        # Checked at every step: what moved into the compressor at construction may have been
-        # set again in param_groups since, by a scheduler that cycles momentum.
-        check_plain_optimizer(self, self._compression.config, _MOVED_AT_CONSTRUCTION)
         if self._should_synchronize:
             self.synchronize()
         self._synchronized = False

@@ -111,12 +111,20 @@ def unfrozen_after_construction() -> None:
     optimizer.add_param_group({"params": head.parameters()})
     expect_error(lambda: one_step(optimizer, torch.nn.Sequential(net, head)),
                  "['param_groups[1][0]', 'param_groups[1][1]'] have gradients")
+    # An optimizer built again trains on: no collective of the refused step is still in
+    # flight under the bucket name the new one uses (the refused step's compressed bucket
+    # was launched during backward; Horovod refuses a second collective under that name).
+    optimizer = hdgc.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                          named_parameters=net.named_parameters(),
+                                          compression=hdgc.Compression.topk(density=0.05))
+    one_step(optimizer, net)
 
 
 def momentum_cycled_by_a_scheduler() -> None:
     """OneCycleLR sets the SGD's momentum in param_groups at construction and every step: the
     fused optimizer, which moved it into the compressor before the scheduler existed, refuses
-    it at the next step, and the stock path at its first."""
+    it at the next step's first gradient, before launching anything (an exchange left in
+    flight would collide with the next one's name), and the stock path at its first step."""
     for wrap in (hdgc.DistributedOptimizer, hvd.DistributedOptimizer):
         net = torch.nn.Linear(64, 64)
         compression = hdgc.Compression.dgc(named_parameters=net.named_parameters())
