@@ -19,6 +19,7 @@ is known exactly; its two layers differ 100x in scale, and DDP's buckets (``buck
 small) split them differently before and after DDP rebuilds its buckets.
 """
 import argparse
+import gc
 import io
 from pathlib import Path
 from typing import Dict, List
@@ -316,6 +317,7 @@ def main() -> None:
         else:
             raise SystemExit(f"unknown mode {mode!r}")
     no_horovod_initialized()
+    gc.collect()  # the DDP models, which hold the group, before the group (see amp_torch.py)
     dist.barrier()
     dist.destroy_process_group()
 
