@@ -42,6 +42,7 @@ from _resnet import resnet50  # noqa: E402
 
 import horovod_dgc.torch as hdgc  # noqa: E402
 from horovod_dgc.torch.checkpoint import redistribute  # noqa: E402
+from horovod_dgc.torch.optimizer import COMPRESSOR_STATE_KEY  # noqa: E402
 
 def build_parser() -> argparse.ArgumentParser:
     """Every flag of the example, documented (shared with the TensorFlow twin)."""
@@ -148,7 +149,7 @@ class Checkpoints:
         if hasattr(compression, "state_dict"):
             _atomic_save(compression.state_dict(), self.part_file(epoch, hvd.rank(), hvd.size()))
         optimizer_state = optimizer.state_dict()
-        optimizer_state.pop("horovod_dgc", None)  # the parts above hold every rank's
+        optimizer_state.pop(COMPRESSOR_STATE_KEY, None)  # the parts above hold every rank's
         hvd.barrier()
         if hvd.rank() == 0:
             _atomic_save({"epoch": epoch, "compression": method, "model": model.state_dict(),

@@ -19,6 +19,7 @@ import torch
 
 import horovod_dgc.torch as hdgc
 from horovod_dgc.torch.checkpoint import redistribute
+from horovod_dgc.torch.optimizer import COMPRESSOR_STATE_KEY
 
 METHODS = {"dgc": dict(density=0.01, warmup_epochs=2, momentum=0.9),
            "topk": dict(density=0.01, warmup_epochs=2),
@@ -88,7 +89,7 @@ def roundtrip(method: str, path: str) -> None:
     model, compression, optimizer = build(method, path)
     train(model, compression, optimizer, 3)
     saved = serialized(optimizer.state_dict() if path == "own" else compression.state_dict())
-    part = saved["horovod_dgc"] if path == "own" else saved
+    part = saved[COMPRESSOR_STATE_KEY] if path == "own" else saved
     assert part["steps"] and part["states"], "nothing was saved"
 
     copy, copy_compression, copy_optimizer = build(method, path)
@@ -119,7 +120,7 @@ def refusals(method: str, path: str, part: dict) -> None:
         expect_refusal(lambda: fresh.load_state_dict(part), ["config", "density"], "another density")
     _, fresh, fresh_optimizer = build(method, path, hidden=200)
     load = ((lambda: fresh_optimizer.load_state_dict({**fresh_optimizer.state_dict(),
-                                                       "horovod_dgc": part}))
+                                                       COMPRESSOR_STATE_KEY: part}))
             if path == "own" else (lambda: fresh.load_state_dict(part)))
     expect_refusal(load, ["elements"], "another shape")
     _, fresh, _ = build(method, path)
