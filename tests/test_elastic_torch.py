@@ -17,17 +17,23 @@ HOSTS = ("localhost", "127.0.0.1", socket.gethostname())
 VICTIM = "127.0.0.1"
 
 
-def lose_a_worker(tmp_path, *options: str) -> subprocess.CompletedProcess:
-    """Three workers; the one on VICTIM dies at step 12, two steps after a commit."""
-    discovery = tmp_path / "discover_hosts.sh"
-    discovery.write_text("#!/bin/sh\n" + "".join(f"echo {h}:1\n" for h in HOSTS))
-    discovery.chmod(0o755)
-    cmd = [str(BIN / "horovodrun"), "-np", "3", "--min-np", "2", "--max-np", "3",
-           "--host-discovery-script", str(discovery), "--gloo", "--gloo-timeout-seconds", "10",
-           sys.executable, str(WORKERS / "elastic_torch.py"), "--victim", VICTIM,
-           "--event", "kill", "--marker", str(tmp_path / "victim_died"), *options]
+def elastic_job(tmp_path, discovery: str, np: int, *options: str) -> subprocess.CompletedProcess:
+    """tests/workers/elastic_torch.py under horovodrun, elastic between 2 and 3 workers;
+    ``discovery``: the lines of the host discovery script after its shebang."""
+    script = tmp_path / "discover_hosts.sh"
+    script.write_text("#!/bin/sh\n" + discovery)
+    script.chmod(0o755)
+    cmd = [str(BIN / "horovodrun"), "-np", str(np), "--min-np", "2", "--max-np", "3",
+           "--host-discovery-script", str(script), "--gloo", "--gloo-timeout-seconds", "10",
+           sys.executable, str(WORKERS / "elastic_torch.py"), *options]
     return subprocess.run(cmd, cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=300)
+
+
+def lose_a_worker(tmp_path, *options: str) -> subprocess.CompletedProcess:
+    """Three workers; the one on VICTIM dies at step 12, two steps after a commit."""
+    return elastic_job(tmp_path, "".join(f"echo {h}:1\n" for h in HOSTS), 3, "--event", "kill",
+                       "--victim", VICTIM, "--marker", str(tmp_path / "victim_died"), *options)
 
 
 @pytest.mark.parametrize("method,path", [("topk", "stock"), ("topk", "fused"), ("scalecom", "fused")])
@@ -45,16 +51,9 @@ def test_worker_lost_mid_interval_rolls_back_and_conserves_gradient_mass(tmp_pat
 @pytest.mark.parametrize("path", ["stock", "fused"])
 def test_worker_added_at_a_commit_takes_its_share_and_conserves_gradient_mass(tmp_path, path):
     marker = tmp_path / "host_added"
-    discovery = tmp_path / "discover_hosts.sh"
-    discovery.write_text(f"#!/bin/sh\necho {HOSTS[0]}:1\necho {HOSTS[1]}:1\n"
-                         f"[ -e {marker} ] && echo {HOSTS[2]}:1\nexit 0\n")
-    discovery.chmod(0o755)
-    cmd = [str(BIN / "horovodrun"), "-np", "2", "--min-np", "2", "--max-np", "3",
-           "--host-discovery-script", str(discovery), "--gloo", "--gloo-timeout-seconds", "10",
-           sys.executable, str(WORKERS / "elastic_torch.py"), "--event", "grow",
-           "--marker", str(marker), "--path", path]
-    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=300)
+    # The third host is listed once rank 0 asks for it by writing the marker.
+    discovery = f"echo {HOSTS[0]}:1\necho {HOSTS[1]}:1\n[ -e {marker} ] && echo {HOSTS[2]}:1\nexit 0\n"
+    proc = elastic_job(tmp_path, discovery, 2, "--event", "grow", "--marker", str(marker), "--path", path)
     out = proc.stdout
     assert proc.returncode == 0, out[-6000:]
     assert marker.read_text() == "host added at step 10"

@@ -28,7 +28,7 @@ from horovod.torch.elastic.state import OptimizerStateHandler, StateHandler
 from ..core.state import with_states
 from .checkpoint import shard
 from .compression import MethodCompressor
-from .optimizer import COMPRESSOR_STATE_KEY, is_fused
+from .optimizer import is_fused
 
 
 def pool_across_ranks(compressor: MethodCompressor) -> dict:
@@ -85,16 +85,15 @@ class CompressorStateHandler(StateHandler):
 class FusedOptimizerStateHandler(OptimizerStateHandler):
     """Horovod's optimizer handler for our fused optimizer, less the compressor part that its
     ``state_dict()`` carries: :class:`CompressorStateHandler` commits the memories pooled
-    across ranks, and a copy of this rank's own at each commit would double their memory."""
+    across ranks, and copying this rank's own at each commit (a clone, then a deep copy, of
+    every memory) would only be thrown away."""
 
     def __init__(self, optimizer):
         StateHandler.__init__(self, optimizer)
         self.save()
 
     def save(self) -> None:
-        state = self.value.state_dict()
-        state.pop(COMPRESSOR_STATE_KEY)
-        self._saved_optimizer_state = copy.deepcopy(state)
+        self._saved_optimizer_state = copy.deepcopy(self.value.wrapped_state_dict())
 
 
 class TorchState(hvd.elastic.TorchState):

@@ -258,9 +258,12 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).zero_grad(set_to_none)
 
     def state_dict(self) -> dict:
-        state = super(self.__class__, self).state_dict()
-        state[COMPRESSOR_STATE_KEY] = self._compression.state_dict()
-        return state
+        return {**self.wrapped_state_dict(), COMPRESSOR_STATE_KEY: self._compression.state_dict()}
+
+    def wrapped_state_dict(self) -> dict:
+        """The wrapped optimizer's own state, without this rank's compressor part (which
+        ``state_dict()`` adds: a copy of every memory)."""
+        return super(self.__class__, self).state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
         state_dict = dict(state_dict)

@@ -8,10 +8,10 @@ average gradient of every step that was kept. Conservation of gradient mass:
 
 (the bias is not compressed: ``b0 - b == grad_sum``). The worker on host ``--victim`` kills
 itself in the middle of the commit interval; survivors roll back to the last commit and go
-on with fewer workers. With ``--event grow`` a third host appears instead (the discovery script
-lists it once ``--marker`` exists) and its worker joins at the commit of step 10. On every entry into the training function (after each reset) every
-rank checks that the parameters and residuals are identical on all ranks and that the law
-holds; at the end it checks the law again. Top-k's law holds exactly (every value's rounding to
+on with fewer workers. With ``--event grow`` a third host appears instead (the discovery
+script lists it once ``--marker`` exists) and its worker joins at the commit of step 10. On
+every entry into the training function (after each reset) every rank checks that the
+parameters and residuals are identical on all ranks and that the law holds; at the end it checks the law again. Top-k's law holds exactly (every value's rounding to
 the wire stays in its residual); ScaleCom's all-reduce sums float32 values, whose rounding no
 residual keeps. ``--path fused`` trains with our fused optimizer: the reset interrupts its
 step with gradients submitted and exchanges in flight.

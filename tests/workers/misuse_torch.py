@@ -111,9 +111,10 @@ def unfrozen_after_construction() -> None:
     optimizer.add_param_group({"params": head.parameters()})
     expect_error(lambda: one_step(optimizer, torch.nn.Sequential(net, head)),
                  "['param_groups[1][0]', 'param_groups[1][1]'] have gradients")
-    # An optimizer built again trains on: no collective of the refused step is still in
-    # flight under the bucket name the new one uses (the refused step's compressed bucket
-    # was launched during backward; Horovod refuses a second collective under that name).
+    # An optimizer built again, as the error says, trains on: the old optimizer's hooks no
+    # longer fire, and no collective of the refused step (launched during backward) is still
+    # in flight; either would be a second collective under the bucket name the new one uses,
+    # which Horovod refuses.
     optimizer = hdgc.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
                                           named_parameters=net.named_parameters(),
                                           compression=hdgc.Compression.topk(density=0.05))
@@ -128,7 +129,9 @@ def momentum_cycled_by_a_scheduler() -> None:
     for wrap in (hdgc.DistributedOptimizer, hvd.DistributedOptimizer):
         net = torch.nn.Linear(64, 64)
         compression = hdgc.Compression.dgc(named_parameters=net.named_parameters())
-        optimizer = wrap(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9 if wrap is hdgc.DistributedOptimizer else 0.0),
+        # Ours moves an SGD's momentum into DGC; the stock path needs momentum=0 to start.
+        momentum = 0.9 if wrap is hdgc.DistributedOptimizer else 0.0
+        optimizer = wrap(torch.optim.SGD(net.parameters(), lr=0.1, momentum=momentum),
                          named_parameters=net.named_parameters(), compression=compression)
         torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=10)
         expect_error(lambda: one_step(optimizer, net), "cycle_momentum=False")
