@@ -99,6 +99,12 @@ def test_loss_scale_overflow_on_one_rank_is_skipped_by_every_rank_and_memories_s
             assert out.count(f"{method} {policy} tf amp ok") == 2, out
 
 
+def test_a_bfloat16_model_trains_on_every_method_and_dense_tensors_get_the_mean():
+    """tests/workers/conditions_tensorflow.py: a bfloat16 Keras 3 model inside tf.function."""
+    out = horovodrun("conditions_tensorflow.py", 2, timeout_s=600)
+    assert out.count("tensorflow conditions ok") == 2, out
+
+
 def test_own_tape_takes_keras_3_variables_and_matches_the_stock_tape():
     out = horovodrun("keras3_tape_tensorflow.py", 2, timeout_s=600)
     for method, mode in (("scalecom", "eager"), ("dgc", "function")):

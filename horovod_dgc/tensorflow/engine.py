@@ -313,7 +313,8 @@ class Engine:
         old, scale = self._read_state(name), self._current_loss_scale()
         update, state = self.method.dense(self.ops, old, flat,
                                           self._call(name, step, self.density, param, scale, grad.shape))
-        update = tf.cast(update, REDUCIBLE.get(grad.dtype, grad.dtype)) * tf.cast(scale, update.dtype)
+        reducible = REDUCIBLE.get(grad.dtype, grad.dtype)
+        update = tf.cast(update, reducible) * tf.cast(scale, reducible)
         nbytes = flat.shape.num_elements() * update.dtype.size
         self._record([(ALLREDUCE, nbytes)], flat.shape.num_elements() * grad.dtype.size)
         return DenseUpdate(name, tf.reshape(update, grad.shape), grad.dtype, step, old, state, scale)

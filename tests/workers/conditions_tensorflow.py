@@ -1,0 +1,81 @@
+"""A bfloat16 Keras 3 model (variables and gradients in bfloat16) on every method, inside
+``tf.function``: 3 steps leave the weights finite, changed and identical on every rank. A
+tensor that travels dense (the 10-entry output bias: blocksign's small tensors, and every
+small tensor of a sparse method built with ``small_density=None``) must receive exactly the
+mean of the ranks' own gradients, taken here from a plain tape and an allgather: Horovod
+all-reduces no bfloat16, so that average travels as float32 and comes back rounded to
+bfloat16."""
+import keras
+import numpy as np
+import tensorflow as tf
+import horovod.tensorflow as hvd
+
+import horovod_dgc.tensorflow as hdgc
+
+STEPS = 3
+# (method, options, whether the output bias travels dense)
+RUNS = [("dgc", dict(density=0.05), False), ("topk", dict(density=0.05), False),
+        ("gaussiank", dict(density=0.05), False), ("scalecom", dict(density=0.05), False),
+        ("blocksign", dict(), True), ("topk", dict(density=0.05, small_density=None), True)]
+
+
+def model() -> keras.Model:
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((32,)), keras.layers.Dense(256, activation="relu", name="hidden"),
+                             keras.layers.Dense(10, name="logits")], name="net")
+
+
+def weights(net: keras.Model) -> np.ndarray:
+    return np.concatenate([np.asarray(v.value, dtype=np.float64).ravel() for v in net.trainable_variables])
+
+
+def run(method: str, options: dict, bias_dense: bool) -> None:
+    label = f"bf16.{method}.{'dense' if bias_dense else 'compressed'}"
+    net = model()
+    assert all(v.dtype == "bfloat16" for v in net.trainable_variables), label
+    compression = getattr(hdgc.Compression, method)(variables=net.trainable_variables, **options)
+    sgd = keras.optimizers.SGD(0.05)
+
+    def loss_of(x, y):
+        return tf.reduce_mean(tf.square(tf.cast(net(x), tf.float32) - y))
+
+    @tf.function
+    def local_gradients(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_of(x, y)
+        return tape.gradient(loss, net.trainable_variables)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_of(x, y)
+        grads = hdgc.DistributedGradientTape(tape, compression=compression).gradient(
+            loss, net.trainable_variables)
+        sgd.apply_gradients(zip(grads, net.trainable_variables))
+        return grads
+
+    before = weights(net)
+    for s in range(STEPS):
+        rs = np.random.RandomState(100 * s + hvd.rank())
+        x, y = rs.standard_normal((16, 32)).astype(np.float32), rs.standard_normal((16, 10)).astype(np.float32)
+        own_bias = np.asarray(local_gradients(x, y)[-1], dtype=np.float32)
+        averaged_bias = step(x, y)[-1]
+        assert averaged_bias.dtype == tf.bfloat16, f"{label}: {averaged_bias.dtype}"
+        if bias_dense:
+            everyone = hvd.allgather_object(own_bias, name=f"{label}.{s}")
+            expected = tf.cast(np.mean(everyone, axis=0), tf.bfloat16)
+            assert np.array_equal(np.asarray(averaged_bias, np.float32), np.asarray(expected, np.float32)), \
+                f"{label} step {s}: {averaged_bias} is not the ranks' mean {expected}"
+    after = weights(net)
+    assert np.isfinite(after).all(), f"{label}: weights not finite"
+    assert not np.array_equal(after, before), f"{label}: no update"
+    for other in hvd.allgather_object(after, name=f"{label}.weights"):
+        assert np.array_equal(other, after), f"{label}: ranks hold different weights"
+
+
+if __name__ == "__main__":
+    hvd.init()
+    keras.mixed_precision.set_dtype_policy("bfloat16")
+    for method, options, bias_dense in RUNS:
+        run(method, options, bias_dense)
+    print(f"rank {hvd.rank()} tensorflow conditions ok", flush=True)
