@@ -99,8 +99,9 @@ def test_loss_scale_overflow_on_one_rank_is_skipped_by_every_rank_and_memories_s
             assert out.count(f"{method} {policy} tf amp ok") == 2, out
 
 
-def test_a_bfloat16_model_trains_on_every_method_and_dense_tensors_get_the_mean():
-    """tests/workers/conditions_tensorflow.py: a bfloat16 Keras 3 model inside tf.function."""
+def test_bfloat16_models_and_two_copies_of_one_model_train_on_every_method():
+    """tests/workers/conditions_tensorflow.py: a bfloat16 Keras 3 model (dense tensors get
+    the exact mean), and two same-named models stepped in one tf.function."""
     out = horovodrun("conditions_tensorflow.py", 2, timeout_s=600)
     assert out.count("tensorflow conditions ok") == 2, out
 

@@ -26,8 +26,10 @@ it needs ``variables=`` and falls back on the order: within one trace the gradie
 the order of ``variables``, so it gives each the next variable, at or after a cursor, of the
 same shape and dtype (exact when shapes are unique or the order is kept).
 
-Within one trace, the ``k``-th compression of a variable's gradient (a second
-``tape.gradient``) gets its own collective names (``occurrence`` ``k``).
+Within one trace, the ``k``-th compression of a variable name by any compressor (a second
+``tape.gradient``, or a second model whose variables have the same paths) gets its own
+collective names (``occurrence`` ``k``), as TensorFlow gives Horovod's stock ops names of
+their own.
 """
 from __future__ import annotations
 
@@ -149,14 +151,18 @@ def _horovod_keras_optimizer() -> Optional[Any]:
 
 
 class _Trace:
-    """One trace's walk over the variables: the cursor of the order fallback, and how often
-    each tensor was compressed so far."""
+    """One trace's walk over the variables: the cursor of the order fallback."""
 
-    __slots__ = ("position", "uses")
+    __slots__ = ("position",)
 
     def __init__(self) -> None:
         self.position = 0
-        self.uses: Dict[str, int] = {}
+
+
+# How often each variable name was compressed so far in a traced graph, by every compressor:
+# shared, because two compressors' variables can share names (two copies of one model), and
+# their collectives in flight at once need names of their own.
+_NAMES_TAKEN: "weakref.WeakKeyDictionary[tf.Graph, Dict[str, int]]" = weakref.WeakKeyDictionary()
 
 
 def _outermost_graph(tensor: tf.Tensor) -> Optional[tf.Graph]:
@@ -321,9 +327,12 @@ class MethodCompressor(CompressorControls, Compressor):
             name, variable = self._next_by_shape(tensor, trace)
         else:
             name, variable = self._paired(*reduction)
-        occurrence = trace.uses.get(name, 0)
-        trace.uses[name] = occurrence + 1
-        return name, variable, 0 if graph is None else occurrence
+        if graph is None:
+            return name, variable, 0
+        taken = _NAMES_TAKEN.setdefault(graph, {})
+        occurrence = taken.get(name, 0)
+        taken[name] = occurrence + 1
+        return name, variable, occurrence
 
     def _paired(self, variable: Any, variables: Sequence[Any], grads: Sequence[Any]) -> Tuple[str, Any]:
         """(name, variable) of the variable Horovod's ``allreduce_grads`` paired with the

@@ -1,10 +1,17 @@
-"""A bfloat16 Keras 3 model (variables and gradients in bfloat16) on every method, inside
-``tf.function``: 3 steps leave the weights finite, changed and identical on every rank. A
-tensor that travels dense (the 10-entry output bias: blocksign's small tensors, and every
-small tensor of a sparse method built with ``small_density=None``) must receive exactly the
-mean of the ranks' own gradients, taken here from a plain tape and an allgather: Horovod
-all-reduces no bfloat16, so that average travels as float32 and comes back rounded to
-bfloat16."""
+"""Training conditions on real ranks, inside ``tf.function``.
+
+A bfloat16 Keras 3 model (variables and gradients in bfloat16): 3 steps leave the weights
+finite, changed and identical on every rank. A tensor that travels dense (the 10-entry output
+bias: blocksign's small tensors, and every small tensor of a sparse method built with
+``small_density=None``) must receive exactly the mean of the ranks' own gradients, taken here
+from a plain tape and an allgather: Horovod all-reduces no bfloat16, so that average travels
+as float32 and comes back rounded to bfloat16.
+
+Two copies of one model (the same Keras paths), each with a compressor of its own (topk,
+scalecom, blocksign: every kind of exchange), stepped in one ``tf.function`` (their collectives in flight at once) must train exactly as when each is
+stepped in a function of its own: Horovod's stock tape takes this, as TensorFlow names its
+ops apart.
+"""
 import keras
 import numpy as np
 import tensorflow as tf
@@ -19,8 +26,8 @@ RUNS = [("dgc", dict(density=0.05), False), ("topk", dict(density=0.05), False),
         ("blocksign", dict(), True), ("topk", dict(density=0.05, small_density=None), True)]
 
 
-def model() -> keras.Model:
-    keras.utils.set_random_seed(0)
+def model(seed: int = 0) -> keras.Model:
+    keras.utils.set_random_seed(seed)
     return keras.Sequential([keras.Input((32,)), keras.layers.Dense(256, activation="relu", name="hidden"),
                              keras.layers.Dense(10, name="logits")], name="net")
 
@@ -73,9 +80,42 @@ def run(method: str, options: dict, bias_dense: bool) -> None:
         assert np.array_equal(other, after), f"{label}: ranks hold different weights"
 
 
+def twins(method: str, together: bool) -> np.ndarray:
+    """The weights of two copies of one model (seeds 0 and 1) after 3 steps, stepped in one
+    function (``together``) or in one each."""
+    nets = [model(seed) for seed in (0, 1)]
+    options = {} if method == "blocksign" else dict(density=0.05)
+    compressions = [getattr(hdgc.Compression, method)(variables=net.trainable_variables, **options)
+                    for net in nets]
+    optimizers = [keras.optimizers.SGD(0.05) for _ in nets]
+
+    def train(i, x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(nets[i](x) - y)) if i == 0 else tf.reduce_mean(tf.abs(nets[i](x) - y))
+        grads = hdgc.DistributedGradientTape(tape, compression=compressions[i]).gradient(
+            loss, nets[i].trainable_variables)
+        optimizers[i].apply_gradients(zip(grads, nets[i].trainable_variables))
+
+    both = tf.function(lambda x, y: [train(i, x, y) for i in (0, 1)])
+    each = [tf.function(lambda x, y, i=i: train(i, x, y)) for i in (0, 1)]
+    for s in range(STEPS):
+        rs = np.random.RandomState(100 * s + hvd.rank())
+        x, y = rs.standard_normal((16, 32)).astype(np.float32), rs.standard_normal((16, 10)).astype(np.float32)
+        if together:
+            both(x, y)
+        else:
+            for step in each:
+                step(x, y)
+    return np.concatenate([weights(net) for net in nets])
+
+
 if __name__ == "__main__":
     hvd.init()
     keras.mixed_precision.set_dtype_policy("bfloat16")
     for method, options, bias_dense in RUNS:
         run(method, options, bias_dense)
+    keras.mixed_precision.set_dtype_policy("float32")
+    # dgc's and gaussiank's exchange is topk's allgather
+    for method in ("topk", "scalecom", "blocksign"):
+        assert np.array_equal(twins(method, True), twins(method, False)), f"twins.{method}: stepped together differs"
     print(f"rank {hvd.rank()} tensorflow conditions ok", flush=True)
