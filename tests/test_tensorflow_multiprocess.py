@@ -99,6 +99,12 @@ def test_loss_scale_overflow_on_one_rank_is_skipped_by_every_rank_and_memories_s
             assert out.count(f"{method} {policy} tf amp ok") == 2, out
 
 
+def test_keras_fit_under_a_loss_scale_optimizer_keeps_memories_unscaled_unasked():
+    """tests/workers/loss_scale_keras_tensorflow.py: tf_keras model.fit, no attach_loss_scale."""
+    out = horovodrun("loss_scale_keras_tensorflow.py", 2, timeout_s=600)
+    assert out.count("keras fit loss scale ok") == 2, out
+
+
 def test_bfloat16_models_and_two_copies_of_one_model_train_on_every_method():
     """tests/workers/conditions_tensorflow.py: a bfloat16 Keras 3 model (dense tensors get
     the exact mean), and two same-named models stepped in one tf.function."""

@@ -150,6 +150,17 @@ def _horovod_keras_optimizer() -> Optional[Any]:
     return None
 
 
+def _keras_loss_scale_optimizer() -> Optional[Any]:
+    """The tf_keras ``LossScaleOptimizer`` whose scaled gradients are being compressed (the
+    ``self`` of a caller that unscales them after Horovod's optimizer has reduced them), or
+    None."""
+    for frame in _caller_frames():
+        owner = frame.f_locals.get("self")
+        if hasattr(owner, "get_unscaled_gradients") and hasattr(owner, "loss_scale"):
+            return owner
+    return None
+
+
 class _Trace:
     """One trace's walk over the variables: the cursor of the order fallback."""
 
@@ -274,7 +285,10 @@ class MethodCompressor(CompressorControls, Compressor):
         """Mixed precision: gradients arrive multiplied by ``scale`` (a ``tf.Variable``, or a
         function returning the current scale: a Keras ``LossScaleOptimizer``'s
         ``dynamic_scale``); memories keep them unscaled and the averaged gradients go back
-        scaled, as the loss scale optimizer expects."""
+        scaled, as the loss scale optimizer expects. Through a Horovod Keras
+        ``DistributedOptimizer`` inside a tf_keras ``LossScaleOptimizer`` (``model.compile``
+        adds one under ``mixed_float16``) the compressor attaches that optimizer's scale
+        itself on its first step."""
         self._loss_scale = scale if callable(scale) else lambda: scale
         if self._engine is not None:
             self._engine.use_loss_scale(self._loss_scale)
@@ -344,6 +358,11 @@ class MethodCompressor(CompressorControls, Compressor):
             optimizer = _horovod_keras_optimizer()
             if optimizer is not None:
                 self.check_optimizer(optimizer)
+            scaler = _keras_loss_scale_optimizer()
+            if scaler is not None and self._loss_scale is None:
+                # model.compile wraps the optimizer in one under mixed_float16, unasked: its
+                # gradients reach Horovod's optimizer still scaled.
+                self.attach_loss_scale(lambda: scaler.loss_scale)
             self._warn_of_sparse_gradients(variables, grads)
         name = self._names.get(_identity(variable))
         if name is None:
