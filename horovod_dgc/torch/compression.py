@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import sys
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -61,6 +62,8 @@ class MethodCompressor(CompressorControls, Compressor):
         self._lock = threading.Lock()
         self._engine: Optional[Engine] = None
         self._optimizer_checked = False
+        self._scaler_told = False
+        self._scaler_checked = False
         self.transport: Transport = HOROVOD
         self._host_reductions: Optional[HostReductions] = None
         if named_parameters is not None:
@@ -113,14 +116,18 @@ class MethodCompressor(CompressorControls, Compressor):
                                   rank=self.transport.rank())
         return self._engine
 
-    def attach_grad_scaler(self, scaler: "torch.amp.GradScaler") -> None:
+    def attach_grad_scaler(self, scaler: Optional["torch.amp.GradScaler"]) -> None:
         """Mixed precision: gradients arrive multiplied by ``scaler``'s current scale; the
         memories keep them unscaled (so that a change of scale does not change what they
         hold) and the averaged gradients go back scaled, as ``scaler.unscale_`` expects.
         Horovod's recipe then works unchanged (``optimizer.synchronize()``,
         ``scaler.unscale_(optimizer)``, ``with optimizer.skip_synchronize():
-        scaler.step(optimizer)``, ``scaler.update()``)."""
-        self.engine.use_loss_scale(scaler.get_scale)
+        scaler.step(optimizer)``, ``scaler.update()``). Without this call, the first step
+        through Horovod's optimizer or ours refuses an enabled GradScaler found among its
+        callers' variables; ``None`` says that no scaler scales these gradients (one that is
+        there scales another loss)."""
+        self._scaler_told = True
+        self.engine.use_loss_scale(lambda: 1.0 if scaler is None else scaler.get_scale())
 
     def state_dict(self) -> dict:
         """This rank's memories, step counters and epoch, for checkpoints: save every rank's."""
@@ -176,6 +183,8 @@ class MethodCompressor(CompressorControls, Compressor):
         return tensor.new_zeros(1, dtype=torch.float32), exchange
 
     def decompress(self, tensor: torch.Tensor, ctx) -> torch.Tensor:
+        if not self._scaler_checked:
+            self.refuse_an_untold_grad_scaler()
         if not self._optimizer_checked:
             self._check_wrapping_optimizer()
         if ctx is None:
@@ -231,6 +240,23 @@ class MethodCompressor(CompressorControls, Compressor):
             self._host_reductions.forget()
             self.transport.forget()
         self.engine.abandon_step()
+
+    # -- guarding against a loss scale unknown to the memories ------------------------------------
+    def refuse_an_untold_grad_scaler(self) -> None:
+        """Raise ValueError, once, if an enabled ``GradScaler`` not given to
+        :meth:`attach_grad_scaler` is among the callers' variables (on the first step's
+        ``synchronize()``, on the caller's thread): the memories would keep its scaled
+        gradients, and every change of its scale would multiply what they owe, silently."""
+        self._scaler_checked = True
+        if self._scaler_told:
+            return
+        scaler = _grad_scaler_among_callers()
+        if scaler is not None:
+            raise ValueError(
+                f"a GradScaler (scale {scaler.get_scale()}) scales the loss, but this compressor "
+                f"was not told: its memories would keep scaled gradients and every change of "
+                f"scale would multiply what they owe; call compression.attach_grad_scaler(scaler) "
+                f"before training (or attach_grad_scaler(None) if that scaler scales another loss)")
 
     # -- guarding against momentum applied twice -------------------------------------------------
     def _check_wrapping_optimizer(self) -> None:
@@ -364,6 +390,20 @@ class TwoStageCompressor(MethodCompressor):
                          exchange.second_sizes, self.transport.size(), exchange.names)
         return [self.engine.finish(r, h, shape) for r, h, shape
                 in zip(received, exchange.handovers, exchange.shapes)]
+
+
+def _grad_scaler_among_callers() -> Optional["torch.amp.GradScaler"]:
+    """An enabled GradScaler among the callers' local variables or the attributes of their
+    ``self`` (a trainer holding one), innermost first; None if there is none."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        local = frame.f_locals
+        owner = getattr(local.get("self"), "__dict__", {})
+        for value in (*local.values(), *owner.values()):
+            if isinstance(value, torch.amp.GradScaler) and value.is_enabled():
+                return value
+        frame = frame.f_back
+    return None
 
 
 def _optimizers_holding(compressor: MethodCompressor):

@@ -3,7 +3,8 @@ and the own path moving SGD's momentum over (a dampening refused, another Nester
 warned of), with a weight decay per param group; a second synchronize() before step() sends
 nothing again; a parameter frozen when the fused optimizer was built and unfrozen later is
 refused by name (nothing would average its gradient), and so is one added by add_param_group;
-a scheduler that cycles momentum is refused on both paths (DGC's momentum applied twice)."""
+a scheduler that cycles momentum is refused on both paths (DGC's momentum applied twice), and
+so is a GradScaler the compressor was not given (memories in scaled units)."""
 import warnings
 
 import horovod.torch as hvd
@@ -140,6 +141,36 @@ def momentum_cycled_by_a_scheduler() -> None:
                 "the SGD stepped with the scheduler's momentum before the refusal"
 
 
+def grad_scaler_not_told() -> None:
+    """A GradScaler in Horovod's recipe that the compressor was not given: its memories would
+    keep scaled gradients, and every change of scale would multiply what they owe. Refused
+    at the first synchronize() on both paths; attach_grad_scaler(None) (the scaler scales
+    another loss) is taken."""
+    for wrap in (hvd.DistributedOptimizer, hdgc.DistributedOptimizer):
+        for told in (False, True):
+            net = torch.nn.Linear(64, 64)
+            prefix = f"scaler.{wrap.__module__}.{told}"  # the refused step's names stay apart
+            compression = hdgc.Compression.topk(named_parameters=net.named_parameters(prefix), density=0.05)
+            optimizer = wrap(torch.optim.SGD(net.parameters(), lr=0.1),
+                             named_parameters=net.named_parameters(prefix), compression=compression)
+            scaler = torch.amp.GradScaler("cpu")
+            if told:
+                compression.attach_grad_scaler(None)
+
+            def scaled_step():
+                optimizer.zero_grad()
+                scaler.scale(net(torch.randn(4, 64)).sum()).backward()
+                optimizer.synchronize()
+                scaler.unscale_(optimizer)
+                with optimizer.skip_synchronize():
+                    scaler.step(optimizer)
+                scaler.update()
+            if told:
+                scaled_step()
+            else:
+                expect_error(scaled_step, "compression.attach_grad_scaler(scaler)")
+
+
 def hierarchical_on_one_host() -> None:
     expect_error(lambda: hdgc.Compression.dgc(hierarchical=True), "every worker runs on one host")
 
@@ -153,5 +184,6 @@ if __name__ == "__main__":
     second_synchronize_sends_nothing()
     unfrozen_after_construction()
     momentum_cycled_by_a_scheduler()
+    grad_scaler_not_told()
     hierarchical_on_one_host()
     print(f"rank {hvd.rank()} misuse ok", flush=True)
