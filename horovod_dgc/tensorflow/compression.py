@@ -161,6 +161,18 @@ def _keras_loss_scale_optimizer() -> Optional[Any]:
     return None
 
 
+def _loss_scale_optimizer_among_callers() -> Optional[Any]:
+    """A Keras ``LossScaleOptimizer`` (Keras 3's or tf_keras') among the callers' local
+    variables or the attributes of their ``self``, innermost first; None if there is none."""
+    for frame in _caller_frames():
+        local = frame.f_locals
+        owner = getattr(local.get("self"), "__dict__", {})
+        for value in (*local.values(), *owner.values()):
+            if any(cls.__name__.startswith("LossScaleOptimizer") for cls in type(value).__mro__):
+                return value
+    return None
+
+
 class _Trace:
     """One trace's walk over the variables: the cursor of the order fallback."""
 
@@ -220,6 +232,8 @@ class MethodCompressor(CompressorControls, Compressor):
         self._engine: Optional[Engine] = None
         self._loss_scale: Optional[Callable[[], Any]] = None
         self._optimizer_checked = False
+        self._loss_scale_told = False
+        self._loss_scale_checked = False
         self.hosts: Optional[Hosts] = None
         self.collective: Callable[..., tf.Tensor] = run
         if variables is not None:
@@ -288,10 +302,32 @@ class MethodCompressor(CompressorControls, Compressor):
         scaled, as the loss scale optimizer expects. Through a Horovod Keras
         ``DistributedOptimizer`` inside a tf_keras ``LossScaleOptimizer`` (``model.compile``
         adds one under ``mixed_float16``) the compressor attaches that optimizer's scale
-        itself on its first step."""
+        itself on its first step. Otherwise a ``LossScaleOptimizer`` found among the first
+        step's callers' variables (or the attributes of their ``self``) and not attached is
+        refused; ``None`` says that no scale multiplies these gradients (that optimizer scales
+        another loss)."""
+        self._loss_scale_told = True
+        if scale is None:
+            return
         self._loss_scale = scale if callable(scale) else lambda: scale
         if self._engine is not None:
             self._engine.use_loss_scale(self._loss_scale)
+
+    def _refuse_an_untold_loss_scale(self) -> None:
+        """Raise ValueError, once, if a ``LossScaleOptimizer`` nobody attached is among the
+        callers' variables: the memories would keep its scaled gradients, and every change of
+        its scale would multiply what they owe, silently."""
+        self._loss_scale_checked = True
+        if self._loss_scale_told or self._loss_scale is not None:
+            return
+        optimizer = _loss_scale_optimizer_among_callers()
+        if optimizer is not None:
+            raise ValueError(
+                f"a {type(optimizer).__name__} scales the loss, but this compressor was not told: "
+                f"its memories would keep scaled gradients and every change of scale would "
+                f"multiply what they owe; call compression.attach_loss_scale(lambda: "
+                f"optimizer.dynamic_scale) (Keras 3; tf_keras: optimizer.loss_scale) before the "
+                f"first step, or attach_loss_scale(None) if that optimizer scales another loss")
 
     def state_dict(self) -> dict:
         """This rank's memories, step counters and epoch, for checkpoints (call it eagerly)."""
@@ -359,7 +395,7 @@ class MethodCompressor(CompressorControls, Compressor):
             if optimizer is not None:
                 self.check_optimizer(optimizer)
             scaler = _keras_loss_scale_optimizer()
-            if scaler is not None and self._loss_scale is None:
+            if scaler is not None and not self._loss_scale_told:
                 # model.compile wraps the optimizer in one under mixed_float16, unasked: its
                 # gradients reach Horovod's optimizer still scaled.
                 self.attach_loss_scale(lambda: scaler.loss_scale)
@@ -404,6 +440,8 @@ class MethodCompressor(CompressorControls, Compressor):
             return tensor, None
         _refuse_a_process_set()
         name, variable, occurrence = self._lookup(tensor)
+        if not self._loss_scale_checked:
+            self._refuse_an_untold_loss_scale()
         if not tensor.shape.is_fully_defined():
             # sparse_as_dense: Horovod makes a tf.IndexedSlices dense with rows unknown
             # until run time; the engine sizes its messages from the static shape.

@@ -30,6 +30,7 @@ def build(method: str, scaled: bool):
     sgd = keras.optimizers.SGD(0.05)
     if not scaled:
         sgd.build(net.trainable_variables)
+        compression.attach_loss_scale(None)  # the scaled model's optimizer is not this one's
         return net, compression, sgd
     optimizer = keras.optimizers.LossScaleOptimizer(sgd, initial_scale=2.0 ** 10, dynamic_growth_steps=2)
     optimizer.build(net.trainable_variables)

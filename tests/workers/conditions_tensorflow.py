@@ -11,6 +11,9 @@ Two copies of one model (the same Keras paths), each with a compressor of its ow
 scalecom, blocksign: every kind of exchange), stepped in one ``tf.function`` (their collectives in flight at once) must train exactly as when each is
 stepped in a function of its own: Horovod's stock tape takes this, as TensorFlow names its
 ops apart.
+
+A Keras 3 ``LossScaleOptimizer`` whose scale the compressor was not given is refused at the
+first step (the memories would keep scaled gradients); ``attach_loss_scale(None)`` is taken.
 """
 import keras
 import numpy as np
@@ -109,12 +112,45 @@ def twins(method: str, together: bool) -> np.ndarray:
     return np.concatenate([weights(net) for net in nets])
 
 
+def loss_scale_not_told() -> None:
+    """A Keras 3 LossScaleOptimizer in the custom-loop recipe, the compressor not given its
+    scale: the memories would keep scaled gradients (every change of scale would multiply
+    what they owe), so the first step is refused; attach_loss_scale(None) is taken."""
+    for told in (False, True):
+        net = model()
+        compression = hdgc.Compression.topk(variables=net.trainable_variables, density=0.05)
+        optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05))
+        optimizer.build(net.trainable_variables)
+        if told:
+            compression.attach_loss_scale(None)
+
+        @tf.function
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = optimizer.scale_loss(tf.reduce_mean(tf.square(net(x) - y)))
+            grads = hdgc.DistributedGradientTape(tape, compression=compression).gradient(
+                loss, net.trainable_variables)
+            optimizer.apply_gradients(zip(grads, net.trainable_variables))
+
+        x, y = np.ones((16, 32), np.float32), np.ones((16, 10), np.float32)
+        if told:
+            step(x, y)
+            continue
+        try:
+            step(x, y)
+        except ValueError as error:
+            assert "compression.attach_loss_scale(" in str(error), str(error)
+        else:
+            raise AssertionError("a LossScaleOptimizer nobody attached was not refused")
+
+
 if __name__ == "__main__":
     hvd.init()
     keras.mixed_precision.set_dtype_policy("bfloat16")
     for method, options, bias_dense in RUNS:
         run(method, options, bias_dense)
     keras.mixed_precision.set_dtype_policy("float32")
+    loss_scale_not_told()
     # dgc's and gaussiank's exchange is topk's allgather
     for method in ("topk", "scalecom", "blocksign"):
         assert np.array_equal(twins(method, True), twins(method, False)), f"twins.{method}: stepped together differs"
