@@ -173,6 +173,30 @@ def _loss_scale_optimizer_among_callers() -> Optional[Any]:
     return None
 
 
+_KERAS_OPTIMIZER_BASES = {"BaseOptimizer", "_BaseOptimizer", "OptimizerV2"}  # Keras 3, tf_keras
+
+
+def _unwrapped(optimizer: Any) -> Any:
+    """The optimizer inside a ``LossScaleOptimizer`` (itself otherwise)."""
+    while getattr(optimizer, "inner_optimizer", None) is not None:
+        optimizer = optimizer.inner_optimizer
+    return optimizer
+
+
+def _keras_optimizers_among_callers() -> List[Any]:
+    """The distinct Keras optimizers (a ``LossScaleOptimizer`` counted as the one it wraps)
+    among the callers' local variables and the attributes of their ``self``."""
+    found: Dict[int, Any] = {}
+    for frame in _caller_frames():
+        local = frame.f_locals
+        owner = getattr(local.get("self"), "__dict__", {})
+        for value in (*local.values(), *owner.values()):
+            if any(cls.__name__ in _KERAS_OPTIMIZER_BASES for cls in type(value).__mro__):
+                optimizer = _unwrapped(value)
+                found[id(optimizer)] = optimizer
+    return list(found.values())
+
+
 class _Trace:
     """One trace's walk over the variables: the cursor of the order fallback."""
 
@@ -231,8 +255,10 @@ class MethodCompressor(CompressorControls, Compressor):
         self._eager_trace = _Trace()
         self._engine: Optional[Engine] = None
         self._loss_scale: Optional[Callable[[], Any]] = None
+        self._first_step_seen = False
         self._optimizer_checked = False
         self._loss_scale_told = False
+        self._pending_epoch: Optional[float] = None
         self._loss_scale_checked = False
         self.hosts: Optional[Hosts] = None
         self.collective: Callable[..., tf.Tensor] = run
@@ -286,7 +312,19 @@ class MethodCompressor(CompressorControls, Compressor):
             self._engine = self.engine_class(self.method, specs, world_size=world_size, rank=rank)
             if self._loss_scale is not None:
                 self._engine.use_loss_scale(self._loss_scale)
+            if self._pending_epoch is not None:
+                with tf.init_scope():  # perhaps built while the first step is traced
+                    self._engine.set_epoch(self._pending_epoch)
         return self._engine
+
+    def set_epoch(self, epoch: float) -> None:
+        """Drive the warm-up schedule (see :class:`CompressorControls`). Before the compressor
+        knows its variables (a Keras callback's first epoch begins before the first step
+        binds them) the epoch is kept and set when the memories are built."""
+        if self._engine is None and not self._variables:
+            self._pending_epoch = float(epoch)
+            return
+        super().set_epoch(epoch)
 
     def _variables_needed(self) -> ValueError:
         return ValueError(f"{type(self.method).__name__} keeps a memory per variable and learns "
@@ -344,8 +382,11 @@ class MethodCompressor(CompressorControls, Compressor):
         with momentum): any optimizer but SGD (Adam, RMSprop, ... keep moments of their own),
         or SGD with momentum, or weight decay on both sides. Called on the first step through
         a Horovod Keras ``DistributedOptimizer`` (and by the callback
-        :class:`~horovod_dgc.tensorflow.callbacks.CompressionWarmup`); with a tape, call it
-        yourself."""
+        :class:`~horovod_dgc.tensorflow.callbacks.CompressionWarmup`); with a tape, on the first
+        step if the callers' variables hold one Keras optimizer (call it yourself where they
+        hold several). A ``LossScaleOptimizer`` is judged by the optimizer it wraps."""
+        self._optimizer_checked = True
+        optimizer = _unwrapped(optimizer)
         if not self.config.needs_plain_optimizer:
             return
         with tf.init_scope():  # get_config reads variables: eagerly, also while tracing
@@ -389,10 +430,14 @@ class MethodCompressor(CompressorControls, Compressor):
         tensor; binds the compressor to that call's ``variables`` if it has none yet."""
         if not self._variables:
             self._adopt(list(variables), _unique_names(variables))
-        if not self._optimizer_checked:
-            self._optimizer_checked = True
+        if not self._first_step_seen:
+            self._first_step_seen = True
             optimizer = _horovod_keras_optimizer()
-            if optimizer is not None:
+            if optimizer is None:
+                # A tape: the optimizer that applies the result, if the callers hold just one.
+                found = _keras_optimizers_among_callers()
+                optimizer = found[0] if len(found) == 1 else None
+            if optimizer is not None and not self._optimizer_checked:
                 self.check_optimizer(optimizer)
             scaler = _keras_loss_scale_optimizer()
             if scaler is not None and not self._loss_scale_told:

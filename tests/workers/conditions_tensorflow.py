@@ -14,6 +14,8 @@ ops apart.
 
 A Keras 3 ``LossScaleOptimizer`` whose scale the compressor was not given is refused at the
 first step (the memories would keep scaled gradients); ``attach_loss_scale(None)`` is taken.
+DGC under a tape whose loop holds one Keras optimizer, Adam or an SGD with momentum, is
+refused at the first step (momentum applied twice).
 """
 import keras
 import numpy as np
@@ -144,6 +146,31 @@ def loss_scale_not_told() -> None:
             raise AssertionError("a LossScaleOptimizer nobody attached was not refused")
 
 
+def dgc_refuses_adam_under_a_tape() -> None:
+    """DGC applies momentum itself: a custom loop whose one Keras optimizer is Adam (or an
+    SGD with momentum) would apply momentum twice, silently; refused at the first step
+    without any check_optimizer call."""
+    for optimizer, needle in ((keras.optimizers.Adam(1e-3), "Adam"),
+                              (keras.optimizers.SGD(0.05, momentum=0.9), "momentum=0.9")):
+        net = model()
+        compression = hdgc.Compression.dgc(variables=net.trainable_variables, density=0.05)
+
+        @tf.function
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(net(x) - y))
+            grads = hdgc.DistributedGradientTape(tape, compression=compression).gradient(
+                loss, net.trainable_variables)
+            optimizer.apply_gradients(zip(grads, net.trainable_variables))
+
+        try:
+            step(np.ones((16, 32), np.float32), np.ones((16, 10), np.float32))
+        except ValueError as error:
+            assert needle in str(error), str(error)
+        else:
+            raise AssertionError(f"DGC under {needle} was not refused")
+
+
 if __name__ == "__main__":
     hvd.init()
     keras.mixed_precision.set_dtype_policy("bfloat16")
@@ -151,6 +178,7 @@ if __name__ == "__main__":
         run(method, options, bias_dense)
     keras.mixed_precision.set_dtype_policy("float32")
     loss_scale_not_told()
+    dgc_refuses_adam_under_a_tape()
     # dgc's and gaussiank's exchange is topk's allgather
     for method in ("topk", "scalecom", "blocksign"):
         assert np.array_equal(twins(method, True), twins(method, False)), f"twins.{method}: stepped together differs"

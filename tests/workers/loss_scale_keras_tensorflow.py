@@ -9,6 +9,9 @@ gradients, and the compressor must find that scale itself.
 - ``mixed_float16`` policy (the optimizer wrapped by ``compile``), rank 1 alone overflowing
   at batch OVERFLOW: every rank halves its scale there, keeps its memories as they were,
   and ends with finite weights identical to the other ranks'.
+
+``CompressionWarmup`` runs in every fit: its check of the optimizer judges a
+``LossScaleOptimizer`` by the SGD it wraps (it refused DGC under one before).
 """
 import os
 
@@ -20,6 +23,7 @@ import horovod.tensorflow as hvd_tf
 import horovod.tensorflow.keras as hvd
 
 import horovod_dgc.tensorflow as hdgc
+from horovod_dgc.tensorflow.callbacks import CompressionWarmup
 
 keras = tf.keras
 BATCHES, BATCH, OVERFLOW = 6, 16, 2
@@ -49,7 +53,8 @@ def fit(method: str, optimizer_around=None, overflow: bool = False, record=None)
     y = rs.standard_normal((BATCHES * BATCH, 10)).astype(np.float32)
     if overflow and hvd.rank() == 1:
         x[OVERFLOW * BATCH:(OVERFLOW + 1) * BATCH] = 1e30
-    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0)]
+    # CompressionWarmup checks the optimizer at the start: a LossScaleOptimizer by the one it wraps.
+    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), CompressionWarmup(compression)]
     if record is not None:
         record.compression = compression
         callbacks.append(record)
@@ -61,9 +66,10 @@ def dynamic_scale_matches_the_unscaled_twin(method: str) -> None:
     def scaled(optimizer):
         return keras.mixed_precision.LossScaleOptimizer(optimizer, initial_scale=2.0 ** 10,
                                                         dynamic_growth_steps=2)
+    # The twin first: a LossScaleOptimizer among its callers' variables would be refused.
+    twin, twin_compression = fit(method)
     net, compression = fit(method, scaled)
     assert float(net.optimizer.loss_scale) == 2.0 ** 13, f"{method}: scale {float(net.optimizer.loss_scale)}"
-    twin, twin_compression = fit(method)
     for ours, theirs in zip(memories(compression), memories(twin_compression), strict=True):
         assert np.array_equal(ours, theirs), (
             f"{method}: memories differ from the unscaled twin's (ratio "
