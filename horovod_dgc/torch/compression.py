@@ -183,8 +183,7 @@ class MethodCompressor(CompressorControls, Compressor):
         return tensor.new_zeros(1, dtype=torch.float32), exchange
 
     def decompress(self, tensor: torch.Tensor, ctx) -> torch.Tensor:
-        if not self._scaler_checked:
-            self.refuse_an_untold_grad_scaler()
+        self.check_grad_scaler_use()
         if not self._optimizer_checked:
             self._check_wrapping_optimizer()
         if ctx is None:
@@ -242,18 +241,29 @@ class MethodCompressor(CompressorControls, Compressor):
         self.engine.abandon_step()
 
     # -- guarding against a loss scale unknown to the memories ------------------------------------
-    def refuse_an_untold_grad_scaler(self) -> None:
-        """Raise ValueError, once, if an enabled ``GradScaler`` not given to
-        :meth:`attach_grad_scaler` is among the callers' variables (on the first step's
-        ``synchronize()``, on the caller's thread): the memories would keep its scaled
-        gradients, and every change of its scale would multiply what they owe, silently."""
-        self._scaler_checked = True
-        if self._scaler_told:
+    def check_grad_scaler_use(self) -> None:
+        """Raise ValueError, once (the first step's ``synchronize()``, on the caller's thread),
+        for a ``GradScaler`` used in a way that silently changes the training:
+
+        - the averaging ran inside ``scaler.step(optimizer)`` (PyTorch's recipe, not
+          Horovod's): the scaler had unscaled and checked the gradients before they were
+          averaged, so the step applies the average still scaled;
+        - an enabled scaler among the callers' variables was not given to
+          :meth:`attach_grad_scaler`: the memories would keep its scaled gradients, and every
+          change of its scale would multiply what they owe."""
+        if self._scaler_checked:
             return
-        scaler = _grad_scaler_among_callers()
-        if scaler is not None:
+        self._scaler_checked = True
+        running, found = _grad_scalers_among_callers()
+        if running is not None:
             raise ValueError(
-                f"a GradScaler (scale {scaler.get_scale()}) scales the loss, but this compressor "
+                "the gradients were averaged inside scaler.step(optimizer), after the scaler had "
+                "unscaled and checked them locally: the step would apply the average still "
+                "scaled; use Horovod's recipe: optimizer.synchronize(); scaler.unscale_(optimizer); "
+                "with optimizer.skip_synchronize(): scaler.step(optimizer)")
+        if found is not None and not self._scaler_told:
+            raise ValueError(
+                f"a GradScaler (scale {found.get_scale()}) scales the loss, but this compressor "
                 f"was not told: its memories would keep scaled gradients and every change of "
                 f"scale would multiply what they owe; call compression.attach_grad_scaler(scaler) "
                 f"before training (or attach_grad_scaler(None) if that scaler scales another loss)")
@@ -392,18 +402,21 @@ class TwoStageCompressor(MethodCompressor):
                 in zip(received, exchange.handovers, exchange.shapes)]
 
 
-def _grad_scaler_among_callers() -> Optional["torch.amp.GradScaler"]:
-    """An enabled GradScaler among the callers' local variables or the attributes of their
-    ``self`` (a trainer holding one), innermost first; None if there is none."""
+def _grad_scalers_among_callers() -> Tuple[Optional["torch.amp.GradScaler"], Optional["torch.amp.GradScaler"]]:
+    """(the GradScaler one of whose methods is among the callers, an enabled GradScaler among
+    the callers' local variables or the attributes of their ``self``), each None if none."""
+    running = found = None
     frame = sys._getframe(1)
     while frame is not None:
         local = frame.f_locals
-        owner = getattr(local.get("self"), "__dict__", {})
-        for value in (*local.values(), *owner.values()):
-            if isinstance(value, torch.amp.GradScaler) and value.is_enabled():
-                return value
+        owner = local.get("self")
+        if running is None and isinstance(owner, torch.amp.GradScaler):
+            running = owner
+        for value in (*local.values(), *getattr(owner, "__dict__", {}).values()):
+            if found is None and isinstance(value, torch.amp.GradScaler) and value.is_enabled():
+                found = value
         frame = frame.f_back
-    return None
+    return running, found
 
 
 def _optimizers_holding(compressor: MethodCompressor):

@@ -213,7 +213,7 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         self._finish_buckets()
         self._finish_dense()
         self._reset_step()
-        self._compression.refuse_an_untold_grad_scaler()  # with nothing left in flight
+        self._compression.check_grad_scaler_use()  # with nothing left in flight
         self._synchronized = True
 
     def abandon_step(self) -> None:

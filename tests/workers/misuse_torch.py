@@ -4,7 +4,8 @@ warned of), with a weight decay per param group; a second synchronize() before s
 nothing again; a parameter frozen when the fused optimizer was built and unfrozen later is
 refused by name (nothing would average its gradient), and so is one added by add_param_group;
 a scheduler that cycles momentum is refused on both paths (DGC's momentum applied twice), and
-so is a GradScaler the compressor was not given (memories in scaled units)."""
+so is a GradScaler the compressor was not given (memories in scaled units) or one stepping the
+optimizer before the gradients are averaged (PyTorch's recipe, not Horovod's)."""
 import warnings
 
 import horovod.torch as hvd
@@ -171,6 +172,27 @@ def grad_scaler_not_told() -> None:
                 expect_error(scaled_step, "compression.attach_grad_scaler(scaler)")
 
 
+def grad_scaler_stepping_before_the_average() -> None:
+    """PyTorch's recipe (scaler.step(optimizer) with no synchronize() before it) on Horovod's
+    optimizer or ours: the scaler unscales and checks the local gradients, then step()
+    averages them, and the update is the scaled average. Refused on both paths."""
+    for wrap in (hvd.DistributedOptimizer, hdgc.DistributedOptimizer):
+        net = torch.nn.Linear(64, 64)
+        prefix = f"early_scaler.{wrap.__module__}"  # the refused step's names stay apart
+        compression = hdgc.Compression.topk(named_parameters=net.named_parameters(prefix), density=0.05)
+        optimizer = wrap(torch.optim.SGD(net.parameters(), lr=0.1),
+                         named_parameters=net.named_parameters(prefix), compression=compression)
+        scaler = torch.amp.GradScaler("cpu")
+        compression.attach_grad_scaler(scaler)
+
+        def pytorch_recipe():
+            optimizer.zero_grad()
+            scaler.scale(net(torch.randn(4, 64)).sum()).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        expect_error(pytorch_recipe, "optimizer.synchronize(); scaler.unscale_(optimizer)")
+
+
 def hierarchical_on_one_host() -> None:
     expect_error(lambda: hdgc.Compression.dgc(hierarchical=True), "every worker runs on one host")
 
@@ -185,5 +207,6 @@ if __name__ == "__main__":
     unfrozen_after_construction()
     momentum_cycled_by_a_scheduler()
     grad_scaler_not_told()
+    grad_scaler_stepping_before_the_average()
     hierarchical_on_one_host()
     print(f"rank {hvd.rank()} misuse ok", flush=True)
