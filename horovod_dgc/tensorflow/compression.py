@@ -161,16 +161,21 @@ def _keras_loss_scale_optimizer() -> Optional[Any]:
     return None
 
 
-def _loss_scale_optimizer_among_callers() -> Optional[Any]:
-    """A Keras ``LossScaleOptimizer`` (Keras 3's or tf_keras') among the callers' local
-    variables or the attributes of their ``self``, innermost first; None if there is none."""
+def _values_among_callers() -> Iterator[Any]:
+    """The callers' local variables and the attributes of their ``self``, innermost first:
+    where a training loop keeps its optimizer (a local, a global, a trainer's attribute)."""
     for frame in _caller_frames():
         local = frame.f_locals
-        owner = getattr(local.get("self"), "__dict__", {})
-        for value in (*local.values(), *owner.values()):
-            if any(cls.__name__.startswith("LossScaleOptimizer") for cls in type(value).__mro__):
-                return value
-    return None
+        yield from local.values()
+        yield from getattr(local.get("self"), "__dict__", {}).values()
+
+
+def _loss_scale_optimizer_among_callers() -> Optional[Any]:
+    """A Keras ``LossScaleOptimizer`` (Keras 3's or tf_keras') among the callers' variables
+    (:func:`_values_among_callers`), or None."""
+    return next((value for value in _values_among_callers()
+                 if any(cls.__name__.startswith("LossScaleOptimizer") for cls in type(value).__mro__)),
+                None)
 
 
 _KERAS_OPTIMIZER_BASES = {"BaseOptimizer", "_BaseOptimizer", "OptimizerV2"}  # Keras 3, tf_keras
@@ -185,15 +190,10 @@ def _unwrapped(optimizer: Any) -> Any:
 
 def _keras_optimizers_among_callers() -> List[Any]:
     """The distinct Keras optimizers (a ``LossScaleOptimizer`` counted as the one it wraps)
-    among the callers' local variables and the attributes of their ``self``."""
-    found: Dict[int, Any] = {}
-    for frame in _caller_frames():
-        local = frame.f_locals
-        owner = getattr(local.get("self"), "__dict__", {})
-        for value in (*local.values(), *owner.values()):
-            if any(cls.__name__ in _KERAS_OPTIMIZER_BASES for cls in type(value).__mro__):
-                optimizer = _unwrapped(value)
-                found[id(optimizer)] = optimizer
+    among the callers' variables (:func:`_values_among_callers`)."""
+    found = {id(optimizer): optimizer for optimizer in
+             (_unwrapped(value) for value in _values_among_callers()
+              if any(cls.__name__ in _KERAS_OPTIMIZER_BASES for cls in type(value).__mro__))}
     return list(found.values())
 
 
