@@ -140,25 +140,26 @@ def _refuse_a_process_set() -> None:
             return
 
 
+def _calling_object_with(*attributes: str) -> Optional[Any]:
+    """The ``self`` of the innermost caller whose ``self`` has all ``attributes``, or None."""
+    for frame in _caller_frames():
+        owner = frame.f_locals.get("self")
+        if all(hasattr(owner, attribute) for attribute in attributes):
+            return owner
+    return None
+
+
 def _horovod_keras_optimizer() -> Optional[Any]:
     """The Horovod Keras ``DistributedOptimizer`` whose gradients are being compressed (the
     ``self`` of a caller holding Horovod's ``_allreduce_grads``), or None (a tape)."""
-    for frame in _caller_frames():
-        owner = frame.f_locals.get("self")
-        if hasattr(owner, "_allreduce_grads") and hasattr(owner, "get_config"):
-            return owner
-    return None
+    return _calling_object_with("_allreduce_grads", "get_config")
 
 
 def _keras_loss_scale_optimizer() -> Optional[Any]:
     """The tf_keras ``LossScaleOptimizer`` whose scaled gradients are being compressed (the
     ``self`` of a caller that unscales them after Horovod's optimizer has reduced them), or
     None."""
-    for frame in _caller_frames():
-        owner = frame.f_locals.get("self")
-        if hasattr(owner, "get_unscaled_gradients") and hasattr(owner, "loss_scale"):
-            return owner
-    return None
+    return _calling_object_with("get_unscaled_gradients", "loss_scale")
 
 
 def _values_among_callers() -> Iterator[Any]:

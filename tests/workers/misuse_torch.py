@@ -142,6 +142,16 @@ def momentum_cycled_by_a_scheduler() -> None:
                 "the SGD stepped with the scheduler's momentum before the refusal"
 
 
+def scaled_training(wrap, prefix: str):
+    """(model, topk compressor, ``wrap``ped SGD, CPU GradScaler); parameter names under
+    ``prefix``, so that a refused step's collectives keep names of their own."""
+    net = torch.nn.Linear(64, 64)
+    compression = hdgc.Compression.topk(named_parameters=net.named_parameters(prefix), density=0.05)
+    optimizer = wrap(torch.optim.SGD(net.parameters(), lr=0.1),
+                     named_parameters=net.named_parameters(prefix), compression=compression)
+    return net, compression, optimizer, torch.amp.GradScaler("cpu")
+
+
 def grad_scaler_not_told() -> None:
     """A GradScaler in Horovod's recipe that the compressor was not given: its memories would
     keep scaled gradients, and every change of scale would multiply what they owe. Refused
@@ -149,12 +159,7 @@ def grad_scaler_not_told() -> None:
     another loss) is taken."""
     for wrap in (hvd.DistributedOptimizer, hdgc.DistributedOptimizer):
         for told in (False, True):
-            net = torch.nn.Linear(64, 64)
-            prefix = f"scaler.{wrap.__module__}.{told}"  # the refused step's names stay apart
-            compression = hdgc.Compression.topk(named_parameters=net.named_parameters(prefix), density=0.05)
-            optimizer = wrap(torch.optim.SGD(net.parameters(), lr=0.1),
-                             named_parameters=net.named_parameters(prefix), compression=compression)
-            scaler = torch.amp.GradScaler("cpu")
+            net, compression, optimizer, scaler = scaled_training(wrap, f"scaler.{wrap.__module__}.{told}")
             if told:
                 compression.attach_grad_scaler(None)
 
@@ -177,12 +182,7 @@ def grad_scaler_stepping_before_the_average() -> None:
     optimizer or ours: the scaler unscales and checks the local gradients, then step()
     averages them, and the update is the scaled average. Refused on both paths."""
     for wrap in (hvd.DistributedOptimizer, hdgc.DistributedOptimizer):
-        net = torch.nn.Linear(64, 64)
-        prefix = f"early_scaler.{wrap.__module__}"  # the refused step's names stay apart
-        compression = hdgc.Compression.topk(named_parameters=net.named_parameters(prefix), density=0.05)
-        optimizer = wrap(torch.optim.SGD(net.parameters(), lr=0.1),
-                         named_parameters=net.named_parameters(prefix), compression=compression)
-        scaler = torch.amp.GradScaler("cpu")
+        net, compression, optimizer, scaler = scaled_training(wrap, f"early_scaler.{wrap.__module__}")
         compression.attach_grad_scaler(scaler)
 
         def pytorch_recipe():
