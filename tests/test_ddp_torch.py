@@ -60,5 +60,5 @@ def test_ddp_grad_scaler_overflow_on_one_rank_skips_the_step_everywhere():
     """PyTorch's AMP recipe through the hook, float16 autocast: an overflow on rank 1 alone
     makes every rank skip and back off, memories and parameters untouched and identical."""
     out = torchrun("amp_torch.py", 2, ["--ddp"])
-    for method in ("dgc", "topk", "scalecom", "blocksign"):
+    for method in ("dgc", "dgc-sar", "topk", "scalecom", "blocksign"):
         assert out.count(f"{method} ddp amp ok") == 2, out

@@ -77,7 +77,7 @@ def test_blocksign_traffic_is_at_most_a_twelfth_of_dense(path, traffic_two_ranks
 def test_grad_scaler_overflow_on_one_rank_is_skipped_by_every_rank_on_both_paths():
     out = horovodrun("amp_torch.py", 2)
     for path in ("stock", "own"):
-        for method in ("dgc", "topk", "scalecom", "blocksign"):
+        for method in ("dgc", "dgc-sar", "topk", "scalecom", "blocksign"):
             assert out.count(f"{method} {path} amp ok") == 2, out
 
 
