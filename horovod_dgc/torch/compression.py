@@ -64,6 +64,10 @@ class MethodCompressor(CompressorControls, Compressor):
         self._optimizer_checked = False
         self._scaler_told = False
         self._scaler_checked = False
+        # Stock path: the tensors exchanged since the newest backward pass, and whether their
+        # averages went back (see _handed_over_again).
+        self._exchanged: set = set()
+        self._averages_delivered = False
         self.transport: Transport = HOROVOD
         self._host_reductions: Optional[HostReductions] = None
         if named_parameters is not None:
@@ -175,6 +179,8 @@ class MethodCompressor(CompressorControls, Compressor):
         if Engine.passes_through(tensor):
             return tensor, None
         name, param = self._lookup(tensor)
+        if self._handed_over_again(name):
+            return tensor.new_zeros(1, dtype=torch.float32), AlreadyAveraged(tensor)
         if not self.engine.compresses(tensor):
             update = self.engine.dense(name, tensor, param)
             return update.tensor, update
@@ -186,13 +192,36 @@ class MethodCompressor(CompressorControls, Compressor):
         self.check_grad_scaler_use()
         if not self._optimizer_checked:
             self._check_wrapping_optimizer()
+        self._averages_delivered = True
         if ctx is None:
             return tensor
+        if isinstance(ctx, AlreadyAveraged):
+            return ctx.tensor
         if isinstance(ctx, DenseUpdate):
             return self.engine.dense_received(ctx, tensor)
         averaged = self.finish(ctx)[0]
         self.engine.record_placeholder(ctx.step, tensor.element_size())
         return averaged
+
+    def _handed_over_again(self, name: str) -> bool:
+        """Whether Horovod hands ``name``'s gradient over again, already averaged:
+        ``optimizer.step()`` after ``optimizer.synchronize()`` without ``skip_synchronize()``
+        synchronizes a second time (Horovod warns of the time it costs), and compressing the
+        average as a new gradient would put it into the memories twice and advance the step
+        counters twice. A call from a backward hook starts a new step; so does an optimizer
+        step (registered by the first decompress)."""
+        synchronizing = _called_by_synchronize()
+        with self._lock:
+            if not synchronizing and self._averages_delivered:
+                self._forget_the_exchanged()
+            if synchronizing and name in self._exchanged:
+                return True
+            self._exchanged.add(name)
+        return False
+
+    def _forget_the_exchanged(self, *_hook_arguments: Any) -> None:
+        self._exchanged.clear()
+        self._averages_delivered = False
 
     # -- an exchange: one tensor (stock path) or a bucket (fused path) -----------------------
     def launch(self, label: str, entries: Sequence[Entry]):
@@ -239,6 +268,7 @@ class MethodCompressor(CompressorControls, Compressor):
             self._host_reductions.forget()
             self.transport.forget()
         self.engine.abandon_step()
+        self._forget_the_exchanged()
 
     # -- guarding against a loss scale unknown to the memories ------------------------------------
     def check_grad_scaler_use(self) -> None:
@@ -276,6 +306,7 @@ class MethodCompressor(CompressorControls, Compressor):
         self._optimizer_checked = True
         for optimizer in _optimizers_holding(self):
             check_optimizer_compatible(optimizer, self.config, getattr(optimizer, "op", hvd.Average))
+            optimizer.register_step_post_hook(self._forget_the_exchanged)
             process_set = getattr(optimizer, "process_set", hvd.global_process_set)
             if process_set is not hvd.global_process_set and process_set.size() != hvd.size():
                 raise ValueError(
@@ -400,6 +431,28 @@ class TwoStageCompressor(MethodCompressor):
                          exchange.second_sizes, self.transport.size(), exchange.names)
         return [self.engine.finish(r, h, shape) for r, h, shape
                 in zip(received, exchange.handovers, exchange.shapes)]
+
+
+@dataclass(frozen=True)
+class AlreadyAveraged:
+    """compress()'s ctx for a gradient Horovod hands over again, already averaged: it goes
+    back as it is (Horovod all-reduces a one-element placeholder instead)."""
+
+    tensor: torch.Tensor
+
+
+def _called_by_synchronize() -> bool:
+    """Whether compress() runs inside Horovod's ``synchronize()`` rather than a backward
+    hook (frames: this, _handed_over_again, compress, Horovod's ``_allreduce_grad_async`` or
+    ``_grouped_allreduce_grad_async``, then its caller)."""
+    frame = sys._getframe(3)
+    for _ in range(3):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "synchronize":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _grad_scalers_among_callers() -> Tuple[Optional["torch.amp.GradScaler"], Optional["torch.amp.GradScaler"]]:

@@ -82,19 +82,37 @@ def weight_decay_per_param_group() -> None:
 
 
 def second_synchronize_sends_nothing() -> None:
-    net = torch.nn.Linear(64, 64)
-    compression = hdgc.Compression.topk(density=0.05)
-    optimizer = hdgc.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
-                                          named_parameters=net.named_parameters(), compression=compression)
-    optimizer.zero_grad()
-    net(torch.randn(4, 64, generator=torch.Generator().manual_seed(hvd.rank()))).sum().backward()
-    optimizer.synchronize()
-    averaged, sent_bytes = [p.grad.clone() for p in net.parameters()], compression.stats().bytes_sent
-    optimizer.synchronize()
-    assert all(torch.equal(p.grad, a) for p, a in zip(net.parameters(), averaged)), "compressed twice"
-    assert compression.stats().bytes_sent == sent_bytes > 0, compression.stats()
-    with optimizer.skip_synchronize():
-        optimizer.step()
+    """A second synchronize() before step(), or step() after synchronize() without
+    skip_synchronize() (Horovod's optimizer then synchronizes again, warning of the time
+    only), on both paths: the averages must stay as they are, nothing is compressed again
+    (the memories would take the average as a new gradient) and the step counts once."""
+    for wrap, again in ((hdgc.DistributedOptimizer, "synchronize"), (hvd.DistributedOptimizer, "synchronize"),
+                        (hvd.DistributedOptimizer, "step")):
+        net = torch.nn.Linear(64, 64)
+        prefix = f"again.{wrap.__module__}.{again}"
+        compression = hdgc.Compression.topk(density=0.05)
+        optimizer = wrap(torch.optim.SGD(net.parameters(), lr=0.1),
+                         named_parameters=net.named_parameters(prefix), compression=compression)
+        for step in range(2):  # the second step's backward starts afresh
+            optimizer.zero_grad()
+            net(torch.randn(4, 64, generator=torch.Generator().manual_seed(hvd.rank()))).sum().backward()
+            optimizer.synchronize()
+            averaged, sent_bytes = [p.grad.clone() for p in net.parameters()], compression.stats().bytes_sent
+            weights = [p.detach().clone() for p in net.parameters()]
+            if again == "synchronize":
+                optimizer.synchronize()
+                assert all(torch.equal(p.grad, a) for p, a in zip(net.parameters(), averaged)), \
+                    f"{prefix}: compressed twice"
+                with optimizer.skip_synchronize():
+                    optimizer.step()
+            else:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # Horovod's: "This can cause training slowdown"
+                    optimizer.step()
+            assert all(torch.equal(p, w.add(a, alpha=-0.1)) for p, w, a in zip(net.parameters(), weights, averaged)), \
+                f"{prefix}: the step applied something else than the first average"
+            assert compression.stats().bytes_sent == sent_bytes > 0, f"{prefix}: {compression.stats()}"
+            assert compression.stats().steps == step + 1, f"{prefix}: {compression.stats().steps} steps"
 
 
 def unfrozen_after_construction() -> None:
