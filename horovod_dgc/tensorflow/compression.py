@@ -35,16 +35,16 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 import warnings
 import weakref
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
 from horovod.tensorflow.compression import Compression as HorovodCompression
 from horovod.tensorflow.compression import Compressor
 
+from ..core.callers import caller_frames, calling_object, values_among_callers
 from ..core.collectives import ALLGATHER
 from ..core.controls import CompressorControls
 from ..core.hosts import Hosts
@@ -102,19 +102,11 @@ def _unique_names(variables: Sequence[Any]) -> List[str]:
 _REDUCER = "allreduce_grads"
 
 
-def _caller_frames() -> Iterator[Any]:
-    """The frames of the callers of the function calling this one, innermost first."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        yield frame
-        frame = frame.f_back
-
-
 def _horovod_reduction(tensor: tf.Tensor) -> Optional[Tuple[Any, Sequence[Any], Sequence[Any]]]:
     """(the variable paired with ``tensor``, all the variables, all their gradients) in the
     Horovod ``allreduce_grads`` call that is compressing ``tensor`` (found among the callers'
     frames), or None when ``compress`` was called some other way."""
-    for frame in _caller_frames():
+    for frame in caller_frames():
         if frame.f_code.co_name.endswith(_REDUCER):
             grads, variables = frame.f_locals.get("grads"), frame.f_locals.get("vars")
             index = next((i for i, g in enumerate(grads or ()) if g is tensor), None)
@@ -129,7 +121,7 @@ def _refuse_a_process_set() -> None:
     caller's frame with a ``process_set``: autograph runs a converted copy of that function, so
     no code object or name identifies it); a subset of the workers is refused rather than
     averaged over all."""
-    for frame in _caller_frames():
+    for frame in caller_frames():
         process_set = frame.f_locals.get("process_set")
         if isinstance(process_set, hvd.ProcessSet):
             if process_set is not hvd.global_process_set and process_set.size() != hvd.size():
@@ -140,41 +132,23 @@ def _refuse_a_process_set() -> None:
             return
 
 
-def _calling_object_with(*attributes: str) -> Optional[Any]:
-    """The ``self`` of the innermost caller whose ``self`` has all ``attributes``, or None."""
-    for frame in _caller_frames():
-        owner = frame.f_locals.get("self")
-        if all(hasattr(owner, attribute) for attribute in attributes):
-            return owner
-    return None
-
-
 def _horovod_keras_optimizer() -> Optional[Any]:
     """The Horovod Keras ``DistributedOptimizer`` whose gradients are being compressed (the
     ``self`` of a caller holding Horovod's ``_allreduce_grads``), or None (a tape)."""
-    return _calling_object_with("_allreduce_grads", "get_config")
+    return calling_object(lambda owner: hasattr(owner, "_allreduce_grads") and hasattr(owner, "get_config"))
 
 
 def _keras_loss_scale_optimizer() -> Optional[Any]:
     """The tf_keras ``LossScaleOptimizer`` whose scaled gradients are being compressed (the
     ``self`` of a caller that unscales them after Horovod's optimizer has reduced them), or
     None."""
-    return _calling_object_with("get_unscaled_gradients", "loss_scale")
-
-
-def _values_among_callers() -> Iterator[Any]:
-    """The callers' local variables and the attributes of their ``self``, innermost first:
-    where a training loop keeps its optimizer (a local, a global, a trainer's attribute)."""
-    for frame in _caller_frames():
-        local = frame.f_locals
-        yield from local.values()
-        yield from getattr(local.get("self"), "__dict__", {}).values()
+    return calling_object(lambda owner: hasattr(owner, "get_unscaled_gradients") and hasattr(owner, "loss_scale"))
 
 
 def _loss_scale_optimizer_among_callers() -> Optional[Any]:
     """A Keras ``LossScaleOptimizer`` (Keras 3's or tf_keras') among the callers' variables
-    (:func:`_values_among_callers`), or None."""
-    return next((value for value in _values_among_callers()
+    (:func:`values_among_callers`), or None."""
+    return next((value for value in values_among_callers()
                  if any(cls.__name__.startswith("LossScaleOptimizer") for cls in type(value).__mro__)),
                 None)
 
@@ -191,9 +165,9 @@ def _unwrapped(optimizer: Any) -> Any:
 
 def _keras_optimizers_among_callers() -> List[Any]:
     """The distinct Keras optimizers (a ``LossScaleOptimizer`` counted as the one it wraps)
-    among the callers' variables (:func:`_values_among_callers`)."""
+    among the callers' variables (:func:`values_among_callers`)."""
     found = {id(optimizer): optimizer for optimizer in
-             (_unwrapped(value) for value in _values_among_callers()
+             (_unwrapped(value) for value in values_among_callers()
               if any(cls.__name__ in _KERAS_OPTIMIZER_BASES for cls in type(value).__mro__))}
     return list(found.values())
 
@@ -357,7 +331,7 @@ class MethodCompressor(CompressorControls, Compressor):
         callers' variables: the memories would keep its scaled gradients, and every change of
         its scale would multiply what they owe, silently."""
         self._loss_scale_checked = True
-        if self._loss_scale_told or self._loss_scale is not None:
+        if self._loss_scale_told:
             return
         optimizer = _loss_scale_optimizer_among_callers()
         if optimizer is not None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import sys
+import itertools
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -27,6 +27,7 @@ import torch
 from horovod.torch.compression import Compression as HorovodCompression
 from horovod.torch.compression import Compressor
 
+from ..core.callers import caller_frames, calling_object, values_among_callers
 from ..core.collectives import ALLGATHER, Transport, join, split
 from ..core.controls import CompressorControls
 from ..core.hosts import Hosts
@@ -443,32 +444,19 @@ class AlreadyAveraged:
 
 def _called_by_synchronize() -> bool:
     """Whether compress() runs inside Horovod's ``synchronize()`` rather than a backward
-    hook (frames: this, _handed_over_again, compress, Horovod's ``_allreduce_grad_async`` or
-    ``_grouped_allreduce_grad_async``, then its caller)."""
-    frame = sys._getframe(3)
-    for _ in range(3):
-        if frame is None:
-            return False
-        if frame.f_code.co_name == "synchronize":
-            return True
-        frame = frame.f_back
-    return False
+    hook: among its three callers above compress (Horovod's ``_allreduce_grad_async`` or
+    ``_grouped_allreduce_grad_async``, their caller, and one more); the first three frames
+    are this function, _handed_over_again and compress."""
+    return any(frame.f_code.co_name == "synchronize" for frame in itertools.islice(caller_frames(), 6))
 
 
 def _grad_scalers_among_callers() -> Tuple[Optional["torch.amp.GradScaler"], Optional["torch.amp.GradScaler"]]:
     """(the GradScaler one of whose methods is among the callers, an enabled GradScaler among
-    the callers' local variables or the attributes of their ``self``), each None if none."""
-    running = found = None
-    frame = sys._getframe(1)
-    while frame is not None:
-        local = frame.f_locals
-        owner = local.get("self")
-        if running is None and isinstance(owner, torch.amp.GradScaler):
-            running = owner
-        for value in (*local.values(), *getattr(owner, "__dict__", {}).values()):
-            if found is None and isinstance(value, torch.amp.GradScaler) and value.is_enabled():
-                found = value
-        frame = frame.f_back
+    the callers' variables: :func:`~horovod_dgc.core.callers.values_among_callers`), each
+    None if none."""
+    running = calling_object(lambda owner: isinstance(owner, torch.amp.GradScaler))
+    found = next((value for value in values_among_callers()
+                  if isinstance(value, torch.amp.GradScaler) and value.is_enabled()), None)
     return running, found
 
 

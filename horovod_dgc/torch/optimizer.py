@@ -17,7 +17,6 @@ Same signature as ``hvd.DistributedOptimizer``. Against the stock path it adds:
 from __future__ import annotations
 
 import dataclasses
-import sys
 import warnings
 import weakref
 from contextlib import contextmanager
@@ -26,6 +25,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import horovod.torch as hvd
 import torch
 
+from ..core.callers import caller_frames
 from ..core.collectives import cut_buckets
 from ..core.methods import spec_of
 from .collectives import PREFIX, wait
@@ -282,12 +282,7 @@ def is_fused(optimizer: torch.optim.Optimizer) -> bool:
 
 def _stepped_by_horovods_state_broadcast() -> bool:
     """Whether ``hvd.broadcast_optimizer_state`` is on the call stack."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is hvd.broadcast_optimizer_state.__code__:
-            return True
-        frame = frame.f_back
-    return False
+    return any(frame.f_code is hvd.broadcast_optimizer_state.__code__ for frame in caller_frames())
 
 
 def _move_sgd_hyperparameters(optimizer: torch.optim.Optimizer, compression: MethodCompressor,
