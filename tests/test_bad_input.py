@@ -153,3 +153,28 @@ def test_settings_at_the_edges_of_their_ranges_are_accepted(options):
     """No momentum, a density of 1, no warm-up and min_numel 1 are valid. Catches bounds
     tightened by one (momentum in (0, 1), density in (0, 1), warmup_epochs >= 1)."""
     torch_compression().dgc(**options)
+
+
+def test_untold_grad_scaler_is_found_on_the_thread_waiting_in_backward():
+    """On a GPU the DDP hook runs on the autograd engine's thread while the training loop
+    waits in backward() on its own: the check looks at the other threads' frames too (and
+    only when asked: the Horovod paths check on the loop's thread)."""
+    import threading
+    scaler = torch.amp.GradScaler("cpu", init_scale=512.0)  # the waiting loop's local
+    outcomes = {}
+
+    def engine_thread(every_thread: bool) -> None:
+        compression = torch_compression().topk()
+        try:
+            compression.check_grad_scaler_use(every_thread=every_thread)
+            outcomes[every_thread] = "accepted"
+        except ValueError as error:
+            outcomes[every_thread] = str(error)
+
+    for every_thread in (False, True):
+        worker = threading.Thread(target=engine_thread, args=(every_thread,))
+        worker.start()
+        worker.join()
+    assert outcomes[False] == "accepted"
+    assert "GradScaler (scale 512.0)" in outcomes[True], outcomes[True]
+    assert scaler.is_enabled()

@@ -6,7 +6,9 @@ own frames, and the training loop's variables.
 """
 from __future__ import annotations
 
+import itertools
 import sys
+import threading
 from typing import Any, Callable, Iterator, Optional
 
 
@@ -27,11 +29,27 @@ def calling_object(accepts: Callable[[Any], bool]) -> Optional[Any]:
     return None
 
 
-def values_among_callers() -> Iterator[Any]:
+def other_threads_frames() -> Iterator[Any]:
+    """Every frame of every other thread, each thread's innermost first."""
+    this_thread = threading.get_ident()
+    for ident, frame in sys._current_frames().items():
+        if ident == this_thread:
+            continue
+        while frame is not None:
+            yield frame
+            frame = frame.f_back
+
+
+def values_among_callers(every_thread: bool = False) -> Iterator[Any]:
     """The callers' local variables and the attributes of their ``self``, innermost first:
     where a training loop keeps its optimizer or scaler (a local, a global, a trainer's
-    attribute)."""
-    for frame in caller_frames():
+    attribute). ``every_thread`` adds the frames of the other threads, after the callers':
+    for code that runs on a thread the training loop waits on (the autograd engine's thread
+    of a GPU, which runs a DDP hook while the loop's thread waits in ``backward()``)."""
+    frames = caller_frames()
+    if every_thread:
+        frames = itertools.chain(frames, other_threads_frames())
+    for frame in frames:
         local = frame.f_locals
         yield from local.values()
         yield from getattr(local.get("self"), "__dict__", {}).values()

@@ -272,9 +272,11 @@ class MethodCompressor(CompressorControls, Compressor):
         self._forget_the_exchanged()
 
     # -- guarding against a loss scale unknown to the memories ------------------------------------
-    def check_grad_scaler_use(self) -> None:
-        """Raise ValueError, once (the first step's ``synchronize()``, on the caller's thread),
-        for a ``GradScaler`` used in a way that silently changes the training:
+    def check_grad_scaler_use(self, every_thread: bool = False) -> None:
+        """Raise ValueError, once (the first step's ``synchronize()`` on the caller's thread,
+        or the DDP hook's first bucket with ``every_thread``: the hook may run on the autograd
+        engine's thread while the training loop waits in ``backward()`` on another), for a
+        ``GradScaler`` used in a way that silently changes the training:
 
         - the averaging ran inside ``scaler.step(optimizer)`` (PyTorch's recipe, not
           Horovod's): the scaler had unscaled and checked the gradients before they were
@@ -285,7 +287,7 @@ class MethodCompressor(CompressorControls, Compressor):
         if self._scaler_checked:
             return
         self._scaler_checked = True
-        running, found = _grad_scalers_among_callers()
+        running, found = _grad_scalers_among_callers(every_thread)
         if running is not None:
             raise ValueError(
                 "the gradients were averaged inside scaler.step(optimizer), after the scaler had "
@@ -450,12 +452,13 @@ def _called_by_synchronize() -> bool:
     return any(frame.f_code.co_name == "synchronize" for frame in itertools.islice(caller_frames(), 6))
 
 
-def _grad_scalers_among_callers() -> Tuple[Optional["torch.amp.GradScaler"], Optional["torch.amp.GradScaler"]]:
+def _grad_scalers_among_callers(every_thread: bool) -> Tuple[Optional["torch.amp.GradScaler"],
+                                                             Optional["torch.amp.GradScaler"]]:
     """(the GradScaler one of whose methods is among the callers, an enabled GradScaler among
-    the callers' variables: :func:`~horovod_dgc.core.callers.values_among_callers`), each
-    None if none."""
+    the callers' variables: :func:`~horovod_dgc.core.callers.values_among_callers`, with
+    ``every_thread`` those of every thread's frames), each None if none."""
     running = calling_object(lambda owner: isinstance(owner, torch.amp.GradScaler))
-    found = next((value for value in values_among_callers()
+    found = next((value for value in values_among_callers(every_thread)
                   if isinstance(value, torch.amp.GradScaler) and value.is_enabled()), None)
     return running, found
 

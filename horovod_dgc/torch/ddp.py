@@ -155,8 +155,10 @@ class DDPCompressionState:
         names = [self._name_of(p)[0] for p in params]
         flight = _BucketInFlight(bucket.index(), buffer, views, names, torch.futures.Future())
         try:
-            if not self._in_flight and self._optimizer is not None:  # a step's first bucket
-                check_plain_optimizer(self._optimizer, self.compression.config, _INSTEAD)
+            if not self._in_flight:  # a step's first bucket
+                self.compression.check_grad_scaler_use(every_thread=True)
+                if self._optimizer is not None:
+                    check_plain_optimizer(self._optimizer, self.compression.config, _INSTEAD)
             self._launch(flight, params)
         except BaseException as error:
             self._fail(error)

@@ -245,6 +245,7 @@ def misuse() -> None:
            lambda: ddp.register(module, hdgc.Compression.topk()))
     sparse_misuse()
     momentum_cycled_by_a_scheduler(module)
+    grad_scaler_not_told()
     print(f"rank {rank} misuse ok", flush=True)
 
 
@@ -257,6 +258,24 @@ def momentum_cycled_by_a_scheduler(module: torch.nn.Module) -> None:
     torch.optim.lr_scheduler.OneCycleLR(sgd, max_lr=0.1, total_steps=10)
     expect(Exception, ["cycle_momentum=False", "compressor applies"],
            lambda: model(gradients(module, dist.get_rank(), 0)).backward())
+
+
+def grad_scaler_not_told() -> None:
+    """PyTorch's recipe with a GradScaler the compressor was not given: the hook (inside
+    backward()) refuses it at the first bucket, before the memories keep scaled gradients;
+    attach_grad_scaler(None), said of a scaler that scales another loss, lets it train."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for told in (False, True):
+        module = Injected()  # a refused backward leaves its DDP model mid-step
+        model = ddp_model(module)
+        state = ddp.register(model, hdgc.Compression.topk())
+        if told:
+            state.compression.attach_grad_scaler(None)
+        loss = scaler.scale(model(gradients(module, dist.get_rank(), 0)))
+        if told:
+            loss.backward()
+        else:
+            expect(Exception, ["GradScaler (scale 1024.0)", "attach_grad_scaler(scaler)"], loss.backward)
 
 
 def sparse_misuse() -> None:
