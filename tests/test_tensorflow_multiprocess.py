@@ -16,6 +16,15 @@ def test_aggregated_gradient_equals_dense_reference_and_misuse_is_named():
     assert out.count("misuse ok") == 2, out
 
 
+@pytest.mark.parametrize("np", [1, 2])
+def test_one_worker_where_horovod_skips_the_compressor_refuses_or_warns(np):
+    """On one worker Horovod's tape and Keras optimizer never run the compressor: DGC's momentum would be
+    lost (refused), another method's run is plain SGD (warned of, checked against a reference
+    loop); on two workers neither happens."""
+    out = horovodrun("one_worker_tensorflow.py", np)
+    assert out.count("one worker ok" if np == 1 else "two workers ok") == np, out
+
+
 @pytest.mark.slow  # the same allgather as topk's with another selection (unit-tested in graphs)
 def test_a_tape_given_a_process_set_of_part_of_the_world_is_refused():
     out = horovodrun("process_set_tensorflow.py", 4)

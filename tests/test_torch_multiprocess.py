@@ -30,6 +30,15 @@ def test_dgc_hands_horovod_300x_fewer_bytes_than_dense(path, traffic_two_ranks):
     check_dgc_hands_300x_fewer_bytes(traffic_two_ranks[path], f"{path} path")
 
 
+@pytest.mark.parametrize("np", [1, 2])
+def test_one_worker_where_horovod_skips_the_compressor_refuses_or_warns(np):
+    """On one worker Horovod's DistributedOptimizer never run the compressor: DGC's momentum would be
+    lost (refused), another method's run is plain SGD (warned of, checked against a reference
+    loop); on two workers neither happens."""
+    out = horovodrun("one_worker_torch.py", np)
+    assert out.count("one worker ok" if np == 1 else "two workers ok") == np, out
+
+
 def test_misuse_is_refused_with_clear_errors():
     out = horovodrun("misuse_torch.py", 2)
     assert out.count("misuse ok") == 2, out

@@ -50,6 +50,7 @@ from ..core.controls import CompressorControls
 from ..core.hosts import Hosts
 from ..core.method import Method
 from ..core.methods import METHODS, MethodSpec, spec_of
+from ..core.one_worker import refuse_or_warn
 from ..core.wire import tensor_id
 from .collectives import PREFIX, run
 from .engine import DenseUpdate, Engine
@@ -130,6 +131,14 @@ def _refuse_a_process_set() -> None:
                     f"or optimizer was given a process set of {process_set.size()}: use the "
                     f"global process set (process sets are not supported)")
             return
+
+
+def _skipped_by_horovod() -> bool:
+    """Whether ``compress`` is being traced into the branch of Horovod's all-reduce condition
+    (``_allreduce_cond``, ``_grouped_allreduce_cond``; autograph's converted copies end the
+    same) that never runs: Horovod takes the other one on one worker."""
+    return hvd.size() == 1 and any(frame.f_code.co_name.endswith("_allreduce_cond")
+                                   for frame in caller_frames())
 
 
 def _horovod_keras_optimizer() -> Optional[Any]:
@@ -235,6 +244,7 @@ class MethodCompressor(CompressorControls, Compressor):
         self._loss_scale_told = False
         self._pending_epoch: Optional[float] = None
         self._loss_scale_checked = False
+        self._one_worker_told = False
         self.hosts: Optional[Hosts] = None
         self.collective: Callable[..., tf.Tensor] = run
         if variables is not None:
@@ -459,6 +469,11 @@ class MethodCompressor(CompressorControls, Compressor):
         if Engine.passes_through(tensor):
             return tensor, None
         _refuse_a_process_set()
+        if not self._one_worker_told and _skipped_by_horovod():
+            path = "Keras DistributedOptimizer" if _horovod_keras_optimizer() else "DistributedGradientTape"
+            refuse_or_warn(self.config, path, "train on two or more workers, or train a one-worker "
+                                              "run without the compressor")
+            self._one_worker_told = True
         name, variable, occurrence = self._lookup(tensor)
         if not self._loss_scale_checked:
             self._refuse_an_untold_loss_scale()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import itertools
+import os
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.compression import Compression as HorovodCompression
 from horovod.torch.compression import Compressor
+from horovod.torch.optimizer import _DistributedOptimizer as _HorovodOptimizer
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..core.callers import caller_frames, calling_object, values_among_callers
 from ..core.collectives import ALLGATHER, Transport, join, split
@@ -33,6 +36,7 @@ from ..core.controls import CompressorControls
 from ..core.hosts import Hosts
 from ..core.method import Method
 from ..core.methods import METHODS, MethodSpec, spec_of
+from ..core.one_worker import refuse_or_warn
 from ..core.twostage import StageHandover
 from .collectives import HOROVOD
 from .engine import DenseUpdate, Engine, OutgoingMessage
@@ -65,6 +69,7 @@ class MethodCompressor(CompressorControls, Compressor):
         self._optimizer_checked = False
         self._scaler_told = False
         self._scaler_checked = False
+        self._one_worker_told = False
         # Stock path: the tensors exchanged since the newest backward pass, and whether their
         # averages went back (see _handed_over_again).
         self._exchanged: set = set()
@@ -541,9 +546,33 @@ def _workers() -> Optional[int]:
     return None
 
 
+_ONE_WORKER_INSTEAD = ("horovod_dgc.torch.DistributedOptimizer runs the method on any number of "
+                      "workers; or train a one-worker run without the compressor")
+_SKIPPED_WATCH: List[Any] = []  # the handle of the step pre-hook, once registered
+
+
+def _refuse_a_skipped_compressor(optimizer: torch.optim.Optimizer, *_hook_arguments: Any) -> None:
+    """A step pre-hook of every optimizer (torch's global one): refuse or warn of (see
+    :mod:`~horovod_dgc.core.one_worker`) one of our compressors held by Horovod's own
+    ``DistributedOptimizer`` on one worker, where Horovod registers no hooks (its condition:
+    one worker and not elastic) and the compressor never runs."""
+    compression = getattr(optimizer, "_compression", None)
+    if (isinstance(compression, MethodCompressor) and not compression._one_worker_told
+            and getattr(type(optimizer), "synchronize", None) is _HorovodOptimizer.synchronize
+            and hvd.size() == 1 and os.environ.get("HOROVOD_ELASTIC") != "1"):
+        refuse_or_warn(compression.config, "DistributedOptimizer", _ONE_WORKER_INSTEAD)
+        compression._one_worker_told = True
+
+
+def _watch_for_skipped_compressors() -> None:
+    if not _SKIPPED_WATCH:
+        _SKIPPED_WATCH.append(register_optimizer_step_pre_hook(_refuse_a_skipped_compressor))
+
+
 def _factory(spec: MethodSpec) -> Callable[..., MethodCompressor]:
     def factory(named_parameters: Optional[NamedParameters] = None, hierarchical: bool = False,
                 **options) -> MethodCompressor:
+        _watch_for_skipped_compressors()
         hosts = find_hosts() if hierarchical else None
         method = spec.build(_workers() if hosts is None else hosts.count, **options)
         compressor = COMPRESSORS[method.family](method, named_parameters)
