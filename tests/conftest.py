@@ -128,3 +128,11 @@ def check_dgc_hands_300x_fewer_bytes(figures: dict, label: str) -> None:
           f"{dgc['bytes_per_step']:.0f} B/step, {ratio:.0f}x fewer")
     assert ratio >= 300, figures
     assert dgc["stats_bytes_per_step"] == pytest.approx(dgc["bytes_per_step"]), "stats() disagrees"
+
+
+def check_one_worker_job(framework: str, np: int) -> None:
+    """tests/workers/one_worker_<framework>.py on ``np`` workers: on one, Horovod's own paths
+    skip the compressor (DGC refused, the others warned of and equal to plain SGD); on two,
+    neither happens."""
+    out = horovodrun(f"one_worker_{framework}.py", np)
+    assert out.count("one worker ok" if np == 1 else "two workers ok") == np, out

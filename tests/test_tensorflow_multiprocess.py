@@ -5,7 +5,8 @@ Keras 3 variables."""
 
 import pytest
 
-from conftest import TWO_HOSTS, check_dgc_hands_300x_fewer_bytes, horovodrun, traffic_figures
+from conftest import (TWO_HOSTS, check_dgc_hands_300x_fewer_bytes, check_one_worker_job, horovodrun,
+                      traffic_figures)
 
 
 def test_aggregated_gradient_equals_dense_reference_and_misuse_is_named():
@@ -18,11 +19,7 @@ def test_aggregated_gradient_equals_dense_reference_and_misuse_is_named():
 
 @pytest.mark.parametrize("np", [1, 2])
 def test_one_worker_where_horovod_skips_the_compressor_refuses_or_warns(np):
-    """On one worker Horovod's tape and Keras optimizer never run the compressor: DGC's momentum would be
-    lost (refused), another method's run is plain SGD (warned of, checked against a reference
-    loop); on two workers neither happens."""
-    out = horovodrun("one_worker_tensorflow.py", np)
-    assert out.count("one worker ok" if np == 1 else "two workers ok") == np, out
+    check_one_worker_job("tensorflow", np)
 
 
 @pytest.mark.slow  # the same allgather as topk's with another selection (unit-tested in graphs)

@@ -3,7 +3,8 @@
 import pytest
 
 from benchmarks.hierarchical_stress import RUN_LISTS
-from conftest import TWO_HOSTS, check_dgc_hands_300x_fewer_bytes, horovodrun, traffic_figures
+from conftest import (TWO_HOSTS, check_dgc_hands_300x_fewer_bytes, check_one_worker_job, horovodrun,
+                      traffic_figures)
 
 
 # On 2 workers both paths are also compared step by step with each other (paths_torch.py).
@@ -32,11 +33,7 @@ def test_dgc_hands_horovod_300x_fewer_bytes_than_dense(path, traffic_two_ranks):
 
 @pytest.mark.parametrize("np", [1, 2])
 def test_one_worker_where_horovod_skips_the_compressor_refuses_or_warns(np):
-    """On one worker Horovod's DistributedOptimizer never run the compressor: DGC's momentum would be
-    lost (refused), another method's run is plain SGD (warned of, checked against a reference
-    loop); on two workers neither happens."""
-    out = horovodrun("one_worker_torch.py", np)
-    assert out.count("one worker ok" if np == 1 else "two workers ok") == np, out
+    check_one_worker_job("torch", np)
 
 
 def test_misuse_is_refused_with_clear_errors():
