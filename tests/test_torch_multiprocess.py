@@ -87,6 +87,16 @@ def test_grad_scaler_overflow_on_one_rank_is_skipped_by_every_rank_on_both_paths
             assert out.count(f"{method} {path} amp ok") == 2, out
 
 
+def test_amp_with_gradient_accumulation_keeps_memories_unscaled_and_skips_together():
+    """Two scaled passes a step: a growing scale changes nothing (bit-identical to an
+    unscaled twin), and an overflow in one rank's first pass is skipped by every rank with
+    memories kept (tests/workers/amp_accumulation_torch.py)."""
+    out = horovodrun("amp_accumulation_torch.py", 2)
+    for path in ("stock", "own"):
+        for kind in ("dgc", "scalecom", "blocksign", "dgc-sar"):
+            assert out.count(f"{kind} {path} amp accumulation ok") == 2, out
+
+
 def test_fused_and_stock_paths_give_the_same_parameters_for_every_method():
     out = horovodrun("paths_torch.py", 2)
     for method in ("dgc", "topk", "gaussiank", "scalecom", "blocksign"):
