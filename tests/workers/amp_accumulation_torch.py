@@ -10,15 +10,12 @@ import horovod.torch as hvd
 import torch
 
 import horovod_dgc.torch as hdgc
+from amp_torch import horovod_recipe_step, memories
 
 STEPS, OVERFLOW, PASSES = 6, 3, 2
 KINDS = {"dgc": ("dgc", dict(density=0.05)), "scalecom": ("scalecom", dict(density=0.05)),
          "blocksign": ("blocksign", dict(momentum=0.5)),
          "dgc-sar": ("dgc", dict(density=0.05, aggregation="sparse_allreduce"))}
-
-
-def memories(compression) -> dict:
-    return {f"{n}.{k}": v.clone() for n, s in compression.state_dict()["states"].items() for k, v in s.items()}
 
 
 def train(kind: str, path: str, scaled: bool, overflow: bool) -> torch.Tensor:
@@ -43,11 +40,7 @@ def train(kind: str, path: str, scaled: bool, overflow: bool) -> torch.Tensor:
             if overflow and hvd.rank() == 1 and step == OVERFLOW and backward_pass == 0:
                 loss = loss * float("inf")
             scaler.scale(loss).backward()
-        optimizer.synchronize()
-        scaler.unscale_(optimizer)
-        with optimizer.skip_synchronize():
-            scaler.step(optimizer)
-        scaler.update()
+        horovod_recipe_step(optimizer, scaler)
         moved = any(not torch.equal(p, q) for p, q in zip(net.parameters(), params))
         if overflow and step == OVERFLOW:
             assert scaler.get_scale() == scale / 2, f"{kind}/{path}: the scale did not back off"

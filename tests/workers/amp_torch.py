@@ -39,6 +39,15 @@ def build(method: str, path: str):
     return net, model, compression, optimizer, scaler
 
 
+def horovod_recipe_step(optimizer, scaler) -> None:
+    """Horovod's documented recipe after the scaled backward pass(es)."""
+    optimizer.synchronize()
+    scaler.unscale_(optimizer)
+    with optimizer.skip_synchronize():
+        scaler.step(optimizer)
+    scaler.update()
+
+
 def memories(compression) -> dict:
     return {f"{n}.{k}": v.clone() for n, s in compression.state_dict()["states"].items()
             for k, v in s.items()}
@@ -60,12 +69,9 @@ def run(method: str, path: str) -> None:
         scaler.scale(loss).backward()
         if path == "ddp":  # PyTorch's recipe: the hook averaged the gradients in backward
             scaler.step(optimizer)
+            scaler.update()
         else:
-            optimizer.synchronize()
-            scaler.unscale_(optimizer)
-            with optimizer.skip_synchronize():
-                scaler.step(optimizer)
-        scaler.update()
+            horovod_recipe_step(optimizer, scaler)
         moved = any(not torch.equal(p, q) for p, q in zip(net.parameters(), params))
         if step == OVERFLOW:
             assert scaler.get_scale() == scale * 0.5, f"{method}/{path}: the scale did not back off"
