@@ -37,6 +37,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ..core.callers import values_among_callers
 from ..core.collectives import ALLREDUCE
 from ..core.methods import METHODS
 from ..core.stats import CompressionStats
@@ -83,7 +84,7 @@ class DDPCompressionState:
     :meth:`state_dict`.
     """
 
-    __slots__ = ("compression", "transport", "_names", "_in_flight", "_optimizer")
+    __slots__ = ("compression", "transport", "_names", "_in_flight", "_optimizer", "_optimizer_sought")
 
     def __init__(self, compression: MethodCompressor,
                  named_parameters: Iterable[Tuple[str, torch.nn.Parameter]],
@@ -94,6 +95,7 @@ class DDPCompressionState:
         self._names: Dict[int, Tuple[str, torch.nn.Parameter]] = {id(p): (n, p) for n, p in named}
         self._in_flight: List[_BucketInFlight] = []
         self._optimizer: Optional[torch.optim.Optimizer] = None
+        self._optimizer_sought = False
         compression.use_transport(transport)
         compression.bind(named)
 
@@ -133,11 +135,30 @@ class DDPCompressionState:
         """Refuse (ValueError) an optimizer that would apply momentum or weight decay the
         compressor applies already (DGC; blocksign with momentum), by the rule of the Horovod
         paths: it must be ``torch.optim.SGD`` with ``momentum=0`` (and ``weight_decay=0``
-        when the compressor has one). DDP never sees the optimizer: call this once, or pass
-        ``optimizer=`` to :func:`register`. The optimizer is checked again at every step (a
+        when the compressor has one). DDP never sees the optimizer: call this once, pass
+        ``optimizer=`` to :func:`register`, or leave it to the first step, which checks the
+        one ``torch.optim`` optimizer holding the model's parameters among the training loop's
+        variables, if there is exactly one. The optimizer is checked again at every step (a
         scheduler that cycles momentum sets it in ``param_groups``)."""
         check_plain_optimizer(optimizer, self.compression.config, _INSTEAD)
         self._optimizer = optimizer
+
+    def _seek_optimizer(self) -> None:
+        """Without ``optimizer=``: check the one torch optimizer among the training loop's
+        variables (every thread's frames: on a GPU the hook runs on the autograd engine's
+        thread) that holds this model's parameters, as if it had been given; where there are
+        several (a GAN's), or none, the user checks with :meth:`check_optimizer`. Optimizers
+        outside ``torch.optim`` (``ZeroRedundancyOptimizer`` wraps another) are left alone."""
+        self._optimizer_sought = True
+        if not self.compression.config.needs_plain_optimizer:
+            return
+        ours = {id(p) for _, p in self._names.values()}
+        found = {id(value): value for value in values_among_callers(every_thread=True)
+                 if isinstance(value, torch.optim.Optimizer)
+                 and type(value).__module__.startswith("torch.optim")
+                 and any(id(p) in ours for group in value.param_groups for p in group["params"])}
+        if len(found) == 1:
+            self.check_optimizer(next(iter(found.values())))
 
     # -- the hook's work -------------------------------------------------------------------------
     def _name_of(self, param: torch.Tensor) -> Tuple[str, torch.nn.Parameter]:
@@ -157,6 +178,8 @@ class DDPCompressionState:
         try:
             if not self._in_flight:  # a step's first bucket
                 self.compression.check_grad_scaler_use(every_thread=True)
+                if self._optimizer is None and not self._optimizer_sought:
+                    self._seek_optimizer()
                 if self._optimizer is not None:
                     check_plain_optimizer(self._optimizer, self.compression.config, _INSTEAD)
             self._launch(flight, params)

@@ -246,6 +246,7 @@ def misuse() -> None:
     sparse_misuse()
     momentum_cycled_by_a_scheduler(module)
     grad_scaler_not_told()
+    optimizer_found_among_the_loop_variables()
     print(f"rank {rank} misuse ok", flush=True)
 
 
@@ -276,6 +277,23 @@ def grad_scaler_not_told() -> None:
             loss.backward()
         else:
             expect(Exception, ["GradScaler (scale 1024.0)", "attach_grad_scaler(scaler)"], loss.backward)
+
+
+def optimizer_found_among_the_loop_variables() -> None:
+    """register() without optimizer=: the first step checks the one optimizer of the loop
+    holding the model's parameters (DGC's momentum applied twice was silent); with a plain
+    SGD it trains."""
+    for momentum in (0.9, 0.0):
+        module = Injected()  # a refused backward leaves its DDP model mid-step
+        model = ddp_model(module)
+        ddp.register(model, hdgc.Compression.dgc())
+        sgd = torch.optim.SGD(module.parameters(), lr=0.1, momentum=momentum)
+        loss = model(gradients(module, dist.get_rank(), 0))
+        if momentum:
+            expect(Exception, ["momentum=0.9", "compressor applies"], loss.backward)
+        else:
+            loss.backward()
+            sgd.step()
 
 
 def sparse_misuse() -> None:
