@@ -505,6 +505,16 @@ def check_optimizer_compatible(optimizer: torch.optim.Optimizer, config, op) -> 
     check_plain_optimizer(optimizer, config)
 
 
+def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that applies the updates: a ``ZeroRedundancyOptimizer`` is judged by the
+    one it builds over this rank's shard (``optimizer_class``), which holds the settings."""
+    if torch.distributed.is_available():
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            return optimizer.optim
+    return optimizer
+
+
 def check_plain_optimizer(optimizer: torch.optim.Optimizer, config,
                           instead: str = "use horovod_dgc.torch.DistributedOptimizer, which moves "
                                          "SGD's momentum and weight decay into the compressor") -> None:
@@ -513,6 +523,7 @@ def check_plain_optimizer(optimizer: torch.optim.Optimizer, config,
     (the rule of every path: stock, fused, DDP). ``instead``: the way out named last."""
     if not config.needs_plain_optimizer:
         return
+    optimizer = _local_optimizer(optimizer)
     kind = type(optimizer).__name__
     if not isinstance(optimizer, torch.optim.SGD):
         raise ValueError(

@@ -147,15 +147,16 @@ class DDPCompressionState:
         """Without ``optimizer=``: check the one torch optimizer among the training loop's
         variables (every thread's frames: on a GPU the hook runs on the autograd engine's
         thread) that holds this model's parameters, as if it had been given; where there are
-        several (a GAN's), or none, the user checks with :meth:`check_optimizer`. Optimizers
-        outside ``torch.optim`` (``ZeroRedundancyOptimizer`` wraps another) are left alone."""
+        several (a GAN's), or none, the user checks with :meth:`check_optimizer`. Only
+        PyTorch's own optimizers are judged (``ZeroRedundancyOptimizer`` by the one it wraps);
+        another library's may keep its settings elsewhere."""
         self._optimizer_sought = True
         if not self.compression.config.needs_plain_optimizer:
             return
         ours = {id(p) for _, p in self._names.values()}
         found = {id(value): value for value in values_among_callers(every_thread=True)
                  if isinstance(value, torch.optim.Optimizer)
-                 and type(value).__module__.startswith("torch.optim")
+                 and type(value).__module__.startswith("torch.")
                  and any(id(p) in ours for group in value.param_groups for p in group["params"])}
         if len(found) == 1:
             self.check_optimizer(next(iter(found.values())))

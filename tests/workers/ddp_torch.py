@@ -26,6 +26,7 @@ from typing import Dict, List
 
 import torch
 import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import horovod_dgc.torch as hdgc
 from horovod_dgc.core.selection import top_count
@@ -282,18 +283,30 @@ def grad_scaler_not_told() -> None:
 def optimizer_found_among_the_loop_variables() -> None:
     """register() without optimizer=: the first step checks the one optimizer of the loop
     holding the model's parameters (DGC's momentum applied twice was silent); with a plain
-    SGD it trains."""
-    for momentum in (0.9, 0.0):
-        module = Injected()  # a refused backward leaves its DDP model mid-step
-        model = ddp_model(module)
-        ddp.register(model, hdgc.Compression.dgc())
-        sgd = torch.optim.SGD(module.parameters(), lr=0.1, momentum=momentum)
-        loss = model(gradients(module, dist.get_rank(), 0))
-        if momentum:
-            expect(Exception, ["momentum=0.9", "compressor applies"], loss.backward)
-        else:
-            loss.backward()
-            sgd.step()
+    SGD it trains. A ZeroRedundancyOptimizer is judged by the SGD it wraps, found or given
+    (given with momentum 0 it was refused as an optimizer with state of its own)."""
+    def plain(params, momentum):
+        return torch.optim.SGD(params, lr=0.1, momentum=momentum)
+
+    def zero(params, momentum):
+        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.SGD, lr=0.1, momentum=momentum)
+
+    for make, given in ((plain, False), (zero, False), (zero, True)):
+        for momentum in (0.9, 0.0):
+            module = Injected()  # a refused backward leaves its DDP model mid-step
+            optimizer = make(module.parameters(), momentum)
+            model = ddp_model(module)
+            if given and momentum:
+                expect(ValueError, ["momentum=0.9", "compressor applies"],
+                       lambda: ddp.register(model, hdgc.Compression.dgc(), optimizer=optimizer))
+                continue
+            ddp.register(model, hdgc.Compression.dgc(), optimizer=optimizer if given else None)
+            loss = model(gradients(module, dist.get_rank(), 0))
+            if momentum:
+                expect(Exception, ["momentum=0.9", "compressor applies"], loss.backward)
+            else:
+                loss.backward()
+                optimizer.step()
 
 
 def sparse_misuse() -> None:
