@@ -8,7 +8,9 @@ runs it under ``horovodrun -np 2 --gloo`` with small arguments for a CPU, and pr
 of its output that shows it trained (images per second, loss or accuracy). Every script runs
 as a fixed 2-worker job, the elastic one included (its ``hvd.elastic.run`` loop and state).
 The ImageNet scripts train on a small generated ImageFolder; a method that keeps momentum itself (DGC) runs them
-with ``--momentum 0``, their SGD's momentum flag (the compressor refuses to apply it twice).
+with ``--momentum 0``, their SGD's momentum flag (the compressor refuses to apply it twice),
+and DGC with ``--wd 0`` and the script's ``args.wd`` given to the compressor (torch's SGD
+would apply it outside DGC's momentum, which is refused).
 
 Keras' ``keras/keras_imagenet_resnet50.py`` is not run: it imports ``keras`` itself, which
 with TensorFlow 2.21 is Keras 3, where ``keras.preprocessing.image.ImageDataGenerator`` no
@@ -82,9 +84,19 @@ def rewrite(source: str, framework: str, method: str) -> Tuple[str, str]:
     if len(found) != 1:
         raise ValueError(f"expected one compression line, found {len(found)}")
     indent = found[0]
-    line = f"compression = Compression.{method}({METHOD_OPTIONS[method]})"
+    options = METHOD_OPTIONS[method]
+    if _decays_inside(method) and "args.wd" in source:
+        options += ", weight_decay=args.wd"  # the SGD's, which arguments() sets to 0
+    line = f"compression = Compression.{method}({options})"
     new = f"{indent}from horovod_dgc.{framework} import Compression\n{indent}{line}"
     return _COMPRESSION_LINE.sub(lambda _: new, source), line
+
+
+def _decays_inside(method: str) -> bool:
+    """Whether ``method`` keeps the momentum and has a weight decay of its own (DGC): torch's
+    SGD would apply its decay outside that momentum, which the compressor refuses."""
+    config = BY_NAME[method].build().config
+    return config.needs_plain_optimizer and hasattr(config, "weight_decay")
 
 
 def arguments(example: Example, method: str, images: Path) -> List[str]:
@@ -92,6 +104,8 @@ def arguments(example: Example, method: str, images: Path) -> List[str]:
     args = [a.format(images=images) for a in example.args]
     if "--train-dir" in args and BY_NAME[method].build().config.needs_plain_optimizer:
         args += ["--momentum", "0"]
+        if _decays_inside(method):
+            args += ["--wd", "0"]
     return args
 
 

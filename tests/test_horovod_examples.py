@@ -27,3 +27,12 @@ def test_only_the_compression_line_changes_at_its_indentation():
 def test_a_script_without_exactly_one_compression_line_is_refused(source):
     with pytest.raises(ValueError, match="compression line"):
         rewrite(source, "torch", "blocksign")
+
+
+def test_dgc_takes_the_scripts_weight_decay_where_the_script_has_one():
+    """The ImageNet script's SGD decay would act outside DGC's momentum (refused): the
+    compressor takes ``args.wd`` (and the run passes ``--wd 0``); blocksign has no decay."""
+    imagenet = SCRIPT + "optimizer = optim.SGD(lr, momentum=args.momentum, weight_decay=args.wd)\n"
+    assert rewrite(imagenet, "torch", "dgc")[1] == "compression = Compression.dgc(density=0.001, weight_decay=args.wd)"
+    assert rewrite(imagenet, "torch", "blocksign")[1] == "compression = Compression.blocksign()"
+    assert rewrite(SCRIPT, "torch", "dgc")[1] == "compression = Compression.dgc(density=0.001)"

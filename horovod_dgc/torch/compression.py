@@ -542,6 +542,18 @@ def check_plain_optimizer(optimizer: torch.optim.Optimizer, config,
                 f"the wrapped optimizer has {key}={max(theirs)}{setter} but the compressor "
                 f"applies {key}={mine} itself: give the optimizer {key}=0 (the compressor "
                 f"applies it), or {instead}")
+    decays = [g.get("weight_decay", 0.0) for g in optimizer.param_groups]
+    if hasattr(config, "weight_decay") and config.momentum and any(decays):
+        # torch's SGD adds its weight decay to the gradient before its momentum; left there
+        # while the compressor keeps the momentum, it would act outside it: 1 / (1 - m)
+        # times weaker in steady state than in the SGD the user started from.
+        raise ValueError(
+            f"the wrapped optimizer has weight_decay={max(decays)}, which torch's SGD adds to "
+            f"the gradient before its momentum; the compressor applies the momentum "
+            f"(momentum={config.momentum}), so that decay would act outside it, "
+            f"{1 / (1 - config.momentum):.3g}x weaker than in SGD(momentum={config.momentum}): "
+            f"give the compressor weight_decay={max(decays)} and the optimizer weight_decay=0, "
+            f"or {instead}")
 
 
 COMPRESSORS = {"sparse": SparseCompressor, "two-stage": TwoStageCompressor}

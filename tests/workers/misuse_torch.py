@@ -37,6 +37,24 @@ def double_momentum() -> None:
     expect_error(lambda: one_step(optimizer, net), "momentum=0.9")
 
 
+def weight_decay_left_outside_the_momentum() -> None:
+    """Stock path, DGC keeping the momentum: an SGD weight decay would act outside it (torch's
+    SGD adds it before its momentum), 10x weaker at momentum 0.9; refused with the numbers.
+    The same decay given to the compressor trains."""
+    net = torch.nn.Linear(64, 64)
+    sgd = torch.optim.SGD(net.parameters(), lr=0.1, weight_decay=1e-4)
+    optimizer = hvd.DistributedOptimizer(sgd, named_parameters=net.named_parameters(),
+                                         compression=hdgc.Compression.dgc())
+    expect_error(lambda: one_step(optimizer, net), "weight_decay=0.0001, which torch's SGD adds "
+                 "to the gradient before its momentum; the compressor applies the momentum "
+                 "(momentum=0.9), so that decay would act outside it, 10x weaker")
+    net = torch.nn.Linear(64, 64)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                         named_parameters=net.named_parameters(),
+                                         compression=hdgc.Compression.dgc(weight_decay=1e-4))
+    one_step(optimizer, net)
+
+
 def own_path_moves_momentum() -> None:
     net = torch.nn.Linear(64, 64)
     compression = hdgc.Compression.dgc()
@@ -218,6 +236,7 @@ def hierarchical_on_one_host() -> None:
 if __name__ == "__main__":
     hvd.init()
     double_momentum()
+    weight_decay_left_outside_the_momentum()
     own_path_moves_momentum()
     momentum_of_another_form_is_refused_or_warned_of()
     weight_decay_per_param_group()
