@@ -178,3 +178,16 @@ def test_untold_grad_scaler_is_found_on_the_thread_waiting_in_backward():
     assert outcomes[False] == "accepted"
     assert "GradScaler (scale 512.0)" in outcomes[True], outcomes[True]
     assert scaler.is_enabled()
+
+
+def test_a_refused_momentum_says_how_to_keep_the_sgds_own():
+    """Moving momentum to the compressor must not silently change it: the refusal names the
+    SGD's value where the compressor's differs, and its Nesterov flag (which torch's SGD
+    refuses without momentum, so the user would drop it)."""
+    from horovod_dgc.torch.compression import check_plain_optimizer
+    net = torch.nn.Linear(4, 4)
+    dgc = torch_compression().dgc().config
+    with pytest.raises(ValueError, match="and the compressor momentum=0.95, nesterov=True to keep yours"):
+        check_plain_optimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.95, nesterov=True), dgc)
+    with pytest.raises(ValueError, match=r"applies it\), or use"):
+        check_plain_optimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), dgc)

@@ -515,6 +515,20 @@ def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return optimizer
 
 
+def _keeping_yours(optimizer: torch.optim.Optimizer, config, key: str) -> str:
+    """How to keep the optimizer's own setting when ``key`` moves to the compressor: its value
+    where the compressor's differs, and the Nesterov flag (which torch's SGD refuses without
+    momentum, so it would be dropped with it)."""
+    theirs = {g.get(key, 0.0) for g in optimizer.param_groups}
+    advice = []
+    if len(theirs) == 1 and getattr(config, key) not in theirs:
+        advice.append(f"{key}={theirs.pop()}")
+    nesterov = any(g.get("nesterov", False) for g in optimizer.param_groups)
+    if key == "momentum" and nesterov and getattr(config, "nesterov", True) is False:
+        advice.append("nesterov=True")
+    return f" and the compressor {', '.join(advice)} to keep yours" if advice else ""
+
+
 def check_plain_optimizer(optimizer: torch.optim.Optimizer, config,
                           instead: str = "use horovod_dgc.torch.DistributedOptimizer, which moves "
                                          "SGD's momentum and weight decay into the compressor") -> None:
@@ -541,7 +555,7 @@ def check_plain_optimizer(optimizer: torch.optim.Optimizer, config,
             raise ValueError(
                 f"the wrapped optimizer has {key}={max(theirs)}{setter} but the compressor "
                 f"applies {key}={mine} itself: give the optimizer {key}=0 (the compressor "
-                f"applies it), or {instead}")
+                f"applies it){_keeping_yours(optimizer, config, key)}, or {instead}")
     decays = [g.get("weight_decay", 0.0) for g in optimizer.param_groups]
     if hasattr(config, "weight_decay") and config.momentum and any(decays):
         # torch's SGD adds its weight decay to the gradient before its momentum; left there
