@@ -18,6 +18,7 @@ import dataclasses
 import gc
 import itertools
 import os
+import sys
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -508,10 +509,11 @@ def check_optimizer_compatible(optimizer: torch.optim.Optimizer, config, op) -> 
 def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The optimizer that applies the updates: a ``ZeroRedundancyOptimizer`` is judged by the
     one it builds over this rank's shard (``optimizer_class``), which holds the settings."""
-    if torch.distributed.is_available():
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-        if isinstance(optimizer, ZeroRedundancyOptimizer):
-            return optimizer.optim
+    # Not imported here: importing it scripts PyTorch's functional optimizers (about a second).
+    # An optimizer can only be one if the user's code imported it.
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    if zero is not None and isinstance(optimizer, zero.ZeroRedundancyOptimizer):
+        return optimizer.optim
     return optimizer
 
 
