@@ -149,3 +149,11 @@ def test_elastic_horovod_is_refused_at_construction(factory, monkeypatch):
         factory()
     monkeypatch.setenv("HOROVOD_ELASTIC", "0")
     factory()
+
+
+def test_a_refused_keras_momentum_says_how_to_keep_its_value_and_nesterov_flag():
+    """Keras' SGD takes nesterov=True without momentum: moving the momentum alone would
+    silently turn Nesterov's into heavy-ball momentum at DGC's default value."""
+    sgd = keras.optimizers.SGD(0.1, momentum=0.95, nesterov=True)
+    with pytest.raises(ValueError, match="and the compressor momentum=0.95, nesterov=True to keep yours"):
+        Compression.dgc().check_optimizer(sgd)

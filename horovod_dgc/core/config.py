@@ -82,6 +82,20 @@ class CompressionConfig:
         return False
 
 
+def keeping_yours(config: CompressionConfig, key: str, theirs: set, nesterov: bool) -> str:
+    """The end of a refusal that moves the optimizer's ``key`` (``"momentum"``,
+    ``"weight_decay"``) to the compressor: how to keep the optimizer's own setting, given its
+    values ``theirs`` and whether it said ``nesterov`` (which the optimizer drops with its
+    momentum); "" when the compressor's already match."""
+    advice = []
+    mine = getattr(config, key)
+    if len(theirs) == 1 and not math.isclose(next(iter(theirs)), mine, rel_tol=1e-6):
+        advice.append(f"{key}={next(iter(theirs)):.6g}")
+    if key == "momentum" and nesterov and getattr(config, "nesterov", True) is False:
+        advice.append("nesterov=True")
+    return f" and the compressor {', '.join(advice)} to keep yours" if advice else ""
+
+
 @dataclass(frozen=True)
 class SparseConfig(CompressionConfig):
     """Settings common to the sparse (index, value) methods, besides

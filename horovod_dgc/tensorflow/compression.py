@@ -46,6 +46,7 @@ from horovod.tensorflow.compression import Compressor
 
 from ..core.callers import caller_frames, calling_object, values_among_callers
 from ..core.collectives import ALLGATHER
+from ..core.config import keeping_yours
 from ..core.controls import CompressorControls
 from ..core.hosts import Hosts
 from ..core.method import Method
@@ -387,10 +388,11 @@ class MethodCompressor(CompressorControls, Compressor):
         for key in ("momentum", "weight_decay"):
             mine, theirs = getattr(self.config, key, 0.0), settings.get(key) or 0.0
             if mine and theirs:
+                keep = keeping_yours(self.config, key, {theirs}, bool(settings.get("nesterov")))
                 raise ValueError(
                     f"the optimizer {label!r} has {key}={theirs} but the compressor applies "
                     f"{key}={mine} itself: give the optimizer {key}=0 (plain SGD applies the "
-                    f"compressor's result)")
+                    f"compressor's result){keep}")
 
     # -- Horovod's interface -----------------------------------------------------------------------
     def _lookup(self, tensor: tf.Tensor) -> Tuple[str, Any, int]:

@@ -33,6 +33,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..core.callers import caller_frames, calling_object, values_among_callers
 from ..core.collectives import ALLGATHER, Transport, join, split
+from ..core.config import keeping_yours
 from ..core.controls import CompressorControls
 from ..core.hosts import Hosts
 from ..core.method import Method
@@ -517,20 +518,6 @@ def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return optimizer
 
 
-def _keeping_yours(optimizer: torch.optim.Optimizer, config, key: str) -> str:
-    """How to keep the optimizer's own setting when ``key`` moves to the compressor: its value
-    where the compressor's differs, and the Nesterov flag (which torch's SGD refuses without
-    momentum, so it would be dropped with it)."""
-    theirs = {g.get(key, 0.0) for g in optimizer.param_groups}
-    advice = []
-    if len(theirs) == 1 and getattr(config, key) not in theirs:
-        advice.append(f"{key}={theirs.pop()}")
-    nesterov = any(g.get("nesterov", False) for g in optimizer.param_groups)
-    if key == "momentum" and nesterov and getattr(config, "nesterov", True) is False:
-        advice.append("nesterov=True")
-    return f" and the compressor {', '.join(advice)} to keep yours" if advice else ""
-
-
 def check_plain_optimizer(optimizer: torch.optim.Optimizer, config,
                           instead: str = "use horovod_dgc.torch.DistributedOptimizer, which moves "
                                          "SGD's momentum and weight decay into the compressor") -> None:
@@ -554,10 +541,11 @@ def check_plain_optimizer(optimizer: torch.optim.Optimizer, config,
         if mine and any(theirs):
             setter = (" (a scheduler may have set it: OneCycleLR and CyclicLR cycle momentum "
                       "unless given cycle_momentum=False)" if key == "momentum" else "")
+            nesterov = any(g.get("nesterov", False) for g in optimizer.param_groups)
             raise ValueError(
                 f"the wrapped optimizer has {key}={max(theirs)}{setter} but the compressor "
                 f"applies {key}={mine} itself: give the optimizer {key}=0 (the compressor "
-                f"applies it){_keeping_yours(optimizer, config, key)}, or {instead}")
+                f"applies it){keeping_yours(config, key, set(theirs), nesterov)}, or {instead}")
     decays = [g.get("weight_decay", 0.0) for g in optimizer.param_groups]
     if hasattr(config, "weight_decay") and config.momentum and any(decays):
         # torch's SGD adds its weight decay to the gradient before its momentum; left there
