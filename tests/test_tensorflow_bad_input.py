@@ -1,6 +1,8 @@
 """TensorFlow: bad settings of the two-stage methods fail at construction, an optimizer that
 would apply DGC's momentum twice is refused, and compressor state survives a save/load round
 trip while a state of another method, tensor set or shape is refused."""
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -157,3 +159,15 @@ def test_a_refused_keras_momentum_says_how_to_keep_its_value_and_nesterov_flag()
     sgd = keras.optimizers.SGD(0.1, momentum=0.95, nesterov=True)
     with pytest.raises(ValueError, match="and the compressor momentum=0.95, nesterov=True to keep yours"):
         Compression.dgc().check_optimizer(sgd)
+
+
+@pytest.mark.parametrize("clipping", [dict(clipnorm=1.0), dict(global_clipnorm=1.0), dict(clipvalue=0.5)])
+def test_a_keras_optimizer_clipping_dgcs_momentum_is_warned_of(clipping):
+    """The Keras optimizer clips the update it applies, which carries DGC's momentum: warned,
+    pointing to DGC's own clip_norm; without clipping, no warning."""
+    with pytest.warns(UserWarning, match="carry the compressor's momentum=0.9.*clip_norm="):
+        Compression.dgc().check_optimizer(keras.optimizers.SGD(0.1, **clipping))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Compression.dgc().check_optimizer(keras.optimizers.SGD(0.1))
+        Compression.topk().check_optimizer(keras.optimizers.SGD(0.1, **clipping))
