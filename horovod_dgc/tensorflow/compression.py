@@ -145,8 +145,8 @@ def _skipped_by_horovod() -> bool:
 def _warn_of_clipping_a_momentum(config, label: str, settings: dict) -> None:
     """A Keras optimizer's ``clipnorm``, ``global_clipnorm`` or ``clipvalue`` clips what it
     applies: with a compressor that keeps momentum, an update carrying that momentum (7.2x the
-    averaged gradient's norm for DGC at momentum 0.9, measured), not the gradient it clipped
-    without compression. Said once per compressor (it may be meant)."""
+    averaged gradient's norm for DGC at momentum 0.9: ``benchmarks/update_norms.py``), not the
+    gradient it clipped without compression. Said once per compressor (it may be meant)."""
     clipping = {key: settings[key] for key in ("clipnorm", "global_clipnorm", "clipvalue")
                 if settings.get(key)}
     if clipping:
