@@ -135,10 +135,10 @@ class DDPCompressionState:
         """Refuse (ValueError) an optimizer that would apply momentum or weight decay the
         compressor applies already (DGC; blocksign with momentum), by the rule of the Horovod
         paths: it must be ``torch.optim.SGD`` with ``momentum=0`` (and ``weight_decay=0``
-        when the compressor has one). DDP never sees the optimizer: call this once, pass
-        ``optimizer=`` to :func:`register`, or leave it to the first step, which checks the
-        one ``torch.optim`` optimizer holding the model's parameters among the training loop's
-        variables, if there is exactly one. The optimizer is checked again at every step (a
+        with DGC, whose momentum the SGD's decay would miss). DDP never sees the optimizer:
+        call this once, pass ``optimizer=`` to :func:`register`, or leave it to the first
+        step, which checks the one PyTorch optimizer holding the model's parameters among the
+        training loop's variables, if there is exactly one. The optimizer is checked again at every step (a
         scheduler that cycles momentum sets it in ``param_groups``)."""
         check_plain_optimizer(optimizer, self.compression.config, _INSTEAD)
         self._optimizer = optimizer
