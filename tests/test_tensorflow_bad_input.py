@@ -171,3 +171,13 @@ def test_a_keras_optimizer_clipping_dgcs_momentum_is_warned_of(clipping):
         warnings.simplefilter("error")
         Compression.dgc().check_optimizer(keras.optimizers.SGD(0.1))
         Compression.topk().check_optimizer(keras.optimizers.SGD(0.1, **clipping))
+
+
+def test_keras_gradient_accumulation_after_the_exchange_is_refused_or_warned_of():
+    """gradient_accumulation_steps=4 sums four exchanged results: DGC's momentum would step
+    per micro-batch (refused, with 0.9**4); a plain residual only pays 4x the traffic (warned)."""
+    sgd = keras.optimizers.SGD(0.1, gradient_accumulation_steps=4)
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps=4.*\(0.656 per optimizer step\)"):
+        Compression.dgc().check_optimizer(sgd)
+    with pytest.warns(UserWarning, match="4 times the traffic per step"):
+        Compression.topk().check_optimizer(sgd)

@@ -142,6 +142,26 @@ def _skipped_by_horovod() -> bool:
                                    for frame in caller_frames())
 
 
+def _refuse_accumulation_after_the_exchange(config, label: str, settings: dict) -> None:
+    """A Keras 3 optimizer's ``gradient_accumulation_steps=N`` sums N exchanged results: the
+    exchange runs on every micro-batch (N times the traffic per step, said once), and a
+    compressor's momentum steps N times per optimizer step (refused: momentum m per
+    micro-batch is m**N per step)."""
+    steps = settings.get("gradient_accumulation_steps") or 1
+    if steps <= 1:
+        return
+    what = (f"the optimizer {label!r} accumulates gradient_accumulation_steps={steps} "
+            f"micro-batches after the exchange, which then runs on every micro-batch: {steps} "
+            f"times the traffic per step")
+    instead = ("accumulate before the exchange (Horovod's Keras DistributedOptimizer takes "
+               "backward_passes_per_step), or drop gradient_accumulation_steps")
+    if config.needs_plain_optimizer:
+        raise ValueError(f"{what}, and the compressor's momentum={config.momentum} would step per "
+                         f"micro-batch ({config.momentum ** steps:.3g} per optimizer step); "
+                         f"{instead}")
+    warnings.warn(f"{what}; {instead}", stacklevel=3)
+
+
 def _warn_of_clipping_a_momentum(config, label: str, settings: dict) -> None:
     """A Keras optimizer's ``clipnorm``, ``global_clipnorm`` or ``clipvalue`` clips what it
     applies: with a compressor that keeps momentum, an update carrying that momentum (7.2x the
@@ -390,11 +410,12 @@ class MethodCompressor(CompressorControls, Compressor):
         hold several). A ``LossScaleOptimizer`` is judged by the optimizer it wraps."""
         self._optimizer_checked = True
         optimizer = _unwrapped(optimizer)
-        if not self.config.needs_plain_optimizer:
-            return
         with tf.init_scope():  # get_config reads variables: eagerly, also while tracing
             settings = optimizer.get_config()
         label = settings.get("name", type(optimizer).__name__)
+        _refuse_accumulation_after_the_exchange(self.config, label, settings)
+        if not self.config.needs_plain_optimizer:
+            return
         if not any(base.__name__ == "SGD" for base in type(optimizer).__mro__):
             raise ValueError(
                 f"the compressor applies momentum itself ({type(self.config).__name__} momentum="
