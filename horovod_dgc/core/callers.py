@@ -12,12 +12,17 @@ import threading
 from typing import Any, Callable, Iterator, Optional
 
 
-def caller_frames() -> Iterator[Any]:
-    """The frames of the callers of the function calling this one, innermost first."""
-    frame = sys._getframe(2)
+def _outward(frame: Any) -> Iterator[Any]:
+    """``frame`` and the frames of its callers, innermost first."""
     while frame is not None:
         yield frame
         frame = frame.f_back
+
+
+def caller_frames() -> Iterator[Any]:
+    """The frames of the callers of the function calling this one, innermost first (a
+    generator: the frames are those above whoever first iterates it)."""
+    yield from _outward(sys._getframe(2))
 
 
 def calling_object(accepts: Callable[[Any], bool]) -> Optional[Any]:
@@ -33,11 +38,8 @@ def other_threads_frames() -> Iterator[Any]:
     """Every frame of every other thread, each thread's innermost first."""
     this_thread = threading.get_ident()
     for ident, frame in sys._current_frames().items():
-        if ident == this_thread:
-            continue
-        while frame is not None:
-            yield frame
-            frame = frame.f_back
+        if ident != this_thread:
+            yield from _outward(frame)
 
 
 def values_among_callers(every_thread: bool = False) -> Iterator[Any]:

@@ -144,7 +144,7 @@ def _skipped_by_horovod() -> bool:
 
 def _refuse_accumulation_after_the_exchange(config, label: str, settings: dict) -> None:
     """A Keras 3 optimizer's ``gradient_accumulation_steps=N`` sums N exchanged results: the
-    exchange runs on every micro-batch (N times the traffic per step, said once), and a
+    exchange runs on every micro-batch (N times the traffic per step: warned of), and a
     compressor's momentum steps N times per optimizer step (refused: momentum m per
     micro-batch is m**N per step)."""
     steps = settings.get("gradient_accumulation_steps") or 1
@@ -166,7 +166,7 @@ def _warn_of_clipping_a_momentum(config, label: str, settings: dict) -> None:
     """A Keras optimizer's ``clipnorm``, ``global_clipnorm`` or ``clipvalue`` clips what it
     applies: with a compressor that keeps momentum, an update carrying that momentum (7.2x the
     averaged gradient's norm for DGC at momentum 0.9: ``benchmarks/update_norms.py``), not the
-    gradient it clipped without compression. Said once per compressor (it may be meant)."""
+    gradient it clipped without compression. Warned of, not refused (it may be meant)."""
     clipping = {key: settings[key] for key in ("clipnorm", "global_clipnorm", "clipvalue")
                 if settings.get(key)}
     if clipping:

@@ -138,13 +138,13 @@ class DDPCompressionState:
         with DGC, whose momentum the SGD's decay would miss). DDP never sees the optimizer:
         call this once, pass ``optimizer=`` to :func:`register`, or leave it to the first
         step, which checks the one PyTorch optimizer holding the model's parameters among the
-        training loop's variables, if there is exactly one. The optimizer is checked again at every step (a
-        scheduler that cycles momentum sets it in ``param_groups``)."""
+        training loop's variables, if there is exactly one. The optimizer is checked again at
+        every step (a scheduler that cycles momentum sets it in ``param_groups``)."""
         check_plain_optimizer(optimizer, self.compression.config, _INSTEAD)
         self._optimizer = optimizer
 
     def _seek_optimizer(self) -> None:
-        """Without ``optimizer=``: check the one torch optimizer among the training loop's
+        """Without ``optimizer=``: take for it the one torch optimizer among the training loop's
         variables (every thread's frames: on a GPU the hook runs on the autograd engine's
         thread) that holds this model's parameters, as if it had been given; where there are
         several (a GAN's), or none, the user checks with :meth:`check_optimizer`. Only
@@ -158,8 +158,8 @@ class DDPCompressionState:
                  if isinstance(value, torch.optim.Optimizer)
                  and type(value).__module__.startswith("torch.")
                  and any(id(p) in ours for group in value.param_groups for p in group["params"])}
-        if len(found) == 1:
-            self.check_optimizer(next(iter(found.values())))
+        if len(found) == 1:  # checked by the caller, now and at every step, as if given
+            self._optimizer = next(iter(found.values()))
 
     # -- the hook's work -------------------------------------------------------------------------
     def _name_of(self, param: torch.Tensor) -> Tuple[str, torch.nn.Parameter]:
