@@ -119,6 +119,16 @@ def test_bfloat16_models_twin_models_and_custom_loop_misuse():
     assert out.count("tensorflow conditions ok") == 2, out
 
 
+def test_tensorflow_1_optimizers_other_reductions_and_graph_sessions():
+    """tests/workers/legacy_tensorflow.py: Horovod's optimizer around a tf.compat.v1.train
+    optimizer trains every method as the tape does; DGC and blocksign refuse its momentum and
+    Adam; op=hvd.Sum and op=hvd.Adasum are refused; so is a TensorFlow 1 graph."""
+    out = horovodrun("legacy_tensorflow.py", 2, timeout_s=600)
+    for method in ("dgc", "topk", "gaussiank", "scalecom", "blocksign"):
+        assert out.count(f"{method} legacy optimizer ok") == 2, out
+    assert out.count("tensorflow 1 api ok") == 2, out
+
+
 def test_own_tape_takes_keras_3_variables_and_matches_the_stock_tape():
     out = horovodrun("keras3_tape_tensorflow.py", 2, timeout_s=600)
     for method, mode in (("scalecom", "eager"), ("dgc", "function")):

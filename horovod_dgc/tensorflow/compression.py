@@ -117,12 +117,17 @@ def _horovod_reduction(tensor: tf.Tensor) -> Optional[Tuple[Any, Sequence[Any], 
     return None
 
 
-def _refuse_a_process_set() -> None:
-    """Our collectives run among all workers, whatever process set the tape or Keras
-    optimizer was given: the Horovod ``allreduce`` calling ``compress`` holds it (the nearest
-    caller's frame with a ``process_set``: autograph runs a converted copy of that function, so
-    no code object or name identifies it); a subset of the workers is refused rather than
-    averaged over all."""
+_OP_NAMES = {getattr(hvd, name): f"hvd.{name}" for name in ("Sum", "Adasum", "Min", "Max", "Product")
+             if hasattr(hvd, name)}
+
+
+def _refuse_other_reductions() -> None:
+    """Our collectives average over all workers, whatever process set or op the tape or
+    optimizer was given: the Horovod ``allreduce`` calling ``compress`` holds both (the
+    nearest caller's frame with a ``process_set``: autograph runs a converted copy of that
+    function, so no code object or name identifies it; its ``op`` is resolved by then). A
+    subset of the workers, or another op, is refused rather than averaged over all: the
+    placeholder check in ``decompress`` cannot see an Adasum of equal placeholders."""
     for frame in caller_frames():
         process_set = frame.f_locals.get("process_set")
         if isinstance(process_set, hvd.ProcessSet):
@@ -131,6 +136,10 @@ def _refuse_a_process_set() -> None:
                     f"horovod_dgc compressors exchange among all {hvd.size()} workers; the tape "
                     f"or optimizer was given a process set of {process_set.size()}: use the "
                     f"global process set (process sets are not supported)")
+            op = frame.f_locals.get("op")
+            if op is not None and op != hvd.Average:
+                raise ValueError(f"horovod_dgc compressors average the gradients; the tape or "
+                                 f"optimizer was given op={_OP_NAMES.get(op, op)}: use op=hvd.Average")
             return
 
 
@@ -179,10 +188,17 @@ def _warn_of_clipping_a_momentum(config, label: str, settings: dict) -> None:
                       stacklevel=3)
 
 
-def _horovod_keras_optimizer() -> Optional[Any]:
-    """The Horovod Keras ``DistributedOptimizer`` whose gradients are being compressed (the
-    ``self`` of a caller holding Horovod's ``_allreduce_grads``), or None (a tape)."""
-    return calling_object(lambda owner: hasattr(owner, "_allreduce_grads") and hasattr(owner, "get_config"))
+def _horovod_optimizer() -> Optional[Any]:
+    """The Horovod ``DistributedOptimizer`` whose gradients are being compressed (the ``self``
+    of a caller holding Horovod's ``_allreduce_grads``, as its tape does too: Keras', or the
+    wrapper of a ``tf.compat.v1.train`` optimizer), or None (a tape)."""
+    return calling_object(lambda owner: hasattr(owner, "_allreduce_grads")
+                          and (hasattr(owner, "get_config") or _is_legacy(owner)))
+
+
+def _is_legacy(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is a ``tf.compat.v1.train`` optimizer (or Horovod's wrapper of one)."""
+    return isinstance(optimizer, tf.compat.v1.train.Optimizer)
 
 
 def _keras_loss_scale_optimizer() -> Optional[Any]:
@@ -204,19 +220,46 @@ _KERAS_OPTIMIZER_BASES = {"BaseOptimizer", "_BaseOptimizer", "OptimizerV2"}  # K
 
 
 def _unwrapped(optimizer: Any) -> Any:
-    """The optimizer inside a ``LossScaleOptimizer`` (itself otherwise)."""
-    while getattr(optimizer, "inner_optimizer", None) is not None:
-        optimizer = optimizer.inner_optimizer
-    return optimizer
+    """The optimizer that applies the updates: the one inside a ``LossScaleOptimizer`` or
+    inside Horovod's wrapper of a ``tf.compat.v1.train`` optimizer (itself otherwise)."""
+    while True:
+        inner = getattr(optimizer, "inner_optimizer", None)
+        if inner is None and _is_legacy(optimizer):
+            inner = getattr(optimizer, "_optimizer", None)
+        if inner is None:
+            return optimizer
+        optimizer = inner
 
 
-def _keras_optimizers_among_callers() -> List[Any]:
-    """The distinct Keras optimizers (a ``LossScaleOptimizer`` counted as the one it wraps)
-    among the callers' variables (:func:`values_among_callers`)."""
+def _optimizers_among_callers() -> List[Any]:
+    """The distinct Keras and ``tf.compat.v1.train`` optimizers (a wrapper counted as the one
+    it wraps) among the callers' variables (:func:`values_among_callers`)."""
     found = {id(optimizer): optimizer for optimizer in
              (_unwrapped(value) for value in values_among_callers()
-              if any(cls.__name__ in _KERAS_OPTIMIZER_BASES for cls in type(value).__mro__))}
+              if _is_legacy(value)
+              or any(cls.__name__ in _KERAS_OPTIMIZER_BASES for cls in type(value).__mro__))}
     return list(found.values())
+
+
+def _optimizer_settings(optimizer: Any) -> Tuple[str, dict, bool]:
+    """(a label, the settings as Keras names them, whether it is SGD) of a Keras or a
+    ``tf.compat.v1.train`` optimizer (``GradientDescentOptimizer`` or ``MomentumOptimizer`` is
+    SGD; the others keep moments of their own)."""
+    if _is_legacy(optimizer):
+        settings = {"name": optimizer.get_name()}
+        if isinstance(optimizer, tf.compat.v1.train.MomentumOptimizer):
+            momentum = getattr(optimizer, "_momentum", None)
+            momentum = momentum() if callable(momentum) else momentum
+            # Unreadable (another TensorFlow's attributes): judged as momentum kept.
+            settings.update(momentum=1.0 if momentum is None else float(momentum),
+                            nesterov=bool(getattr(optimizer, "_use_nesterov", False)))
+        sgd = isinstance(optimizer, (tf.compat.v1.train.GradientDescentOptimizer,
+                                     tf.compat.v1.train.MomentumOptimizer))
+        return settings["name"], settings, sgd
+    with tf.init_scope():  # get_config reads variables: eagerly, also while tracing
+        settings = optimizer.get_config()
+    sgd = any(base.__name__ == "SGD" for base in type(optimizer).__mro__)
+    return settings.get("name", type(optimizer).__name__), settings, sgd
 
 
 class _Trace:
@@ -242,6 +285,20 @@ def _outermost_graph(tensor: tf.Tensor) -> Optional[tf.Graph]:
     while hasattr(getattr(graph, "outer_graph", None), "outer_graph"):
         graph = graph.outer_graph
     return graph
+
+
+def _refuse_graph_execution(graph: Optional[tf.Graph]) -> None:
+    """Refuse a TensorFlow 1 graph (``tf.compat.v1.disable_eager_execution()``, or a
+    ``tf.Graph`` run by a ``Session``): its stateful ops run in no guaranteed order, while
+    the memories are read, updated and exchanged in program order, as eager execution and
+    ``tf.function`` run them. ``graph``: the graph being built (None when eager)."""
+    if graph is not None and not hasattr(graph, "outer_graph"):  # a tf.function's has one
+        raise ValueError(
+            "horovod_dgc's TensorFlow compressors run eagerly or inside tf.function (TensorFlow "
+            "2), where stateful ops run in program order; this is a TensorFlow 1 graph "
+            "(tf.compat.v1.disable_eager_execution(), or a tf.Graph run by a Session), whose "
+            "ops run in no guaranteed order: train with a DistributedGradientTape or a Keras "
+            "DistributedOptimizer in TensorFlow 2 (Horovod's tensorflow2 examples)")
 
 
 class DeferredUpdate:
@@ -399,24 +456,22 @@ class MethodCompressor(CompressorControls, Compressor):
         self.engine.load_state_dict(state)
 
     def check_optimizer(self, optimizer: Any) -> None:
-        """Raise ValueError if the Keras ``optimizer`` applying the result would apply the
-        momentum the compressor already applies (with a config that
+        """Raise ValueError if the Keras or ``tf.compat.v1.train`` ``optimizer`` applying the
+        result would apply the momentum the compressor already applies (with a config that
         :attr:`~horovod_dgc.core.CompressionConfig.needs_plain_optimizer`: DGC's, blocksign's
         with momentum): any optimizer but SGD (Adam, RMSprop, ... keep moments of their own),
         or SGD with momentum, or weight decay on both sides. Called on the first step through
-        a Horovod Keras ``DistributedOptimizer`` (and by the callback
+        a Horovod ``DistributedOptimizer`` (Keras' or TensorFlow 1's; and by the callback
         :class:`~horovod_dgc.tensorflow.callbacks.CompressionWarmup`); with a tape, on the first
-        step if the callers' variables hold one Keras optimizer (call it yourself where they
-        hold several). A ``LossScaleOptimizer`` is judged by the optimizer it wraps."""
+        step if the callers' variables hold one optimizer (call it yourself where they hold
+        several). A ``LossScaleOptimizer`` is judged by the optimizer it wraps."""
         self._optimizer_checked = True
         optimizer = _unwrapped(optimizer)
-        with tf.init_scope():  # get_config reads variables: eagerly, also while tracing
-            settings = optimizer.get_config()
-        label = settings.get("name", type(optimizer).__name__)
+        label, settings, sgd = _optimizer_settings(optimizer)
         _refuse_accumulation_after_the_exchange(self.config, label, settings)
         if not self.config.needs_plain_optimizer:
             return
-        if not any(base.__name__ == "SGD" for base in type(optimizer).__mro__):
+        if not sgd:
             raise ValueError(
                 f"the compressor applies momentum itself ({type(self.config).__name__} momentum="
                 f"{self.config.momentum}), but the optimizer {label!r} "
@@ -458,10 +513,10 @@ class MethodCompressor(CompressorControls, Compressor):
             self._adopt(list(variables), _unique_names(variables))
         if not self._first_step_seen:
             self._first_step_seen = True
-            optimizer = _horovod_keras_optimizer()
+            optimizer = _horovod_optimizer()
             if optimizer is None:
                 # A tape: the optimizer that applies the result, if the callers hold just one.
-                found = _keras_optimizers_among_callers()
+                found = _optimizers_among_callers()
                 optimizer = found[0] if len(found) == 1 else None
             if optimizer is not None and not self._optimizer_checked:
                 self.check_optimizer(optimizer)
@@ -509,9 +564,12 @@ class MethodCompressor(CompressorControls, Compressor):
     def compress(self, tensor: tf.Tensor):
         if Engine.passes_through(tensor):
             return tensor, None
-        _refuse_a_process_set()
+        _refuse_graph_execution(_outermost_graph(tensor))
+        _refuse_other_reductions()
         if not self._one_worker_told and _skipped_by_horovod():
-            path = "Keras DistributedOptimizer" if _horovod_keras_optimizer() else "DistributedGradientTape"
+            optimizer = _horovod_optimizer()
+            path = ("DistributedGradientTape" if optimizer is None else "DistributedOptimizer"
+                    if _is_legacy(optimizer) else "Keras DistributedOptimizer")
             refuse_or_warn(self.config, path, "train on two or more workers, or train a one-worker "
                                               "run without the compressor")
             self._one_worker_told = True
@@ -615,7 +673,10 @@ def _factory(spec: MethodSpec) -> Callable[..., MethodCompressor]:
 
     def factory(variables: Optional[Iterable[Any]] = None, hierarchical: bool = False,
                 **options) -> MethodCompressor:
-        if variables is not None or tf.executing_eagerly():
+        if tf.executing_eagerly():
+            return build(variables, hierarchical, options)
+        _refuse_graph_execution(tf.compat.v1.get_default_graph())
+        if variables is not None:
             return build(variables, hierarchical, options)
         # Built inside a tf.function (Horovod's TensorFlow 2 example does): each trace of the
         # function would build new memories, which tf.function refuses after its first trace.

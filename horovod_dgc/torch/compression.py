@@ -167,6 +167,11 @@ class MethodCompressor(CompressorControls, Compressor):
                 self._by_grad = {id(p.grad): (n, p) for n, p in self._parameters().items()
                                  if p.grad is not None}
                 entry = self._by_grad.get(id(tensor)) or self._densified_from(tensor)
+            if entry is None and any(p is tensor for p in self._params.values()):
+                raise ValueError("compress() got a parameter, not its gradient: Horovod's "
+                                 "DistributedOptimizer with op=hvd.Adasum hands the compressor "
+                                 "each parameter's change after a local step; horovod_dgc "
+                                 "compressors average gradients: use op=hvd.Average")
         if entry is None:
             raise ValueError(f"compress() got a tensor of shape {tuple(tensor.shape)} that is not "
                              f"the .grad of any parameter in named_parameters (nor the dense form "

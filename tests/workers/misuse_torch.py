@@ -5,7 +5,8 @@ nothing again; a parameter frozen when the fused optimizer was built and unfroze
 refused by name (nothing would average its gradient), and so is one added by add_param_group;
 a scheduler that cycles momentum is refused on both paths (DGC's momentum applied twice), and
 so is a GradScaler the compressor was not given (memories in scaled units) or one stepping the
-optimizer before the gradients are averaged (PyTorch's recipe, not Horovod's)."""
+optimizer before the gradients are averaged (PyTorch's recipe, not Horovod's); Horovod's
+Adasum optimizer, which hands the compressor parameter changes, is refused naming the op."""
 import warnings
 
 import horovod.torch as hvd
@@ -229,6 +230,17 @@ def grad_scaler_stepping_before_the_average() -> None:
         expect_error(pytorch_recipe, "optimizer.synchronize(); scaler.unscale_(optimizer)")
 
 
+def adasum() -> None:
+    """Horovod's Adasum optimizer compresses each parameter's change, not its gradient: the
+    error says so (it said the tensor was no parameter's .grad)."""
+    net = torch.nn.Linear(64, 64)
+    compression = hdgc.Compression.topk(named_parameters=net.named_parameters("adasum"))
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                         named_parameters=net.named_parameters("adasum"),
+                                         compression=compression, op=hvd.Adasum)
+    expect_error(lambda: one_step(optimizer, net), "op=hvd.Adasum")
+
+
 def hierarchical_on_one_host() -> None:
     expect_error(lambda: hdgc.Compression.dgc(hierarchical=True), "every worker runs on one host")
 
@@ -246,4 +258,5 @@ if __name__ == "__main__":
     grad_scaler_not_told()
     grad_scaler_stepping_before_the_average()
     hierarchical_on_one_host()
+    adasum()
     print(f"rank {hvd.rank()} misuse ok", flush=True)
