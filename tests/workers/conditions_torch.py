@@ -3,7 +3,8 @@ method and both paths (Horovod all-reduces no bfloat16), a float64 model on ever
 both paths (the same parameters as the float32 model's, within float32 rounding: values and
 scales travel as float32), two models with an optimizer each stepping after one backward
 pass (a GAN's generator and discriminator: their collectives in flight at once), Horovod's
-``broadcast_optimizer_state`` before training (no training step), Adam under a
+``broadcast_optimizer_state`` before training (no training step), a channels-last
+gradient and Horovod's grouped all-reduces (``groups=``), Adam under a
 method that keeps a plain residual, and DGC refusing Adam (it keeps the momentum itself)."""
 import horovod.torch as hvd
 import torch
@@ -116,6 +117,50 @@ def state_broadcast_is_no_step(method: str) -> None:
     assert torch.equal(*results), f"{method}: the state broadcast changed the training"
 
 
+def injected(channels_last: bool) -> torch.nn.Module:
+    """A convolution's weight (channels-last if asked: its gradient is then laid out so, as
+    AccumulateGrad follows the parameter's strides) and a bias, for a loss ``sum(p * x)``."""
+    torch.manual_seed(0)
+    net = torch.nn.Module()
+    net.conv = torch.nn.Parameter(torch.randn(32, 16, 3, 3))
+    net.bias = torch.nn.Parameter(torch.randn(32))
+    if channels_last:
+        net.conv.data = net.conv.data.to(memory_format=torch.channels_last)
+    return net
+
+
+def trained_injected(method: str, path: str, channels_last: bool = False, **horovod_options) -> torch.Tensor:
+    net = injected(channels_last)
+    label = f"{method}.{path}.{channels_last}.{sorted(horovod_options)}"
+    compression = getattr(hdgc.Compression, method)(named_parameters=net.named_parameters(label),
+                                                    **OPTIONS[method])
+    wrap = hvd.DistributedOptimizer if path == "stock" else hdgc.DistributedOptimizer
+    optimizer = wrap(torch.optim.SGD(net.parameters(), lr=0.05), named_parameters=net.named_parameters(label),
+                     compression=compression, **horovod_options)
+    for step in range(4):
+        gen = torch.Generator().manual_seed(100 * step + hvd.rank())
+        optimizer.zero_grad()
+        sum((p * torch.randn(p.shape, generator=gen)).sum() for p in net.parameters()).backward()
+        assert net.conv.grad.is_contiguous() != channels_last, f"{label}: gradient layout"
+        optimizer.step()
+    return flat(net)
+
+
+def channels_last_and_grouped_all_reduces(method: str) -> None:
+    """A channels-last gradient (a kernel reading its memory in storage order would select
+    and keep other elements than the ones its positions name) trains exactly as a contiguous
+    one on both paths; Horovod's ``groups=`` (grouped all-reduces, compress called for a
+    group at once) exactly as without."""
+    for path in ("stock", "own"):
+        contiguous = trained_injected(method, path)
+        assert not torch.equal(contiguous, flat(injected(False))), f"{method}.{path}: no update"
+        assert torch.equal(trained_injected(method, path, channels_last=True), contiguous), \
+            f"channels_last.{method}.{path}: differs from the contiguous model"
+        if path == "stock":
+            assert torch.equal(trained_injected(method, path, groups=1), contiguous), \
+                f"groups.{method}: differs from ungrouped all-reduces"
+
+
 def adam_under_a_plain_residual(path: str) -> None:
     net = model()
     optimizer, _ = distributed(net, "topk", path, torch.optim.Adam(net.parameters(), lr=1e-3))
@@ -156,6 +201,7 @@ if __name__ == "__main__":
             bfloat16_model(spec.name, path)
             float64_model(spec.name, path)
             optimizers_in_flight_at_once(spec.name, path)
+        channels_last_and_grouped_all_reduces(spec.name)
     for method in ("dgc", "scalecom"):
         state_broadcast_is_no_step(method)
     for path in ("stock", "own"):
