@@ -89,7 +89,8 @@ def test_embedding_gradients_are_compressed_with_sparse_as_dense_and_named_witho
     pytest.param("topk,gaussiank", marks=pytest.mark.slow)])
 def test_keras_gradient_accumulation_compresses_once_a_step(methods):
     """backward_passes_per_step=2 through Horovod's Keras optimizer gives the weights of one
-    pass of the two gradients' sum (tests/workers/accumulation_tensorflow.py)."""
+    pass of the two gradients' sum, and steps_per_execution=4 those of one step per run
+    (tests/workers/accumulation_tensorflow.py)."""
     out = horovodrun("accumulation_tensorflow.py", 2, ["--methods", methods], timeout_s=600)
     for method in methods.split(","):
         assert out.count(f"{method} keras accumulation ok") == 2, out

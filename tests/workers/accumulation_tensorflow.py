@@ -4,6 +4,8 @@ so a batch of one sample x has gradient x exactly. Eight samples a rank with two
 give the weights that four samples ``x[2i] + x[2i+1]`` give with one pass a step, and the
 compressor counts four steps. Catches a compressor run on every pass (Horovod's aggregation
 puts the all-reduce inside a ``tf.cond``), a step counted per pass, or a pass's gradient lost.
+Keras' ``steps_per_execution=4`` (four steps in one run of the traced function) trains as one
+step per run does: catches state advanced once per trace or per run instead of per step.
 """
 import argparse
 import os
@@ -40,13 +42,13 @@ class Injected(keras.Model):
         return kernel + tf.reduce_sum(x[:, split:] * self.bias, axis=1)
 
 
-def train(method: str, passes: int, samples: np.ndarray) -> tuple:
+def train(method: str, passes: int, samples: np.ndarray, steps_per_execution: int = 1) -> tuple:
     keras.utils.set_random_seed(0)
     net = Injected()
     compression = getattr(hdgc.Compression, method)(**METHODS[method])
     optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=compression,
                                          backward_passes_per_step=passes)
-    net.compile(optimizer=optimizer, loss=lambda _, loss: loss)
+    net.compile(optimizer=optimizer, loss=lambda _, loss: loss, steps_per_execution=steps_per_execution)
     net.fit(samples, np.zeros(len(samples), np.float32), batch_size=1, epochs=1, shuffle=False, verbose=0)
     return np.concatenate([v.numpy().reshape(-1) for v in net.trainable_variables]), compression
 
@@ -70,6 +72,11 @@ def main() -> None:
         assert float(np.abs(reference - initial).max()) > 0.01, f"{method}: nothing moved"
         difference = float(np.abs(accumulated - reference).max())
         assert difference <= 1e-6, f"{method}: accumulation differs by {difference}"
+        # Four steps in one execution of the traced function: the same weights as one each.
+        together, compression = train(method, 1, samples, steps_per_execution=4)
+        one_by_one, _ = train(method, 1, samples)
+        assert compression.stats().steps == SAMPLES, f"{method}: {compression.stats().steps} steps together"
+        assert np.array_equal(together, one_by_one), f"{method}: steps_per_execution=4 differs"
         everyone = hvd_tf.allgather_object(accumulated, name=f"weights.{method}")
         assert all(np.array_equal(w, accumulated) for w in everyone), f"{method}: ranks differ"
         print(f"rank {hvd.rank()}/{hvd.size()} {method} keras accumulation ok ({difference:.1e})", flush=True)
