@@ -41,6 +41,16 @@ def test_ddp_gradient_accumulation_under_no_sync_equals_one_pass_of_the_sum():
         assert out.count(f"{method} ddp accumulate ok") == 2, out
 
 
+def test_ddp_parameters_no_rank_used_keep_their_memories():
+    """find_unused_parameters=True and static_graph=True: DDP applies nothing to a parameter
+    no rank used in a step, so its memories must stay as they were (they lost what they sent)."""
+    methods = "dgc,topk,gaussiank,scalecom,blocksign,dgc-sar"
+    out = torchrun("ddp_torch.py", 2, ["unused", "--methods", methods])
+    for method in methods.split(","):
+        for option in ("find_unused_parameters", "static_graph"):
+            assert out.count(f"{method} ['{option}'] ddp unused ok") == 2, out
+
+
 @pytest.fixture(scope="module")
 def checkpoint_and_misuse():
     """One job for both: the hook's state round trip, and what register() refuses."""

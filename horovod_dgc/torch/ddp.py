@@ -32,7 +32,7 @@ No Horovod collective and no ``hvd.init()`` on this path: the collectives are
 """
 # No ``from __future__ import annotations``: DDP checks the hook's annotations as objects.
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -64,6 +64,8 @@ class _BucketInFlight:
         compressed: positions in ``views`` of the compressed tensors, in ``exchange`` order.
         dense: (position, launched all-reduce, what the engine sent or None for a tensor
             that passes through) for every tensor that travels dense.
+        used: the all-reduce of whether each rank used each parameter, when the model may
+            leave parameters unused (else None).
     """
 
     index: int
@@ -74,6 +76,7 @@ class _BucketInFlight:
     exchange: Any = None
     compressed: List[int] = field(default_factory=list)
     dense: List[Tuple[int, Pending, Optional[DenseUpdate]]] = field(default_factory=list)
+    used: Optional[Pending] = None
 
 
 class DDPCompressionState:
@@ -84,7 +87,8 @@ class DDPCompressionState:
     :meth:`state_dict`.
     """
 
-    __slots__ = ("compression", "transport", "_names", "_in_flight", "_optimizer", "_optimizer_sought")
+    __slots__ = ("compression", "transport", "_names", "_in_flight", "_optimizer", "_optimizer_sought",
+                 "_used")
 
     def __init__(self, compression: MethodCompressor,
                  named_parameters: Iterable[Tuple[str, torch.nn.Parameter]],
@@ -96,6 +100,7 @@ class DDPCompressionState:
         self._in_flight: List[_BucketInFlight] = []
         self._optimizer: Optional[torch.optim.Optimizer] = None
         self._optimizer_sought = False
+        self._used: Optional[Set[str]] = None
         compression.use_transport(transport)
         compression.bind(named)
 
@@ -162,6 +167,16 @@ class DDPCompressionState:
             self._optimizer = next(iter(found.values()))
 
     # -- the hook's work -------------------------------------------------------------------------
+    def track_usage(self) -> None:
+        """Note which parameters get a gradient on this rank, for a model that may leave some
+        unused (``find_unused_parameters=True``, ``static_graph=True``): DDP leaves the
+        gradient of a parameter no rank used untouched, so what the compressor sent for it
+        would be lost; its memories are left as they were instead (see :meth:`finish`)."""
+        self._used = set()
+        for name, param in self._names.values():
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(lambda _, name=name: self._used.add(name))
+
     def _name_of(self, param: torch.Tensor) -> Tuple[str, torch.nn.Parameter]:
         entry = self._names.get(id(param))
         if entry is None or entry[1] is not param:
@@ -201,6 +216,9 @@ class DDPCompressionState:
             raise ValueError(f"rank {transport.rank()}: the gradient of {flight.names} is sparse "
                              f"(an nn.Embedding(sparse=True)?); this hook averages dense "
                              f"gradients only: make that layer's gradient dense (sparse=False)")
+        if self._used is not None:
+            flags = torch.tensor([float(name in self._used) for name in flight.names])
+            flight.used = transport.launch(ALLREDUCE, flags, f"used.bucket{flight.index}")
         entries = []
         for position, (name, param, grad) in enumerate(zip(flight.names, params, flight.views)):
             if grad.numel() and not _inside(grad, flight.buffer):
@@ -224,6 +242,9 @@ class DDPCompressionState:
         buffers and complete their futures (in bucket order)."""
         engine, transport = self.compression.engine, self.transport
         try:
+            engine.leave_unapplied(name for flight in self._in_flight if flight.used is not None
+                                   for name, users in zip(flight.names, transport.wait(flight.used).tolist())
+                                   if users == 0)
             for flight in self._in_flight:
                 if flight.exchange is not None:
                     results = self.compression.finish(flight.exchange)
@@ -238,6 +259,8 @@ class DDPCompressionState:
             self._fail(error)
             raise
         finished, self._in_flight = self._in_flight, []
+        if self._used is not None:
+            self._used.clear()
         for flight in finished:
             flight.future.set_result(flight.buffer)
 
@@ -247,6 +270,8 @@ class DDPCompressionState:
             if not flight.future.done():
                 flight.future.set_exception(error)
         self._in_flight = []
+        if self._used is not None:
+            self._used.clear()
         self.compression.abandon_exchanges()
 
 
@@ -305,6 +330,8 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, compression: 
                          f"are then compressed like any other)")
     transport = DistTransport(ddp_model.process_group)
     state = DDPCompressionState(compression, ddp_model.module.named_parameters(), transport)
+    if ddp_model.find_unused_parameters or ddp_model.static_graph:
+        state.track_usage()
     if optimizer is not None:
         state.check_optimizer(optimizer)
     ddp_model.register_comm_hook(state, hook)

@@ -22,7 +22,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -85,6 +85,7 @@ class Engine:
         self._bounds: Dict[str, float] = {}
         self._open: Set[str] = set()
         self._step_flags: List[Any] = []  # each concluded tensor's finiteness, this step
+        self._unapplied: Set[str] = set()  # tensors whose results this step nobody applies
         self._steps: Dict[str, int] = {}
         self._lock = threading.Lock()
         self._stats = StatsRecorder()
@@ -195,14 +196,24 @@ class Engine:
                 raise
             self._end_step(step_finite)
 
+    def leave_unapplied(self, names: Iterable[str]) -> None:
+        """This step's results for ``names`` will not be applied (DDP leaves the gradient of a
+        parameter that no rank used untouched): their memories stay as they were before the
+        step, as an optimizer's state does for a parameter without a gradient. Call it before
+        the step's last tensor comes back."""
+        with self._lock:
+            self._unapplied.update(names)
+
     def _end_step(self, finite: bool) -> None:
         for name, staged in self._staged.items():
             kept = self._states.get(name)
+            keep = finite and name not in self._unapplied
             if kept is not None and _disjoint(kept, staged):
-                self._spares[name] = kept if finite else staged
-        if finite:
-            self._states.update(self._staged)
+                self._spares[name] = kept if keep else staged
+            if keep:
+                self._states[name] = staged
         self._staged.clear()
+        self._unapplied.clear()
 
     def abandon_step(self) -> None:
         """Drop the memories of a step that will not finish (an elastic reset)."""
@@ -211,6 +222,7 @@ class Engine:
             self._spares.clear()
             self._open.clear()
             self._step_flags = []
+            self._unapplied.clear()
             self.ops.discard_checks()
 
     # -- the two paths ------------------------------------------------------------------------

@@ -13,6 +13,7 @@ Modes (first argument, comma-separated):
 * ``checkpoint``: the hook's state saved after 3 steps and loaded into a fresh model and
   compressor continues exactly as the original; another rank's or method's state is refused.
 * ``misuse``: what ``register`` refuses, and with which error.
+* ``unused``: a parameter no rank used in a step keeps its memories (DDP applies nothing to it).
 
 The model takes the gradients as its input (``loss = sum(p * g)``), so every step's gradient
 is known exactly; its two layers differ 100x in scale, and DDP's buckets (``bucket_cap_mb``
@@ -22,7 +23,7 @@ import argparse
 import gc
 import io
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -120,6 +121,53 @@ def aggregate(method: str) -> None:
     stats = state.stats()
     assert 0 < stats.bytes_sent < stats.dense_bytes, stats
     print(f"rank {rank}/{size} {method} ddp aggregate ok", flush=True)
+
+
+# -- unused -----------------------------------------------------------------------------------
+class PartlyUsed(Injected):
+    """:class:`Injected` whose second layer takes part only where ``use_second`` says."""
+
+    def forward(self, grads: List[torch.Tensor], use_second: bool = True) -> torch.Tensor:
+        used = len(grads) if use_second else 2
+        return sum((p * g).sum() for p, g in list(zip(self.net.parameters(), grads))[:used])
+
+
+def memories(state) -> Dict[str, Dict[str, torch.Tensor]]:
+    return state.state_dict()["states"]
+
+
+def unused(method: str, users_by_step: Tuple[Tuple[int, ...], ...], **ddp_options) -> None:
+    """A parameter no rank used in a step (DDP ``find_unused_parameters=True`` or
+    ``static_graph=True``) keeps its gradient None and its memories exactly as before that
+    step: what the compressor sent for it would be lost, as DDP applies nothing to it. One
+    used by one rank only gets the average, and its memories move on every rank.
+    ``users_by_step``: the ranks that use the second layer, step by step (a static graph
+    uses the same parameters at every step)."""
+    rank = dist.get_rank()
+    module = PartlyUsed()
+    model = torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=BUCKET_CAP_MB, **ddp_options)
+    state = ddp.register(model, make_compression(method), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    second = [n for n, _ in module.named_parameters()][2:]
+    for step, users in enumerate(users_by_step):
+        before = memories(state)
+        module.zero_grad()
+        model(gradients(module, rank, step), use_second=rank in users).backward()
+        after = memories(state)
+        grads = dict(module.named_parameters())
+        for name in second:
+            label = f"{method} {ddp_options} step {step} {name}"
+            # A memory's first state is all zeros (made when the tensor is first seen).
+            kept = before.get(name) or {k: torch.zeros_like(v) for k, v in after[name].items()}
+            if users:
+                assert grads[name].grad is not None, f"{label}: no gradient"
+                assert any(not torch.equal(kept[k], v) for k, v in after[name].items()), \
+                    f"{label}: memories did not move"
+            else:
+                assert grads[name].grad is None, f"{label}: a gradient for an unused parameter"
+                assert kept.keys() == after[name].keys() and all(
+                    torch.equal(kept[k], v) for k, v in after[name].items()), \
+                    f"{label}: memories of a parameter no rank used changed (what was sent is lost)"
+    print(f"rank {rank} {method} {sorted(ddp_options)} ddp unused ok", flush=True)
 
 
 # -- train ------------------------------------------------------------------------------------
@@ -332,7 +380,7 @@ def no_horovod_initialized() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("modes", help="comma-separated: aggregate, train, accumulate, checkpoint, misuse")
+    parser.add_argument("modes", help="comma-separated: aggregate, train, accumulate, checkpoint, misuse, unused")
     parser.add_argument("--methods", default="topk,dgc")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--horovod", action="store_true",
@@ -364,6 +412,11 @@ def main() -> None:
                 checkpoint(method)
         elif mode == "misuse":
             misuse()
+        elif mode == "unused":
+            for method in methods:
+                # The second layer: everyone, no rank, rank 0 only, no rank; never.
+                unused(method, ((0, 1), (), (0,), ()), find_unused_parameters=True)
+                unused(method, ((), (), ()), static_graph=True)
         else:
             raise SystemExit(f"unknown mode {mode!r}")
     no_horovod_initialized()
