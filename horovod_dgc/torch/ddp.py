@@ -217,7 +217,8 @@ class DDPCompressionState:
                              f"(an nn.Embedding(sparse=True)?); this hook averages dense "
                              f"gradients only: make that layer's gradient dense (sparse=False)")
         if self._used is not None:
-            flags = torch.tensor([float(name in self._used) for name in flight.names])
+            flags = torch.tensor([float(name in self._used) for name in flight.names],
+                                 device=flight.buffer.device)  # NCCL takes CUDA tensors only
             flight.used = transport.launch(ALLREDUCE, flags, f"used.bucket{flight.index}")
         entries = []
         for position, (name, param, grad) in enumerate(zip(flight.names, params, flight.views)):
