@@ -489,10 +489,9 @@ class MethodCompressor(CompressorControls, Compressor):
                     f"compressor's result){keep}")
 
     # -- Horovod's interface -----------------------------------------------------------------------
-    def _lookup(self, tensor: tf.Tensor) -> Tuple[str, Any, int]:
+    def _lookup(self, tensor: tf.Tensor, graph: Optional[tf.Graph]) -> Tuple[str, Any, int]:
         """(name, variable, earlier compressions of it in this trace) of the variable whose
-        gradient ``tensor`` is."""
-        graph = _outermost_graph(tensor)
+        gradient ``tensor`` is; ``graph``: the outermost graph it belongs to (None when eager)."""
         trace = self._eager_trace if graph is None else self._traces.setdefault(graph, _Trace())
         reduction = _horovod_reduction(tensor)
         if reduction is None:
@@ -564,7 +563,8 @@ class MethodCompressor(CompressorControls, Compressor):
     def compress(self, tensor: tf.Tensor):
         if Engine.passes_through(tensor):
             return tensor, None
-        _refuse_graph_execution(_outermost_graph(tensor))
+        graph = _outermost_graph(tensor)
+        _refuse_graph_execution(graph)
         _refuse_other_reductions()
         if not self._one_worker_told and _skipped_by_horovod():
             optimizer = _horovod_optimizer()
@@ -573,7 +573,7 @@ class MethodCompressor(CompressorControls, Compressor):
             refuse_or_warn(self.config, path, "train on two or more workers, or train a one-worker "
                                               "run without the compressor")
             self._one_worker_told = True
-        name, variable, occurrence = self._lookup(tensor)
+        name, variable, occurrence = self._lookup(tensor, graph)
         if not self._loss_scale_checked:
             self._refuse_an_untold_loss_scale()
         if not tensor.shape.is_fully_defined():

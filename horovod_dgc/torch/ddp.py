@@ -243,9 +243,10 @@ class DDPCompressionState:
         buffers and complete their futures (in bucket order)."""
         engine, transport = self.compression.engine, self.transport
         try:
-            engine.leave_unapplied(name for flight in self._in_flight if flight.used is not None
-                                   for name, users in zip(flight.names, transport.wait(flight.used).tolist())
-                                   if users == 0)
+            unused = [name for flight in self._in_flight if flight.used is not None
+                      for name, users in zip(flight.names, transport.wait(flight.used).tolist())
+                      if users == 0]
+            engine.leave_unapplied(unused)
             for flight in self._in_flight:
                 if flight.exchange is not None:
                     results = self.compression.finish(flight.exchange)
