@@ -16,7 +16,7 @@ from benchmarks.trace_tf import graph_nodes
 from horovod_dgc.core import (DGC, DGCConfig, GaussianK, GaussianKConfig, MessageError,
                               NonFiniteGradientError, CompressCall, TopK, TopKConfig, wire)
 from horovod_dgc.tensorflow import Compression, TFOps
-from horovod_dgc.tensorflow.compression import SparseCompressor
+from horovod_dgc.tensorflow.compression import SparseCompressor, _outermost_graph
 from horovod_dgc.core.blocksign import BlockSign, BlockSignConfig
 from horovod_dgc.core.twostage import simulate_step
 from horovod_dgc.core.scalecom import ScaleCom, ScaleComConfig
@@ -376,7 +376,7 @@ def test_gradients_map_to_variables_by_order_and_shape_within_each_trace():
     @graph_function
     def trace(grads):
         for grad in grads:
-            seen.append(compression._lookup(grad)[0::2])
+            seen.append(compression._lookup(grad, _outermost_graph(grad))[0::2])
         return grads
 
     # No gradient for "unused"; then a second pass in the same trace; then a new trace.
@@ -387,7 +387,7 @@ def test_gradients_map_to_variables_by_order_and_shape_within_each_trace():
     trace([tf.zeros(s) for s in shapes[:3]])
     assert seen == [("a", 0), ("b", 0), ("c", 0)]
     with pytest.raises(ValueError, match="matches no variable"):
-        graph_function(lambda: compression._lookup(tf.zeros([9])))()
+        graph_function(lambda: compression._lookup(tf.zeros([9]), tf.compat.v1.get_default_graph()))()
 
 
 # -- the operations of the two-stage methods --------------------------------------------------
