@@ -53,8 +53,9 @@ def test_ddp_parameters_no_rank_used_keep_their_memories():
 
 @pytest.fixture(scope="module")
 def checkpoint_and_misuse():
-    """One job for both: the hook's state round trip, and what register() refuses."""
-    return torchrun("ddp_torch.py", 2, ["checkpoint,misuse", "--methods", "dgc,scalecom"])
+    """One job for three: the hook's state round trip, what register() refuses, and a
+    torch.compile'd DDP model."""
+    return torchrun("ddp_torch.py", 2, ["checkpoint,misuse,compiled", "--methods", "dgc,scalecom"])
 
 
 def test_ddp_state_checkpoint_round_trip(checkpoint_and_misuse):
@@ -64,6 +65,10 @@ def test_ddp_state_checkpoint_round_trip(checkpoint_and_misuse):
 
 def test_ddp_register_refuses_bad_input(checkpoint_and_misuse):
     assert checkpoint_and_misuse.count("misuse ok") == 2, checkpoint_and_misuse
+
+
+def test_ddp_torch_compiled_model_trains_as_the_eager_one(checkpoint_and_misuse):
+    assert checkpoint_and_misuse.count("dgc compiled ok") == 2, checkpoint_and_misuse
 
 
 def test_ddp_grad_scaler_overflow_on_one_rank_skips_the_step_everywhere():

@@ -115,7 +115,8 @@ def test_keras_fit_under_a_loss_scale_optimizer_keeps_memories_unscaled_unasked(
 def test_bfloat16_models_twin_models_and_custom_loop_misuse():
     """tests/workers/conditions_tensorflow.py: a bfloat16 Keras 3 model on every method
     (dense tensors get the exact mean), two same-named models stepped in one tf.function, a
-    LossScaleOptimizer nobody attached and DGC under Adam refused at the first step."""
+    LossScaleOptimizer nobody attached and DGC under Adam refused at the first step, an
+    XLA-compiled step refused while traced."""
     out = horovodrun("conditions_tensorflow.py", 2, timeout_s=600)
     assert out.count("tensorflow conditions ok") == 2, out
 

@@ -42,6 +42,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import horovod.tensorflow as hvd
 import tensorflow as tf
 from horovod.tensorflow.compression import Compression as HorovodCompression
+# No public API says whether a trace is XLA-compiled; tf.function itself asks this module.
+from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext
 from horovod.tensorflow.compression import Compressor
 
 from ..core.callers import caller_frames, calling_object, values_among_callers
@@ -299,6 +301,19 @@ def _refuse_graph_execution(graph: Optional[tf.Graph]) -> None:
             "(tf.compat.v1.disable_eager_execution(), or a tf.Graph run by a Session), whose "
             "ops run in no guaranteed order: train with a DistributedGradientTape or a Keras "
             "DistributedOptimizer in TensorFlow 2 (Horovod's tensorflow2 examples)")
+
+
+def _refuse_xla_compilation() -> None:
+    """Refuse a step compiled by XLA (``jit_compile=True`` of ``tf.function`` or Keras's
+    ``compile``): the compressors' ops (the timestamps of their statistics, Horovod's
+    allgather of messages) have no XLA kernels, and neither has Horovod's own all-reduce on
+    CPU. Without this, XLA named an op of ours ("Timestamp") as unsupported."""
+    if GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+        raise ValueError(
+            "horovod_dgc's compressors cannot run in an XLA-compiled step (jit_compile=True): "
+            "their ops and Horovod's collectives have no XLA kernels; compile the training "
+            "step with jit_compile=False (tf.function(..., jit_compile=False), Keras: "
+            "model.compile(..., jit_compile=False))")
 
 
 class DeferredUpdate:
@@ -565,6 +580,7 @@ class MethodCompressor(CompressorControls, Compressor):
             return tensor, None
         graph = _outermost_graph(tensor)
         _refuse_graph_execution(graph)
+        _refuse_xla_compilation()
         _refuse_other_reductions()
         if not self._one_worker_told and _skipped_by_horovod():
             optimizer = _horovod_optimizer()

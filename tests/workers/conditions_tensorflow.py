@@ -15,7 +15,9 @@ ops apart.
 A Keras 3 ``LossScaleOptimizer`` whose scale the compressor was not given is refused at the
 first step (the memories would keep scaled gradients); ``attach_loss_scale(None)`` is taken.
 DGC under a tape whose loop holds one Keras optimizer, Adam or an SGD with momentum, is
-refused at the first step (momentum applied twice).
+refused at the first step (momentum applied twice). A step compiled by XLA
+(``jit_compile=True``) is refused while it is traced, naming the setting: XLA has no kernels
+for the compressors' ops (it failed at run time, naming a "Timestamp" op).
 """
 import keras
 import numpy as np
@@ -171,6 +173,25 @@ def dgc_refuses_adam_under_a_tape() -> None:
             raise AssertionError(f"DGC under {needle} was not refused")
 
 
+def xla_refused() -> None:
+    net = model()
+    compression = hdgc.Compression.topk(variables=net.trainable_variables, density=0.05)
+
+    @tf.function(jit_compile=True)
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(net(x) - y))
+        return hdgc.DistributedGradientTape(tape, compression=compression).gradient(
+            loss, net.trainable_variables)
+
+    try:
+        step(np.ones((16, 32), np.float32), np.ones((16, 10), np.float32))
+    except ValueError as error:
+        assert "jit_compile=False" in str(error), str(error)
+    else:
+        raise AssertionError("an XLA-compiled step was not refused")
+
+
 if __name__ == "__main__":
     hvd.init()
     keras.mixed_precision.set_dtype_policy("bfloat16")
@@ -179,6 +200,7 @@ if __name__ == "__main__":
     keras.mixed_precision.set_dtype_policy("float32")
     loss_scale_not_told()
     dgc_refuses_adam_under_a_tape()
+    xla_refused()
     # dgc's and gaussiank's exchange is topk's allgather
     for method in ("topk", "scalecom", "blocksign"):
         assert np.array_equal(twins(method, True), twins(method, False)), f"twins.{method}: stepped together differs"

@@ -2,7 +2,8 @@
 method and both paths (Horovod all-reduces no bfloat16), a float64 model on every method and
 both paths (the same parameters as the float32 model's, within float32 rounding: values and
 scales travel as float32), two models with an optimizer each stepping after one backward
-pass (a GAN's generator and discriminator: their collectives in flight at once), Horovod's
+pass (a GAN's generator and discriminator: their collectives in flight at once), a
+``torch.compile``'d model (its backward a compiled graph), Horovod's
 ``broadcast_optimizer_state`` before training (no training step), a channels-last
 gradient and Horovod's grouped all-reduces (``groups=``), Adam under a
 method that keeps a plain residual, and DGC refusing Adam (it keeps the momentum itself)."""
@@ -66,6 +67,23 @@ def trained(method: str, path: str, dtype: torch.dtype) -> torch.Tensor:
 def float64_model(method: str, path: str) -> None:
     difference = float((trained(method, path, torch.float64) - trained(method, path, torch.float32)).abs().max())
     assert difference < 1e-5, f"float64.{method}.{path}: {difference} from the float32 model"
+
+
+def compiled_model(method: str, path: str) -> None:
+    """``torch.compile`` (AOTAutograd, which inductor also runs under) gives the parameters
+    of the eager model: the gradients reach the parameters from a compiled backward graph."""
+    results = []
+    for compiled in (False, True):
+        net = model()
+        torch._dynamo.reset()  # a fresh compile each time, under no recompile limit
+        forward = torch.compile(net, backend="aot_eager") if compiled else net
+        optimizer, _ = distributed(net, method, path, torch.optim.SGD(net.parameters(), lr=0.05))
+        steps(forward, optimizer, 3)
+        results.append(flat(net))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs >= 1, f"compiled.{method}.{path}: dynamo compiled no graph"
+    assert not torch.equal(results[0], flat(model())), f"compiled.{method}.{path}: no update"
+    assert torch.equal(*results), f"compiled.{method}.{path}: differs from the eager model"
 
 
 def two_optimizers(method: str, path: str, one_backward: bool) -> torch.Tensor:
@@ -204,6 +222,8 @@ if __name__ == "__main__":
         channels_last_and_grouped_all_reduces(spec.name)
     for method in ("dgc", "scalecom"):
         state_broadcast_is_no_step(method)
+    compiled_model("topk", "stock")
+    compiled_model("dgc", "own")
     for path in ("stock", "own"):
         adam_under_a_plain_residual(path)
     dgc_refuses_adam()

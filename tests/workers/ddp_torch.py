@@ -14,6 +14,9 @@ Modes (first argument, comma-separated):
   compressor continues exactly as the original; another rank's or method's state is refused.
 * ``misuse``: what ``register`` refuses, and with which error.
 * ``unused``: a parameter no rank used in a step keeps its memories (DDP applies nothing to it).
+* ``compiled``: ``torch.compile`` of the DDP model gives the eager model's parameters (the
+  first of ``--methods`` only: a compile takes seconds, and the hook's path through a
+  compiled backward is the same for every method).
 
 The model takes the gradients as its input (``loss = sum(p * g)``), so every step's gradient
 is known exactly; its two layers differ 100x in scale, and DDP's buckets (``bucket_cap_mb``
@@ -219,6 +222,29 @@ def accumulate(method: str) -> None:
     print(f"rank {rank}/{size} {method} ddp accumulate ok", flush=True)
 
 
+# -- compiled ---------------------------------------------------------------------------------
+def compiled(method: str) -> None:
+    """``torch.compile`` of the DDP model (dynamo splits its graph at DDP's buckets, the
+    backward runs from AOTAutograd's graph, which inductor also runs under) gives the
+    parameters of the eager DDP model, bit for bit. DDP's default buckets: dynamo refuses a
+    first bucket larger than the others, which ``bucket_cap_mb`` below 1 MB makes."""
+    rank = dist.get_rank()
+    results = []
+    for compile_it in (False, True):
+        module = Injected()
+        model = torch.nn.parallel.DistributedDataParallel(module)
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+        state = ddp.register(model, make_compression(method), optimizer=sgd)
+        torch._dynamo.reset()  # a fresh compile each time, under no recompile limit
+        forward = torch.compile(model, backend="aot_eager") if compile_it else model
+        ddp_steps(forward, module, state, sgd, range(3))
+        results.append(flat(module))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1, f"{method}: dynamo compiled no graph"
+    assert not torch.equal(results[0], flat(Injected())), f"{method}: no update"
+    assert torch.equal(*results), f"rank {rank} {method}: the compiled model differs from the eager one"
+    print(f"rank {rank} {method} compiled ok", flush=True)
+
+
 # -- checkpoint -------------------------------------------------------------------------------
 def checkpoint(method: str) -> None:
     rank = dist.get_rank()
@@ -380,7 +406,7 @@ def no_horovod_initialized() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("modes", help="comma-separated: aggregate, train, accumulate, checkpoint, misuse, unused")
+    parser.add_argument("modes", help="comma-separated: aggregate, train, accumulate, checkpoint, misuse, unused, compiled")
     parser.add_argument("--methods", default="topk,dgc")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--horovod", action="store_true",
@@ -412,6 +438,8 @@ def main() -> None:
                 checkpoint(method)
         elif mode == "misuse":
             misuse()
+        elif mode == "compiled":
+            compiled(methods[0])
         elif mode == "unused":
             for method in methods:
                 # The second layer: everyone, no rank, rank 0 only, no rank; never.
