@@ -42,9 +42,9 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import horovod.tensorflow as hvd
 import tensorflow as tf
 from horovod.tensorflow.compression import Compression as HorovodCompression
+from horovod.tensorflow.compression import Compressor
 # No public API says whether a trace is XLA-compiled; tf.function itself asks this module.
 from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext
-from horovod.tensorflow.compression import Compressor
 
 from ..core.callers import caller_frames, calling_object, values_among_callers
 from ..core.collectives import ALLGATHER

@@ -7,6 +7,8 @@ pass (a GAN's generator and discriminator: their collectives in flight at once),
 ``broadcast_optimizer_state`` before training (no training step), a channels-last
 gradient and Horovod's grouped all-reduces (``groups=``), Adam under a
 method that keeps a plain residual, and DGC refusing Adam (it keeps the momentum itself)."""
+from typing import Callable, Tuple
+
 import horovod.torch as hvd
 import torch
 
@@ -69,21 +71,30 @@ def float64_model(method: str, path: str) -> None:
     assert difference < 1e-5, f"float64.{method}.{path}: {difference} from the float32 model"
 
 
+def compiled_fresh(module: torch.nn.Module) -> Tuple[torch.nn.Module, Callable[[], int]]:
+    """(``torch.compile(module)`` with the ``aot_eager`` backend, a count of the graphs
+    dynamo compiled since this call). Dynamo is reset first, so that no recompile limit left
+    by earlier compiles makes it run ``module`` eagerly, silently; its counters are not."""
+    torch._dynamo.reset()
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    return (torch.compile(module, backend="aot_eager"),
+            lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"] - before)
+
+
 def compiled_model(method: str, path: str) -> None:
     """``torch.compile`` (AOTAutograd, which inductor also runs under) gives the parameters
     of the eager model: the gradients reach the parameters from a compiled backward graph."""
+    label = f"compiled.{method}.{path}"
     results = []
-    for compiled in (False, True):
+    for compile_it in (False, True):
         net = model()
-        torch._dynamo.reset()  # a fresh compile each time, under no recompile limit
-        forward = torch.compile(net, backend="aot_eager") if compiled else net
+        forward, graphs = compiled_fresh(net) if compile_it else (net, None)
         optimizer, _ = distributed(net, method, path, torch.optim.SGD(net.parameters(), lr=0.05))
         steps(forward, optimizer, 3)
         results.append(flat(net))
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    assert graphs >= 1, f"compiled.{method}.{path}: dynamo compiled no graph"
-    assert not torch.equal(results[0], flat(model())), f"compiled.{method}.{path}: no update"
-    assert torch.equal(*results), f"compiled.{method}.{path}: differs from the eager model"
+    assert graphs() >= 1, f"{label}: dynamo compiled no graph"
+    assert not torch.equal(results[0], flat(model())), f"{label}: no update"
+    assert torch.equal(*results), f"{label}: differs from the eager model"
 
 
 def two_optimizers(method: str, path: str, one_backward: bool) -> torch.Tensor:
