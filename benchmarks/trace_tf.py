@@ -1,14 +1,17 @@
-"""What one compressed tensor adds to a TensorFlow graph: ops, seconds of tracing, seconds
-of the first run.
+"""What compressed tensors add to a TensorFlow graph: ops, seconds of tracing, seconds of
+the first run.
 
 Horovod calls a compressor while tracing a ``tf.function``, so a model's first step waits for
 every compressed tensor's exchange to be built op by op in Python (plus the function graphs
 of its ``tf.cond`` and ``tf.while_loop``), and then for Grappler to optimize the result. This
-times both for one tensor on one worker: the sparse methods' compress and decompress, the
-two-stage methods' whole exchange, with Horovod's collectives replaced by what a lone worker
-receives (its own message).
+times both for ``--tensors`` tensors of one shape, or for a Keras application's trainable
+variables (``--keras-model ResNet50``: those the method compresses), on one worker: the
+sparse methods' compress and decompress (traced once per size and shared), the two-stage
+methods' whole exchange (per tensor), with Horovod's collectives replaced by what a lone
+worker receives (its own message).
 
-    .venv/bin/python -m benchmarks.trace_tf [--shape 256 64] [--repeat 5] [--methods dgc,...]
+    .venv/bin/python -m benchmarks.trace_tf [--shape 256 64] [--tensors 1] [--repeat 5] [--methods dgc,...]
+    .venv/bin/python -m benchmarks.trace_tf --keras-model ResNet50 --repeat 1 --methods dgc
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from horovod_dgc.tensorflow.twostage import TwoStageEngine  # noqa: E402
 WORLD_SIZE = 1
 DEFAULT_SHAPE = (256, 64)
 DEFAULT_REPEAT = 5
+DEFAULT_TENSORS = 1
 
 
 def received(kind: str, message: tf.Tensor, name: str, root: Any = 0) -> tf.Tensor:
@@ -36,21 +40,29 @@ def received(kind: str, message: tf.Tensor, name: str, root: Any = 0) -> tf.Tens
     return message
 
 
-def exchange(method_name: str, shape: Sequence[int]) -> Callable[[tf.Tensor], tf.Tensor]:
-    """A fresh ``tf.function`` running one tensor's exchange with a fresh engine."""
+Shape = Sequence[int]
+
+
+def exchange(method_name: str, shapes: Sequence[Shape]) -> Callable[[List[tf.Tensor]], List[tf.Tensor]]:
+    """A fresh ``tf.function`` running the exchange of one gradient per shape of ``shapes``
+    (those the method compresses) with a fresh engine."""
     method = BY_NAME[method_name].build(WORLD_SIZE)
-    spec = tf.TensorSpec(shape, tf.float32, name="layer/kernel")
+    specs = [tf.TensorSpec(shape, tf.float32, name=f"layer{i}/kernel") for i, shape in enumerate(shapes)]
     if method.family == "two-stage":
-        engine = TwoStageEngine(method, [spec], WORLD_SIZE, rank=0)
+        engine = TwoStageEngine(method, specs, WORLD_SIZE, rank=0)
 
-        def step(grad: tf.Tensor) -> tf.Tensor:
-            return engine.exchange(spec.name, grad, None, received, "bench")[0]
+        def one(name: str, grad: tf.Tensor) -> tf.Tensor:
+            return engine.exchange(name, grad, None, received, "bench")[0]
     else:
-        engine = Engine(method, [spec], WORLD_SIZE, rank=0)
+        engine = Engine(method, specs, WORLD_SIZE, rank=0)
 
-        def step(grad: tf.Tensor) -> tf.Tensor:
-            message = engine.compress(spec.name, grad, None)
+        def one(name: str, grad: tf.Tensor) -> tf.Tensor:
+            message = engine.compress(name, grad, None)
             return engine.decompress(received(ALLGATHER, message.message, "bench"), message)
+
+    def step(grads: List[tf.Tensor]) -> List[tf.Tensor]:
+        return [one(spec.name, grad) if engine.compresses(spec) else grad
+                for spec, grad in zip(specs, grads)]
     # Horovod's compressors run unconverted by AutoGraph (compression.py), and so does this.
     return tf.function(tf.autograph.experimental.do_not_convert(step))
 
@@ -66,13 +78,21 @@ def graph_ops(graph_def: Any) -> int:
     return len(graph_nodes(graph_def))
 
 
-def trace(method_name: str, shape: Sequence[int]) -> Tuple[int, float, float]:
-    """(ops, seconds of the trace, seconds of the first run) of one tensor's exchange."""
-    function = exchange(method_name, shape)
+def trace(method_name: str, shape: Shape, tensors: int = DEFAULT_TENSORS) -> Tuple[int, float, float]:
+    """(ops, seconds of the trace, seconds of the first run) of the exchange of ``tensors``
+    tensors of ``shape``."""
+    return trace_shapes(method_name, [shape] * tensors)
+
+
+def trace_shapes(method_name: str, shapes: Sequence[Shape]) -> Tuple[int, float, float]:
+    """(ops, seconds of the trace, seconds of the first run) of the exchange of a gradient
+    of each shape of ``shapes``."""
+    function = exchange(method_name, shapes)
     started = time.perf_counter()
-    concrete = function.get_concrete_function(tf.TensorSpec(shape, tf.float32))
+    concrete = function.get_concrete_function([tf.TensorSpec(shape, tf.float32) for shape in shapes])
     traced = time.perf_counter()
-    concrete(tf.random.normal(shape)).numpy()
+    for result in concrete([tf.random.normal(shape) for shape in shapes]):
+        result.numpy()
     return graph_ops(concrete.graph.as_graph_def()), traced - started, time.perf_counter() - traced
 
 
@@ -80,6 +100,11 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", type=int, nargs="+", default=list(DEFAULT_SHAPE),
                         help=f"the tensor's shape (default: {' '.join(map(str, DEFAULT_SHAPE))})")
+    parser.add_argument("--tensors", type=int, default=DEFAULT_TENSORS,
+                        help=f"tensors of that shape in the step (default: {DEFAULT_TENSORS})")
+    parser.add_argument("--keras-model", default=None,
+                        help="a keras.applications model (ResNet50, ...) whose trainable variables "
+                             "are the tensors, instead of --shape and --tensors")
     parser.add_argument("--repeat", type=int, default=DEFAULT_REPEAT,
                         help=f"traces per method, after one warm-up (default: {DEFAULT_REPEAT})")
     parser.add_argument("--methods", default=",".join(spec.name for spec in METHODS),
@@ -87,18 +112,30 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def model_shapes(name: str) -> List[Shape]:
+    """The shapes of a ``keras.applications`` model's trainable variables (no weights loaded)."""
+    import keras
+    model = getattr(keras.applications, name)(weights=None)
+    return [tuple(variable.shape) for variable in model.trainable_variables]
+
+
 def main() -> None:
     args = parse_args()
-    print(f"one {tuple(args.shape)} float32 tensor, one worker, default options; "
-          f"TensorFlow {tf.__version__}; {args.repeat} traces after one warm-up\n")
+    if args.keras_model:
+        shapes = model_shapes(args.keras_model)
+        what = f"{args.keras_model}'s {len(shapes)} trainable variables ({len(set(shapes))} shapes)"
+    else:
+        shapes = [tuple(args.shape)] * args.tensors
+        what = f"{args.tensors} float32 tensor(s) of shape {tuple(args.shape)}"
+    print(f"{what}, one worker, default options; TensorFlow {tf.__version__}; {args.repeat} "
+          f"traces after one warm-up (one {DEFAULT_SHAPE} tensor)\n")
     print(f"{'method':<12} {'ops':>6} {'trace s':>8} {'first run s':>12}   (medians)")
     for name in args.methods.split(","):
-        trace(name, args.shape)
-        results: List[Tuple[int, float, float]] = [trace(name, args.shape) for _ in range(args.repeat)]
+        trace(name, DEFAULT_SHAPE)
+        results: List[Tuple[int, float, float]] = [trace_shapes(name, shapes) for _ in range(args.repeat)]
         traced = statistics.median(r[1] for r in results)
         first_run = statistics.median(r[2] for r in results)
         print(f"{name:<12} {results[-1][0]:>6} {traced:>8.3f} {first_run:>12.3f}")
-
 
 if __name__ == "__main__":
     main()

@@ -18,7 +18,6 @@ from .selection import MAX_RETRIES, RETRY_FACTOR, SAMPLE_RATIO, sampling_offset,
 from .sparse import SparseMethod
 from .validation import (optional_positive, require_fraction, require_momentum, require_non_negative,
                          require_open_fraction, require_positive_int)
-from .wire import tensor_id
 
 
 @dataclass(frozen=True)
@@ -100,6 +99,6 @@ class DGC(SparseMethod):
     def select(self, ops: TensorOps, x: Tensor, k: int, call: CompressCall,
                accumulated: Accumulated) -> Tensor:
         cfg = self.config
-        return select_sampled(ops, x, k, cfg.sample_ratio, sampling_offset(call.step, tensor_id(call.name)),
+        return select_sampled(ops, x, k, cfg.sample_ratio, sampling_offset(call.step, call.tensor_id),
                               cfg.max_retries, cfg.retry_factor,
                               accumulated.block_max, accumulated.candidates)

@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Dict, Optional, Tuple
 from .collectives import network_bytes
 from .config import CompressionConfig
 from .ops import Tensor, TensorOps
+from .wire import tensor_id
 
 State = Dict[str, Tensor]
 
@@ -46,6 +47,9 @@ class CompressCall:
             for speed: with it the memory's pass of a method that ``collects_candidates`` (DGC,
             Top-k, ScaleCom's exact leader selection) collects its selection's candidates
             (``selection.predict_bound``); the selection is the exact top-k with or without it.
+        traced_id: the tensor's id (``wire.tensor_id``) as a run-time value (a 0-d integer
+            tensor), where one trace serves several tensors of one size and ``name`` is only
+            the first of them (TensorFlow's shared exchanges); None: the id of ``name``.
     """
 
     name: str
@@ -59,6 +63,12 @@ class CompressCall:
     spare: Optional[State] = None
     small: bool = False
     candidate_bound: Optional[float] = None
+    traced_id: Any = None
+
+    @property
+    def tensor_id(self) -> Any:
+        """The tensor's id on the wire: ``traced_id``, else that of ``name``."""
+        return tensor_id(self.name) if self.traced_id is None else self.traced_id
 
     @property
     def unscale(self) -> Any:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any, Callable, List, Sequence
 
 from .ops import Scalar, Tensor, TensorOps
-from .wire import FLAG_NONFINITE
+from .wire import FLAG_NONFINITE, id_inputs, name_of
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -30,16 +30,18 @@ def settle(ops: TensorOps, policy: str, finite: Scalar, inputs: Sequence[Any],
 
 
 def received_finite(ops: TensorOps, policy: str, flags: Tensor, names: Sequence[str],
-                    step: Any) -> Scalar:
+                    step: Any, tensor: Any = None) -> Scalar:
     """Whether no sender flagged a non-finite gradient (``flags``: one word per message, the
-    messages of ``names`` rank after rank); see :func:`settle`."""
-    def culprit(values: List[int]) -> str:
-        flagged = [(i // len(names), names[i % len(names)]) for i, v in enumerate(values) if v]
+    messages of ``names`` rank after rank); see :func:`settle`. ``tensor``: the run-time id of
+    the one tensor of ``names``, where one trace serves several tensors (``wire.receive``)."""
+    def culprit(values: List[int], *word: int) -> str:
+        named = [name_of(word[0])] if word else names
+        flagged = [(i // len(named), named[i % len(named)]) for i, v in enumerate(values) if v]
         rank, name = flagged[0]
         more = f" (and {len(flagged) - 1} more)" if len(flagged) > 1 else ""
         return f"tensor {name!r} on rank {rank}{more}"
 
-    return settle(ops, policy, none_flagged(ops, flags), [flags], culprit, step)
+    return settle(ops, policy, none_flagged(ops, flags), [flags, *id_inputs(tensor)], culprit, step)
 
 
 def flag(ops: TensorOps, finite: Scalar) -> Any:

@@ -118,7 +118,7 @@ class SparseMethod(Method):
             x = accumulated.x
             positions = self.select(ops, x, k, call, accumulated)
             count = ops.size(positions)
-            header = layout.header(call.rank, call.step, count, flags)
+            header = layout.header(call.rank, call.step, count, flags, call.traced_id)
             selected = ops.gather(x, positions)
             message, decoded = layout.encode(ops, header, positions, count, selected)
             sent = ops.cast(ops.slice(decoded, 0, count), ops.dtype(x))
@@ -129,7 +129,7 @@ class SparseMethod(Method):
                     next_bound)
 
         def skip():
-            header = layout.header(call.rank, call.step, 0, wire.FLAG_NONFINITE)
+            header = layout.header(call.rank, call.step, 0, wire.FLAG_NONFINITE, call.traced_id)
             return state, layout.empty(ops, header, like=grad), 0, 0.0
 
         if ops.defers_checks(grad):
@@ -147,7 +147,8 @@ class SparseMethod(Method):
 
     def decompress(self, ops: TensorOps, gathered: Tensor, layouts: Sequence[wire.MessageLayout],
                    world_size: int, step: Any, out_dtypes: Sequence[str],
-                   outs: Optional[Sequence[Optional[Tensor]]] = None) -> Tuple[List[Tensor], Scalar]:
+                   outs: Optional[Sequence[Optional[Tensor]]] = None,
+                   traced_id: Any = None) -> Tuple[List[Tensor], Scalar]:
         """Average the messages of all ranks. ``gathered`` is the allgather of each rank's
         messages for ``layouts``, concatenated in that order. Returns one flat dense tensor
         per layout, ``sum over ranks r = 0..N-1 of scatter_add(indices_r, values_r / N)``
@@ -156,16 +157,20 @@ class SparseMethod(Method):
         ``outs``: per layout, a flat tensor of its size in the state dtype whose contents are
         no longer needed (the gradient the message was built from), or None. Where the
         framework allows, the average is written over it: a fresh full-size tensor costs
-        more than the whole decode (its first touch faults every page in)."""
+        more than the whole decode (its first touch faults every page in).
+
+        ``traced_id``: the id of the one tensor of ``layouts`` at run time, where one trace
+        serves several tensors (``CompressCall.traced_id``)."""
         outs = list(outs) if outs is not None else [None] * len(layouts)
         sums = [ops.scratch(layout.numel, state_dtype(dtype), like=gathered) if out is None else out
                 for layout, dtype, out in zip(layouts, out_dtypes, outs)]
-        flags = ops.decode_sums(gathered, layouts, world_size, step, sums, 1.0 / world_size)
+        flags = None if traced_id is not None else ops.decode_sums(gathered, layouts, world_size, step,
+                                                                     sums, 1.0 / world_size)
         if flags is None:
-            sums, flags = _sum_messages(ops, gathered, layouts, world_size, step, sums)
+            sums, flags = _sum_messages(ops, gathered, layouts, world_size, step, sums, traced_id)
         averaged = [ops.cast(s, dtype) for s, dtype in zip(sums, out_dtypes)]
         names = [layout.name for layout in layouts]
-        finite = received_finite(ops, self.config.nonfinite, flags, names, step)
+        finite = received_finite(ops, self.config.nonfinite, flags, names, step, traced_id)
 
         def unflagged(t: int) -> Scalar:
             return none_flagged(ops, ops.strided_sample(flags, t, len(layouts)))
@@ -180,12 +185,13 @@ class SparseMethod(Method):
 
 
 def _sum_messages(ops: TensorOps, gathered: Tensor, layouts: Sequence[wire.MessageLayout],
-                  world_size: int, step: Any, sums: List[Tensor]) -> Tuple[List[Tensor], Tensor]:
+                  world_size: int, step: Any, sums: List[Tensor],
+                  traced_id: Any = None) -> Tuple[List[Tensor], Tensor]:
     """``TensorOps.decode_sums`` composed: every header checked (``wire.receive``), every
     message decoded and its positions checked, then ``sums[t]`` = (1/N) * the sum over ranks
     of tensor t's messages. Returns the sums and each message's flags word."""
     expected = [(layout, rank) for rank in range(world_size) for layout in layouts]
     dtypes = [ops.dtype(sums[m % len(layouts)]) for m in range(len(expected))]
-    flags, messages = wire.decode_received(ops, gathered, expected, step, dtypes)
+    flags, messages = wire.decode_received(ops, gathered, expected, step, dtypes, tensor=traced_id)
     return ([ops.sum_sparse(s, messages[t::len(layouts)], 1.0 / world_size) for t, s in enumerate(sums)],
             flags)

@@ -13,7 +13,6 @@ from .ops import Tensor, TensorOps
 from .method import CompressCall
 from .selection import MAX_RETRIES, RETRY_FACTOR, SAMPLE_RATIO, sampling_offset, select_sampled
 from .sparse import SparseMethod
-from .wire import tensor_id
 
 
 @dataclass(frozen=True)
@@ -36,5 +35,5 @@ class TopK(SparseMethod):
 
     def select(self, ops: TensorOps, x: Tensor, k: int, call: CompressCall,
                accumulated: Accumulated) -> Tensor:
-        return select_sampled(ops, x, k, SAMPLE_RATIO, sampling_offset(call.step, tensor_id(call.name)),
+        return select_sampled(ops, x, k, SAMPLE_RATIO, sampling_offset(call.step, call.tensor_id),
                               MAX_RETRIES, RETRY_FACTOR, accumulated.block_max, accumulated.candidates)

@@ -25,7 +25,7 @@ import functools
 import struct
 import zlib
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar
 
 from . import codecs
 from .ops import Tensor, TensorOps
@@ -41,6 +41,9 @@ STEP_WORD = HEADER_FIELDS.index("step")
 ALIGN_BYTES = codecs.ALIGN_BYTES
 # Each method id's name, for errors: the method table (methods.py) registers them.
 METHOD_NAMES: Dict[int, str] = {}
+# Each tensor id's name, for errors about a message whose tensor is known only at run time
+# (one trace serving several tensors): the adapters that trace so register them.
+TENSOR_NAMES: Dict[int, str] = {}
 
 DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3, "int32": 4, "int64": 5, "uint8": 6,
                "int8": 7}
@@ -59,6 +62,16 @@ def tensor_id(name: str) -> int:
     """A stable 32-bit identity of a tensor name, as a signed int32."""
     value = zlib.crc32(name.encode("utf-8"))
     return value - 2 ** 32 if value >= _INT31 else value
+
+
+def register_names(names: Iterable[str]) -> None:
+    """Make each of ``names`` known by its tensor id (:data:`TENSOR_NAMES`)."""
+    TENSOR_NAMES.update((tensor_id(name), name) for name in names)
+
+
+def name_of(word: int) -> str:
+    """The registered name of the tensor whose id is ``word`` (a header's tensor id word)."""
+    return TENSOR_NAMES.get(int(word), f"<id {int(word)}>")
 
 
 def step_word(step: Any) -> Any:
@@ -122,40 +135,50 @@ class Layout:
         return codes[1], codes[0]
 
     @functools.cached_property
-    def _fixed_words(self) -> Tuple[Tuple[int, ...], Tuple[int, int]]:
-        """The header words that only depend on the layout: (magic to capacity, the formats)."""
-        return ((MAGIC, self.method_id, tensor_id(self.name), self.numel % _INT31,
-                 self.numel // _INT31, self.capacity), self.format_codes)
+    def _fixed_words(self) -> Tuple[Tuple[int, int], int, Tuple[int, ...], Tuple[int, int]]:
+        """The header words that only depend on the layout: (magic, method), the tensor id
+        of its name, (numel, capacity), the formats."""
+        return ((MAGIC, self.method_id), tensor_id(self.name),
+                (self.numel % _INT31, self.numel // _INT31, self.capacity), self.format_codes)
 
-    def header(self, rank: Any, step: Any, count: Any, flags: Any) -> List[Any]:
+    def header(self, rank: Any, step: Any, count: Any, flags: Any, tensor: Any = None) -> List[Any]:
         """The header words of a message from ``rank`` at ``step`` (Python ints or 0-d
-        integer tensors, so a graph can write run-time values)."""
-        identity, formats = self._fixed_words
-        return [*identity, count, *formats, rank, step_word(step), flags]
+        integer tensors, so a graph can write run-time values). ``tensor``: the tensor id
+        word, where one trace serves several tensors of this layout's size (a run-time
+        value); None: the id of the layout's name."""
+        kind, identity, size, formats = self._fixed_words
+        return [*kind, identity if tensor is None else tensor, *size, count, *formats, rank,
+                step_word(step), flags]
 
-    def bounds(self, rank: Any, step: Any) -> Tuple[List[Any], List[Any]]:
+    def bounds(self, rank: Any, step: Any, tensor: Any = None) -> Tuple[List[Any], List[Any]]:
         """(lowest, highest) accepted value of each header word of a message from ``rank``
         at ``step``: every word is fixed but the count (0 to capacity) and the flags."""
-        low = self.header(rank, step, 0, 0)
-        high = self.header(rank, step, self.capacity, FLAG_NONFINITE)
+        low = self.header(rank, step, 0, 0, tensor)
+        high = self.header(rank, step, self.capacity, FLAG_NONFINITE, tensor)
         return low, high
 
-    def diagnose(self, words: Sequence[int], rank: int, step: int) -> None:
+    def diagnose(self, words: Sequence[int], rank: int, step: int, tensor: Optional[int] = None) -> None:
         """Raise MessageError, naming the field, unless ``words`` is a valid header from
-        ``rank`` for this tensor at ``step``."""
+        ``rank`` for this tensor (``tensor``: its id, given at run time) at ``step``."""
         if len(words) != HEADER_WORDS:
-            self._fail(rank, f"header has {len(words)} words, expected {HEADER_WORDS}")
-        low, high = self.bounds(rank, step)
+            self._fail(rank, f"header has {len(words)} words, expected {HEADER_WORDS}", tensor)
+        low, high = self.bounds(rank, step, tensor)
         for field, got, least, most in zip(HEADER_FIELDS, words, low, high):
             if not least <= got <= most:
                 wanted = least if least == most else f"{least} to {most}"
                 if field == "method":  # another method on that rank: say which
                     got, wanted = (f"{i} ({METHOD_NAMES.get(i, 'none')})" for i in (got, wanted))
-                self._fail(rank, f"{field} is {got}, expected {wanted}")
+                elif field == "tensor id" and got in TENSOR_NAMES:  # another tensor's message
+                    got = f"{got} ({TENSOR_NAMES[got]!r})"
+                self._fail(rank, f"{field} is {got}, expected {wanted}", tensor)
 
-    def _fail(self, rank: int, detail: str) -> None:
+    def named(self, tensor: Optional[int] = None) -> str:
+        """The name of this layout's tensor, or of the tensor whose id is ``tensor``."""
+        return self.name if tensor is None else name_of(tensor)
+
+    def _fail(self, rank: int, detail: str, tensor: Optional[int] = None) -> None:
         raise MessageError(f"rank {rank} sent a malformed message for tensor "
-                           f"{self.name!r}: {detail}")
+                           f"{self.named(tensor)!r}: {detail}")
 
 
 @dataclass(frozen=True)
@@ -272,24 +295,26 @@ class Received:
 
 
 def receive(ops: TensorOps, data: Tensor, expected: Sequence[Expected], step: Any,
-            receiver: Any = None) -> Received:
+            receiver: Any = None, tensor: Any = None) -> Received:
     """The parts and flags of each message in ``data``, the concatenation of one message per
     entry of ``expected``, after checking the total size and every header at once (one
     comparison; ``step`` may be a run-time tensor). On any difference :class:`MessageError`
     names the first sending rank and tensor that differ, or the receiving rank ``receiver``
-    when only the size differs."""
+    when only the size differs. ``tensor``: the tensor id word every message carries, where
+    one trace serves several tensors (``Layout.header``); None: each layout's own."""
     total = sum(layout.nbytes for layout, _ in expected)
     size_ok = ops.size(data) == total
     fitted = ops.fit(data, total)
     offsets = _offsets(expected)
     headers = ops.from_bytes(ops.concat([ops.slice(fitted, offset, HEADER_BYTES)
                                          for offset in offsets]), "int32")
-    low, high = _bounds(expected, step)
+    low, high = _bounds(expected, step, tensor)
     valid = ops.all_within(headers, ops.constant(low, "int32", like=headers),
                            ops.constant(high, "int32", like=headers))
     senders = ops.constant([sender for _, sender in expected], "int64", like=headers)
-    fitted = ops.verify(ops.where(size_ok, valid, False), [data, senders, step],
-                        lambda values, ranks, at: _diagnose(values, ranks, at, expected, total, receiver),
+    fitted = ops.verify(ops.where(size_ok, valid, False), [data, senders, step, *id_inputs(tensor)],
+                        lambda values, ranks, at, *word: _diagnose(values, ranks, at, expected, total,
+                                                                   receiver, *word),
                         fitted)
     return Received([parts_of(ops, ops.slice(fitted, offset, layout.nbytes), layout)
                      for offset, (layout, _) in zip(offsets, expected)],
@@ -330,13 +355,18 @@ def header_table(layouts: Tuple[Layout, ...], senders: Tuple[int, ...]) -> Heade
                        total_bytes=sum(layout.nbytes for layout, _ in expected))
 
 
-def _bounds(expected: Sequence[Expected], step: Any) -> Tuple[List[Any], List[Any]]:
+def id_inputs(tensor: Any) -> List[Any]:
+    """The run-time inputs an explanation takes for a tensor id word given at run time."""
+    return [] if tensor is None else [tensor]
+
+
+def _bounds(expected: Sequence[Expected], step: Any, tensor: Any = None) -> Tuple[List[Any], List[Any]]:
     """Every expected message's lowest accepted header words, one after another; then its
     highest (``Layout.bounds``)."""
     low: List[Any] = []
     high: List[Any] = []
     for layout, sender in expected:
-        least, most = layout.bounds(sender, step)
+        least, most = layout.bounds(sender, step, tensor)
         low += least
         high += most
     return low, high
@@ -351,10 +381,11 @@ def _offsets(expected: Sequence[Expected]) -> List[int]:
 
 
 def _diagnose(data: Sequence[int], senders: Sequence[int], step: int,
-              expected: Sequence[Expected], total: int, receiver: Any) -> None:
+              expected: Sequence[Expected], total: int, receiver: Any,
+              tensor: Optional[int] = None) -> None:
     """Raise MessageError for the first message whose header is wrong, read where it should
     be (with the size difference, if any, as context)."""
-    names = ", ".join(repr(name) for name in sorted({layout.name for layout, _ in expected}))
+    names = ", ".join(repr(name) for name in sorted({layout.named(tensor) for layout, _ in expected}))
     where = "" if receiver is None else f" on rank {receiver}"
     size_note = "" if len(data) == total else (
         f"; received {len(data)} bytes for tensor(s) {names}{where}, expected {total} (a "
@@ -365,29 +396,30 @@ def _diagnose(data: Sequence[int], senders: Sequence[int], step: int,
             break
         words = list(struct.unpack(f"={HEADER_WORDS}i", raw[offset:offset + HEADER_BYTES]))
         try:
-            layout.diagnose(words, int(sender), int(step))
+            layout.diagnose(words, int(sender), int(step), tensor)
         except MessageError as error:
             raise MessageError(f"{error}{size_note}") from None
     raise MessageError(f"the messages are malformed{size_note or f' for tensor(s) {names}{where}'}")
 
 
 def checked_positions(ops: TensorOps, decoded: Sequence[Tuple[Tensor, Any]],
-                      expected: Sequence[Expected], step: Any) -> List[Tensor]:
+                      expected: Sequence[Expected], step: Any, tensor: Any = None) -> List[Tensor]:
     """The positions of every message, once every message's positions are known to agree
     with its count and to lie inside its tensor (``decoded``: (positions, whether they do)
-    per message of ``expected``); else MessageError names the first sender that differs."""
+    per message of ``expected``); else MessageError names the first sender that differs.
+    ``tensor``: as :func:`receive`'s."""
     all_positions = ops.concat([positions for positions, _ in decoded])
     verdicts = ops.constant([ops.where(ok, 1, 0) for _, ok in decoded], "int32", like=all_positions)
     senders = ops.constant([sender for _, sender in expected], "int64", like=all_positions)
 
-    def explain(values: List[int], ranks: List[int], at: int) -> None:
+    def explain(values: List[int], ranks: List[int], at: int, *word: int) -> None:
         for ok, (layout, _), rank in zip(values, expected, ranks):
             if not ok:
                 layout._fail(rank, "its positions disagree with its count or lie outside the "
-                             "tensor (a corrupted message?)")
+                             "tensor (a corrupted message?)", *word)
 
-    all_positions = ops.verify(ops.all_within(verdicts, 1, 1), [verdicts, senders, step], explain,
-                               all_positions)
+    all_positions = ops.verify(ops.all_within(verdicts, 1, 1), [verdicts, senders, step, *id_inputs(tensor)],
+                               explain, all_positions)
     out, offset = [], 0
     for positions, _ in decoded:
         out.append(ops.slice(all_positions, offset, ops.numel(positions)))
@@ -396,17 +428,17 @@ def checked_positions(ops: TensorOps, decoded: Sequence[Tuple[Tensor, Any]],
 
 
 def decode_received(ops: TensorOps, data: Tensor, expected: Sequence[Expected], step: Any,
-                    dtypes: Sequence[str], receiver: Any = None
+                    dtypes: Sequence[str], receiver: Any = None, tensor: Any = None
                     ) -> Tuple[Tensor, List[Tuple[Tensor, Optional[Tensor], Any]]]:
     """(each message's flags word, each message's (positions, values as ``dtypes[m]``,
     count)) of ``data``, the concatenation of one message per entry of ``expected``: every
     header checked (:func:`receive`), every message decoded, its positions checked
     (:func:`checked_positions`). What a kernel's decode (``TensorOps.decode_sums``,
-    ``decode_positions``) does in one call, composed."""
-    received = receive(ops, data, expected, step, receiver)
+    ``decode_positions``) does in one call, composed. ``tensor``: as :func:`receive`'s."""
+    received = receive(ops, data, expected, step, receiver, tensor)
     counts = [ops.gather(received.counts, m) for m in range(len(expected))]
     decoded = [layout.decode(ops, parts, count, dtype) for (layout, _), parts, count, dtype
                in zip(expected, received.parts, counts, dtypes)]
-    positions = checked_positions(ops, [(where, ok) for where, _, ok in decoded], expected, step)
+    positions = checked_positions(ops, [(where, ok) for where, _, ok in decoded], expected, step, tensor)
     return received.flags, [(where, values, count) for where, (_, values, _), count
                             in zip(positions, decoded, counts)]

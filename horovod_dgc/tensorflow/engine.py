@@ -13,6 +13,11 @@ TensorFlow op:
 * the warm-up density is chosen at run time among the schedule's few densities
   (``tf.switch_case`` on a variable that :meth:`set_epoch` assigns), since each density has
   its own message size and a traced graph would otherwise keep the density of its trace.
+
+A sparse tensor's compress and decompress (some 700 ops) are each traced once per size and
+dtype, as a function that is not inlined, and called for every tensor of that size with the
+tensor's memories, step and wire id as run-time arguments: ResNet-50's 214 variables have 28
+shapes, and a step's graph grows by a call per tensor instead of a copy of the exchange.
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ from ..core.nonfinite import settle
 from ..core.state import check_loadable, state_frame
 from ..core.stats import CompressionStats
 from ..core.warmup import WarmupWatch
-from ..core.wire import MessageLayout
+from ..core.wire import MessageLayout, register_names, tensor_id
 from .ops import TFOps, dtype_name
 
 State = Dict[str, tf.Variable]
@@ -73,6 +78,8 @@ class DenseUpdate:
 
 # Horovod's collectives take no bfloat16: such dense tensors travel as float32.
 REDUCIBLE = {tf.bfloat16: tf.float32}
+# A function TensorFlow keeps as one call op in the graphs that call it (and optimizes once).
+_NOT_INLINED = {"_noinline": True}
 
 
 class Engine:
@@ -107,6 +114,8 @@ class Engine:
                                                name=f"horovod_dgc/{field}")
                             for field, dtype in _TOTALS.items()}
         self._steps_at_reset = 0
+        self._shared: Dict[Tuple[Any, ...], Callable[..., Any]] = {}
+        register_names(spec.name for spec in tensors)
 
     @property
     def config(self):
@@ -246,12 +255,13 @@ class Engine:
                          for key in new])
 
     def _call(self, name: str, step: tf.Tensor, density: float, param: Optional[Any],
-              loss_scale: Any, shape: Any) -> CompressCall:
+              loss_scale: Any, shape: Any, traced_id: Optional[tf.Tensor] = None) -> CompressCall:
         """``shape``: the gradient's."""
         flat_param = None if param is None else tf.reshape(tf.convert_to_tensor(param), [-1])
         small = self.config.is_small(tuple(tf.TensorShape(shape).as_list()))
         return CompressCall(name=name, rank=self.rank, world_size=self.world_size, step=step,
-                            density=density, param=flat_param, loss_scale=loss_scale, small=small)
+                            density=density, param=flat_param, loss_scale=loss_scale, small=small,
+                            traced_id=traced_id)
 
     def _traced_step(self, name: str) -> tf.Tensor:
         warning = self._watch.warning(0)
@@ -277,6 +287,26 @@ class Engine:
         return tf.switch_case(tf.gather(tf.constant(branch_of, tf.int32), index),
                               [functools.partial(fn, i) for i in firsts])
 
+    def _shared_call(self, kind: str, name: str, shape: Any, dtype: tf.DType,
+                     body: Callable[..., Any], *args: Any) -> Any:
+        """``body(*args, traced_id)``, run for tensor ``name``: executing eagerly, directly
+        (``traced_id`` None); in a graph, through the function not inlined that every tensor
+        of this size, dtype and densities shares (traced for the first of them, whose
+        ``body`` it keeps: a body may only depend on the tensor through its arguments)."""
+        if tf.executing_eagerly():
+            return body(*args, None)
+        shape = tf.TensorShape(shape)
+        key = (kind, shape.num_elements(), dtype, self.config.is_small(tuple(shape.as_list())),
+               tuple(self._density(i, shape) for i in range(len(self.densities))))
+        function = self._shared.get(key)
+        if function is None:
+            function = self._shared[key] = tf.function(body, autograph=False,
+                                                       experimental_attributes=_NOT_INLINED)
+        # Not a constant: Grappler would specialize the function for each constant argument,
+        # optimizing a copy of the exchange per tensor again.
+        traced_id = tf.raw_ops.PlaceholderWithDefault(input=tf.constant(tensor_id(name), tf.int64), shape=[])
+        return function(*args, traced_id)
+
     # -- the two paths ------------------------------------------------------------------------
     def compress(self, name: str, grad: tf.Tensor, param: Optional[Any]) -> TracedMessage:
         """Sparse message for a tensor that :meth:`compresses`."""
@@ -288,15 +318,21 @@ class Engine:
         step = self._traced_step(name)
         index = self._density_index_at(step)
         state, scale = self._read_state(name), self._current_loss_scale()
+        param = None if param is None else tf.convert_to_tensor(param)  # a value, whatever the variable
 
-        def at_density(i: int) -> Tuple[tf.Tensor, Dict[str, tf.Tensor], tf.Tensor]:
-            result = self.method.compress(self.ops, state, flat,
-                                          self._call(name, step, self._density(i, grad.shape), param, scale,
-                                                     grad.shape))
-            return result.message, result.state, tf.cast(result.count, tf.int64)
+        def body(state: Dict[str, tf.Tensor], flat: tf.Tensor, step: tf.Tensor, index: tf.Tensor,
+                 param: Optional[Any], scale: Any, traced_id: Optional[tf.Tensor]) -> Tuple[Any, ...]:
+            def at_density(i: int) -> Tuple[tf.Tensor, Dict[str, tf.Tensor], tf.Tensor]:
+                call = self._call(name, step, self._density(i, grad.shape), param, scale, grad.shape,
+                                  traced_id)
+                result = self.method.compress(self.ops, state, flat, call)
+                return result.message, result.state, tf.cast(result.count, tf.int64)
+
+            return self._by_density(index, grad.shape, at_density)
 
         with tf.control_dependencies([started]):
-            message, new_state, count = self._by_density(index, grad.shape, at_density)
+            message, new_state, count = self._shared_call("compress", name, grad.shape, grad.dtype, body,
+                                                          state, flat, step, index, param, scale)
         with tf.control_dependencies([message, count]):
             elapsed = tf.timestamp() - started
         nbytes = tf.gather(tf.constant([layout.nbytes for layout in layouts], tf.int64), index)
@@ -330,15 +366,20 @@ class Engine:
     def decompress(self, gathered: tf.Tensor, message: TracedMessage) -> tf.Tensor:
         """Averaged dense gradient of ``message``'s tensor from the allgather of every rank's
         message; the core checks every header against the run-time step."""
-        def decode(i: int) -> Tuple[tf.Tensor, tf.Tensor]:
-            with self.ops.guards() as guards:
-                flats, finite = self.method.decompress(self.ops, gathered, [message.layouts[i]],
-                                                       self.world_size, message.step,
-                                                       [dtype_name(message.dtype)])
-            with tf.control_dependencies(guards):
-                return tf.identity(flats[0]), tf.identity(finite)
+        def body(gathered: tf.Tensor, step: tf.Tensor, index: tf.Tensor,
+                 traced_id: Optional[tf.Tensor]) -> Tuple[tf.Tensor, tf.Tensor]:
+            def decode(i: int) -> Tuple[tf.Tensor, tf.Tensor]:
+                with self.ops.guards() as guards:
+                    flats, finite = self.method.decompress(self.ops, gathered, [message.layouts[i]],
+                                                           self.world_size, step,
+                                                           [dtype_name(message.dtype)], traced_id=traced_id)
+                with tf.control_dependencies(guards):
+                    return tf.identity(flats[0]), tf.identity(finite)
 
-        flat, finite = self._by_density(message.density_index, message.shape, decode)
+            return self._by_density(index, message.shape, decode)
+
+        flat, finite = self._shared_call("decompress", message.name, message.shape, message.dtype, body,
+                                         gathered, message.step, message.density_index)
         kept = self._keep_if(finite, message.name, message.old_state, message.new_state)
         with tf.control_dependencies([kept]):
             flat = flat * tf.cast(message.loss_scale, flat.dtype)

@@ -1,0 +1,112 @@
+"""TensorFlow traces a sparse tensor's compress and decompress once per size and calls them for
+every tensor of that size (``tensorflow/engine.py``). Each tensor must still get its own
+selection, memory, header and errors: checked here on one worker against a naive top-k with
+error feedback, and with messages handed to the wrong tensor."""
+from typing import Dict, List
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from horovod_dgc.core import TopK, TopKConfig
+from horovod_dgc.tensorflow.engine import Engine
+from tf_emulation import graph_function
+
+# a, b and c have one size (c another shape of it); d is small (1-D, under min_numel).
+SHAPES = {"a": (80, 64), "b": (80, 64), "c": (64, 80), "d": (100,)}
+DENSITY = 0.02
+# Entries sent: ceil(0.02 * 5120) for a, b, c; d at the small tensors' density, 0.05 * 100.
+SENT = {"a": 103, "b": 103, "c": 103, "d": 5}
+STEPS = 3
+
+
+def naive_top_k(residual: np.ndarray, grad: np.ndarray, k: int):
+    """(what one worker sends, the residual it keeps): the k largest of residual + grad, sent
+    as float16 (the default value format), the rounding kept in the residual."""
+    accumulated = residual + grad
+    largest = np.argsort(-np.abs(accumulated), kind="stable")[:k]
+    sent = np.zeros_like(accumulated)
+    sent[largest] = accumulated[largest].astype(np.float16)
+    return sent, accumulated - sent
+
+
+def _engine(nonfinite: str = "skip") -> Engine:
+    method = TopK(TopKConfig(density=DENSITY, value_dtype="float16", nonfinite=nonfinite))
+    return Engine(method, [tf.TensorSpec(shape, tf.float32, name) for name, shape in SHAPES.items()],
+                  world_size=1, rank=0)
+
+
+def _counting_traces(engine: Engine) -> Dict[str, List[int]]:
+    """How often the engine's method compresses and decompresses while being traced."""
+    counts: Dict[str, List[int]] = {"compress": [], "decompress": []}
+    for kind, calls in counts.items():
+        original = getattr(engine.method, kind)
+
+        def counted(*args, _original=original, _calls=calls, **kwargs):
+            _calls.append(1)
+            return _original(*args, **kwargs)
+
+        setattr(engine.method, kind, counted)
+    return counts
+
+
+def test_tensors_of_one_size_share_one_trace_and_keep_their_own_selection_and_memory():
+    engine = _engine()
+    traces = _counting_traces(engine)
+
+    @graph_function
+    def step(grads):
+        results = []
+        for name, grad in zip(SHAPES, grads):
+            message = engine.compress(name, grad, None)
+            results.append(engine.decompress(message.message, message))
+        return results
+
+    rs = np.random.RandomState(5)
+    residuals = {name: np.zeros(np.prod(shape), np.float32) for name, shape in SHAPES.items()}
+    for t in range(STEPS):
+        grads = {name: rs.standard_normal(shape).astype(np.float32) for name, shape in SHAPES.items()}
+        results = step([tf.constant(g) for g in grads.values()])
+        for (name, grad), result in zip(grads.items(), results):
+            sent, residuals[name] = naive_top_k(residuals[name], grad.reshape(-1), SENT[name])
+            np.testing.assert_array_equal(result.numpy().reshape(-1), sent, err_msg=f"{name}, step {t}")
+            np.testing.assert_array_equal(engine._states[name]["residual"].numpy(), residuals[name],
+                                          err_msg=f"{name}, step {t}")
+    assert step.experimental_get_tracing_count() == 1
+    assert (len(traces["compress"]), len(traces["decompress"])) == (2, 2)  # a, b, c's size; d's
+
+
+def _handed_over(engine: Engine, corrupt):
+    """A traced step of a and b in which b's decompress gets ``corrupt(a's message, b's
+    message)`` instead of b's own message."""
+    @graph_function
+    def step(grads):
+        a, b = (engine.compress(name, grad, None) for name, grad in zip("ab", grads))
+        engine.decompress(a.message, a)
+        return engine.decompress(corrupt(a.message, b.message), b)
+
+    return step
+
+
+def _grads():
+    return [tf.random.stateless_normal(SHAPES[name], seed=[1, i]) for i, name in enumerate("ab")]
+
+
+@pytest.mark.parametrize("corrupt,match", [
+    (lambda a, b: a, r"rank 0 sent a malformed message for tensor \W*b\W*: tensor id is -?\d+ \(\W*a\W*\), "
+                     r"expected -?\d+"),
+    (lambda a, b: tf.concat([b[:1] ^ 0xFF, b[1:]], 0), r"tensor \W*b\W*: magic is")],
+    ids=["a's message", "corrupted magic"])
+def test_a_message_in_a_shared_trace_is_checked_against_its_own_tensor_and_named(corrupt, match):
+    with pytest.raises(tf.errors.InvalidArgumentError, match="MessageError: .*" + match):
+        _handed_over(_engine(), corrupt)(_grads())
+
+
+def test_a_non_finite_gradient_in_a_shared_trace_is_named_by_its_own_tensor():
+    engine = _engine(nonfinite="raise")
+    step = _handed_over(engine, lambda a, b: b)
+    finite, poisoned = _grads()
+    poisoned = tf.tensor_scatter_nd_update(poisoned, [[3, 4]], [float("nan")])
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"NonFiniteGradientError: gradient of tensor \W*b\W* on rank 0"):
+        step([finite, poisoned])
