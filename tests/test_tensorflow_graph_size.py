@@ -8,14 +8,15 @@ import tensorflow as tf
 from benchmarks.trace_tf import trace
 from horovod_dgc.tensorflow.ops import _constant
 
-# Ops of one (256, 64) tensor's exchange on one worker (707, 681, 756, 623 and 512 on
-# TensorFlow 2.21 when this was set, the sparse methods' compress and decompress as called
-# functions; 968, 909, 949, 852 and 722 before constants were shared): a tenth more fails.
-MOST_OPS = {"dgc": 778, "topk": 749, "gaussiank": 832, "scalecom": 685, "blocksign": 563}
-# Ops each further tensor of that size adds to the sparse methods' graph: the calls of the
-# shared compress and decompress, its memories read and kept, its statistics (54 for dgc,
-# 47 and 47 for topk and gaussiank when this was set); a copy of the exchange is 600 or more.
-MOST_OPS_PER_SHARED_TENSOR = 60
+# Ops of one (256, 64) tensor's exchange on one worker (715, 681, 756, 669 and 590 on
+# TensorFlow 2.21 when this was set, every stage a called function; 968, 909, 949, 852 and 722
+# before constants were shared): a tenth more fails.
+MOST_OPS = {"dgc": 787, "topk": 749, "gaussiank": 832, "scalecom": 736, "blocksign": 649}
+# Ops each further tensor of that size adds: the calls of the shared stages, its memories read
+# and kept, its statistics (sparse methods: 55 for dgc, 47 for topk and gaussiank; two-stage
+# ones, whose collectives stay per tensor: 85 for scalecom, 84 for blocksign, when this was
+# set); a copy of the exchange is 500 or more.
+MOST_OPS_PER_SHARED_TENSOR = {"dgc": 60, "topk": 60, "gaussiank": 60, "scalecom": 100, "blocksign": 100}
 
 
 def test_each_method_adds_at_most_its_recorded_ops():
@@ -23,10 +24,10 @@ def test_each_method_adds_at_most_its_recorded_ops():
     assert all(counts[name] <= most for name, most in MOST_OPS.items()), counts
 
 
-@pytest.mark.parametrize("method", ["dgc", "topk", "gaussiank"])
-def test_each_further_tensor_of_one_size_adds_a_call_not_an_exchange(method):
+@pytest.mark.parametrize("method", list(MOST_OPS_PER_SHARED_TENSOR))
+def test_each_further_tensor_of_one_size_adds_calls_not_an_exchange(method):
     one, four = trace(method, (256, 64))[0], trace(method, (256, 64), tensors=4)[0]
-    assert four - one <= 3 * MOST_OPS_PER_SHARED_TENSOR, (one, four)
+    assert four - one <= 3 * MOST_OPS_PER_SHARED_TENSOR[method], (one, four)
 
 
 def test_a_shared_constant_is_one_op_per_graph_free_of_control_dependencies():

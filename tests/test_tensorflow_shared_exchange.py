@@ -1,7 +1,9 @@
-"""TensorFlow traces a sparse tensor's compress and decompress once per size and calls them for
-every tensor of that size (``tensorflow/engine.py``). Each tensor must still get its own
-selection, memory, header and errors: checked here on one worker against a naive top-k with
-error feedback, and with messages handed to the wrong tensor."""
+"""TensorFlow traces a sparse tensor's compress and decompress, and a two-stage tensor's stages,
+once per size and calls them for every tensor of that size (``tensorflow/engine.py``,
+``twostage.py``). Each tensor must still get its own selection, memory, header and errors:
+checked here on one worker against a naive top-k with error feedback, the two-stage methods
+against the same exchanges executed eagerly (nothing shared), and with messages handed to the
+wrong tensor."""
 from typing import Dict, List
 
 import numpy as np
@@ -9,8 +11,11 @@ import pytest
 import tensorflow as tf
 
 from horovod_dgc.core import TopK, TopKConfig
+from horovod_dgc.core.blocksign import BlockSign, BlockSignConfig
+from horovod_dgc.core.scalecom import ScaleCom, ScaleComConfig
 from horovod_dgc.tensorflow.engine import Engine
-from tf_emulation import graph_function
+from horovod_dgc.tensorflow.twostage import TwoStageEngine
+from tf_emulation import graph_function, single_worker
 
 # a, b and c have one size (c another shape of it); d is small (1-D, under min_numel).
 SHAPES = {"a": (80, 64), "b": (80, 64), "c": (64, 80), "d": (100,)}
@@ -36,9 +41,9 @@ def _engine(nonfinite: str = "skip") -> Engine:
                   world_size=1, rank=0)
 
 
-def _counting_traces(engine: Engine) -> Dict[str, List[int]]:
-    """How often the engine's method compresses and decompresses while being traced."""
-    counts: Dict[str, List[int]] = {"compress": [], "decompress": []}
+def _counting_traces(engine: Engine, kinds=("compress", "decompress")) -> Dict[str, List[int]]:
+    """How often the engine's method runs each of ``kinds`` while being traced."""
+    counts: Dict[str, List[int]] = {kind: [] for kind in kinds}
     for kind, calls in counts.items():
         original = getattr(engine.method, kind)
 
@@ -110,3 +115,55 @@ def test_a_non_finite_gradient_in_a_shared_trace_is_named_by_its_own_tensor():
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=r"NonFiniteGradientError: gradient of tensor \W*b\W* on rank 0"):
         step([finite, poisoned])
+
+
+TWO_STAGE = {"scalecom": lambda: ScaleCom(ScaleComConfig(density=DENSITY)),
+             "blocksign": lambda: BlockSign(BlockSignConfig())}
+
+
+def _two_stage_engine(method: str, collective=single_worker):
+    """(an engine, an exchange of the gradients of the tensors of SHAPES it compresses)."""
+    specs = [tf.TensorSpec(shape, tf.float32, name) for name, shape in SHAPES.items()]
+    engine = TwoStageEngine(TWO_STAGE[method](), specs, world_size=1, rank=0)
+
+    def exchange(grads):
+        return [engine.exchange(spec.name, grad, None, collective, spec.name)[0] if engine.compresses(spec)
+                else grad for spec, grad in zip(specs, grads)]
+
+    return engine, exchange
+
+
+@pytest.mark.parametrize("method", list(TWO_STAGE))
+def test_two_stage_tensors_of_one_size_share_each_stage_and_match_the_unshared_exchange(method):
+    engine, exchange = _two_stage_engine(method)
+    traces = _counting_traces(engine, ("first", "second", "finish"))
+    unshared, eager_exchange = _two_stage_engine(method)
+    step = graph_function(exchange)
+    rs = np.random.RandomState(6)
+    for t in range(STEPS):
+        grads = [tf.constant(rs.standard_normal(shape).astype(np.float32)) for shape in SHAPES.values()]
+        for name, got, want in zip(SHAPES, step(grads), eager_exchange(grads)):
+            np.testing.assert_array_equal(got.numpy(), want.numpy(), err_msg=f"{name}, step {t}")
+            for key, memory in engine._states[name].items():
+                np.testing.assert_array_equal(memory.numpy(), unshared._states[name][key].numpy(),
+                                              err_msg=f"{name} {key}, step {t}")
+    sizes = len({np.prod(shape) for name, shape in SHAPES.items()
+                 if engine.compresses(tf.TensorSpec(shape, tf.float32))})  # blocksign leaves d dense
+    assert {kind: len(calls) for kind, calls in traces.items()} == {"first": sizes, "second": sizes,
+                                                                     "finish": sizes}
+
+
+def test_a_two_stage_message_handed_to_another_tensor_is_refused_naming_both():
+    """b's first stage receives a's message of the same size."""
+    sent = {}
+
+    def swapping(kind, message, name, root):
+        if name.endswith(".1"):
+            sent.setdefault("a", message)
+            return tf.identity(sent["a"])
+        return tf.identity(message)
+
+    _, exchange = _two_stage_engine("scalecom", swapping)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"MessageError: .*tensor \W*b\W*: tensor id is -?\d+ \(\W*a\W*\)"):
+        graph_function(exchange)([tf.ones(shape) for shape in SHAPES.values()])

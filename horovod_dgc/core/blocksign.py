@@ -151,7 +151,8 @@ class BlockSign(TwoStageMethod):
         for j in range(world):
             # One block per tensor: every shard carries the one scale.
             shard_scales = ops.slice(scales, 0 if self.config.block_size is None else j * per_shard, per_shard)
-            header = layout.header(call.rank, call.step, shard_entries(n, shard, j), flag(ops, finite))
+            header = layout.header(call.rank, call.step, shard_entries(n, shard, j), flag(ops, finite),
+                                   call.traced_id)
             messages.append(wire.encode_parts(ops, layout, header,
                                               [ops.slice(packed, j * shard // 8, shard // 8), shard_scales]))
         handover = StageHandover(call, n, ops.dtype(grad), {"layout": layout, "shard": shard})
@@ -162,7 +163,7 @@ class BlockSign(TwoStageMethod):
         concatenation, headers checked."""
         layout, call = handover.data["layout"], handover.call
         return wire.receive(ops, received, [(layout, r) for r in range(call.world_size)],
-                            call.step, call.rank)
+                            call.step, call.rank, call.traced_id)
 
     @staticmethod
     def _scale_block(ops: TensorOps, packed: Tensor, scales: Tensor) -> int:
@@ -175,7 +176,8 @@ class BlockSign(TwoStageMethod):
         (with ``nonfinite="raise"`` every server raises, naming the sender)."""
         call, layout, shard = handover.call, handover.data["layout"], handover.data["shard"]
         received = self._receive(ops, received, handover)
-        finite = received_finite(ops, self.config.nonfinite, received.flags, [call.name], call.step)
+        finite = received_finite(ops, self.config.nonfinite, received.flags, [call.name], call.step,
+                                 call.traced_id)
         dtype, total = state_dtype(handover.dtype), None
         for packed, scales in received.parts:
             total = ops.sign_decode(packed, scales, self._scale_block(ops, packed, scales), shard,
@@ -187,7 +189,7 @@ class BlockSign(TwoStageMethod):
         scales = block_scales(ops, ops.block_abs_sum(averaged, block), block, valid, shard)
         packed, server = ops.sign_compress(averaged, scales, block, shard)
         server = ops.pad(server, shard)
-        header = layout.header(call.rank, call.step, valid, flag(ops, finite))
+        header = layout.header(call.rank, call.step, valid, flag(ops, finite), call.traced_id)
         return wire.encode_parts(ops, layout, header, [packed, scales]), {**state, "server": server}
 
     def finish(self, ops: TensorOps, received: Tensor, handover: StageHandover) -> Tuple[Tensor, Scalar]:

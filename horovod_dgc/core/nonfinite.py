@@ -29,6 +29,16 @@ def settle(ops: TensorOps, policy: str, finite: Scalar, inputs: Sequence[Any],
     return ops.verify(finite, [*inputs, step], explain, finite)
 
 
+def settle_tensor(ops: TensorOps, policy: str, finite: Scalar, name: str, traced_id: Any,
+                  step: Any) -> Scalar:
+    """:func:`settle` for one tensor on some rank, named ``name``, or by the run-time id
+    ``traced_id`` where one trace serves several tensors (``CompressCall.traced_id``)."""
+    def culprit(*word: int) -> str:
+        return f"tensor {(name_of(word[0]) if word else name)!r} on some rank"
+
+    return settle(ops, policy, finite, id_inputs(traced_id), culprit, step)
+
+
 def received_finite(ops: TensorOps, policy: str, flags: Tensor, names: Sequence[str],
                     step: Any, tensor: Any = None) -> Scalar:
     """Whether no sender flagged a non-finite gradient (``flags``: one word per message, the

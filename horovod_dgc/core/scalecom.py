@@ -19,7 +19,7 @@ from .collectives import ALLREDUCE, BROADCAST
 from .config import SparseConfig
 from .memory import Accumulated, LowPassMemory
 from .method import CompressCall, State, StateLayout, state_dtype
-from .nonfinite import flag, nan_unless, settle
+from .nonfinite import flag, nan_unless, settle_tensor
 from .ops import Scalar, Tensor, TensorOps
 from .selection import (MAX_RETRIES, RETRY_FACTOR, SAMPLE_RATIO, candidate_capacity, filter_block,
                         predict_bound, select_exact, select_sampled, top_count, uses_bounds)
@@ -140,7 +140,7 @@ class ScaleCom(TwoStageMethod):
         def leader_message() -> Tuple[Tensor, Scalar]:
             def chosen(flags: Any = 0) -> Tuple[Tensor, Scalar]:
                 positions = self.leader_indices(ops, p, k, call, accumulated)
-                header = layout.header(call.rank, call.step, k, flags)
+                header = layout.header(call.rank, call.step, k, flags, call.traced_id)
                 next_bound = (predict_bound(ops, ops.min_abs(ops.gather(p, positions)), k,
                                             accumulated.candidates)
                               if bounded else kept_bound)
@@ -150,7 +150,7 @@ class ScaleCom(TwoStageMethod):
                 # No branch on the device's flag: a leader whose gradient is not finite sends
                 # its selection flagged; its NaN values in stage 2 drop the step everywhere.
                 return chosen(flag(ops, finite))
-            header = layout.header(call.rank, call.step, 0, flag(ops, False))
+            header = layout.header(call.rank, call.step, 0, flag(ops, False), call.traced_id)
             return ops.cond(finite, chosen, lambda: (layout.empty(ops, header, like=grad), 0.0))
 
         # ops.cond: in a TensorFlow graph the step, hence the leader, is known only at run time.
@@ -166,7 +166,8 @@ class ScaleCom(TwoStageMethod):
         sends NaN values, so that the all-reduce tells every rank (the leader's flag alone
         would not: only the leader's message is broadcast)."""
         layout, call = handover.data["layout"], handover.call
-        indices = leader_positions(ops, received, layout, self.root(call), call.step, call.rank)
+        indices = leader_positions(ops, received, layout, self.root(call), call.step, call.rank,
+                                   call.traced_id)
         dtype = self.config.value_dtype
         (values,), decoded = value_coding(dtype, layout.capacity).encode(
             ops, ops.gather(handover.data["p"], indices))
@@ -177,8 +178,8 @@ class ScaleCom(TwoStageMethod):
 
     def finish(self, ops: TensorOps, received: Tensor, handover: StageHandover) -> Tuple[Tensor, Scalar]:
         call = handover.call
-        finite = settle(ops, self.config.nonfinite, ops.all_finite(received), [],
-                        lambda: f"tensor {call.name!r} on some rank", call.step)
+        finite = settle_tensor(ops, self.config.nonfinite, ops.all_finite(received), call.name,
+                               call.traced_id, call.step)
         dense = ops.zeros(handover.numel, state_dtype(handover.dtype), like=received)
         dense = ops.scatter_add(dense, handover.data["indices"], ops.cast(received, ops.dtype(dense)))
         update = ops.cast(dense, handover.dtype)
@@ -186,13 +187,14 @@ class ScaleCom(TwoStageMethod):
 
 
 def leader_positions(ops: TensorOps, received: Tensor, layout: wire.MessageLayout, leader: int,
-                     step: Any, receiver: Any) -> Tensor:
+                     step: Any, receiver: Any, traced_id: Any = None) -> Tensor:
     """The ``capacity`` positions of the leader's broadcast message (0 past its count), its
     header and positions checked: by the adapter's kernel (``TensorOps.decode_positions``)
-    where it takes the message, else composed, naming any problem."""
-    decoded = ops.decode_positions(received, layout, leader, step)
+    where it takes the message, else composed, naming any problem. ``traced_id``: as
+    ``CompressCall.traced_id``."""
+    decoded = None if traced_id is not None else ops.decode_positions(received, layout, leader, step)
     if decoded is not None:
         return decoded[0]
     _, [(positions, _, _)] = wire.decode_received(ops, received, [(layout, leader)], step,
-                                                   ["float32"], receiver)
+                                                   ["float32"], receiver, traced_id)
     return positions

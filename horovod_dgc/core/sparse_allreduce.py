@@ -121,7 +121,7 @@ class SparseAllreduce(TwoStageMethod):
                 mine = self._fit(ops, x, ops.slice(positions, start, ops.gather(starts, j + 1) - start),
                                  to_owner.capacity)
                 count = ops.size(mine)
-                header = to_owner.header(call.rank, call.step, count, 0)
+                header = to_owner.header(call.rank, call.step, count, 0, call.traced_id)
                 message, decoded = to_owner.encode(ops, header, mine - j * region, count,
                                                    ops.gather(x, mine))
                 messages.append(message)
@@ -132,7 +132,7 @@ class SparseAllreduce(TwoStageMethod):
             return {**state, **worker}, ops.concat(messages)
 
         def skip() -> Tuple[State, Tensor]:
-            header = to_owner.header(call.rank, call.step, 0, wire.FLAG_NONFINITE)
+            header = to_owner.header(call.rank, call.step, 0, wire.FLAG_NONFINITE, call.traced_id)
             return state, ops.concat([to_owner.empty(ops, header, like=grad)] * world)
 
         new_state, message = ops.cond(accumulated.finite, send, skip)
@@ -157,7 +157,8 @@ class SparseAllreduce(TwoStageMethod):
         call = handover.call
         expected = [(layout, r) for r in range(call.world_size)]
         flags, messages = wire.decode_received(ops, received, expected, call.step,
-                                               [state_dtype(handover.dtype)] * len(expected), call.rank)
+                                               [state_dtype(handover.dtype)] * len(expected), call.rank,
+                                               call.traced_id)
         return flags, [(where, values) for where, values, _ in messages]
 
     def second(self, ops: TensorOps, state: State, received: Tensor,
@@ -167,7 +168,8 @@ class SparseAllreduce(TwoStageMethod):
         call, to_owner, forward = handover.call, handover.data["to_owner"], handover.data["forward"]
         world, region = call.world_size, to_owner.numel
         flags, entries = self._receive(ops, received, to_owner, handover)
-        finite = received_finite(ops, self.config.nonfinite, flags, [call.name], call.step)
+        finite = received_finite(ops, self.config.nonfinite, flags, [call.name], call.step,
+                                 call.traced_id)
         dtype = state_dtype(handover.dtype)
         total = ops.copy(state["owner_residual"])
         for where, values in entries:
@@ -178,7 +180,7 @@ class SparseAllreduce(TwoStageMethod):
             chosen = select_exact(ops, ops.slice(total, 0, valid), capacity)
         else:
             chosen = ops.zeros(0, "int64", like=total)
-        header = forward.header(call.rank, call.step, capacity, flag(ops, finite))
+        header = forward.header(call.rank, call.step, capacity, flag(ops, finite), call.traced_id)
         message, sent = forward.encode(ops, header, chosen, capacity, ops.gather(total, chosen))
         owner = ops.scatter_sub(total, chosen, ops.cast(ops.slice(sent, 0, capacity), dtype))
         return message, {**state, "owner_residual": owner}

@@ -287,6 +287,12 @@ class Engine:
         return tf.switch_case(tf.gather(tf.constant(branch_of, tf.int32), index),
                               [functools.partial(fn, i) for i in firsts])
 
+    def _share_key(self, kind: str, shape: Any, dtype: tf.DType) -> Tuple[Any, ...]:
+        """What the tensors that share ``kind``'s trace have in common (see :meth:`_shared_call`)."""
+        shape = tf.TensorShape(shape)
+        return (kind, shape.num_elements(), dtype, self.config.is_small(tuple(shape.as_list())),
+                tuple(self._density(i, shape) for i in range(len(self.densities))))
+
     def _shared_call(self, kind: str, name: str, shape: Any, dtype: tf.DType,
                      body: Callable[..., Any], *args: Any) -> Any:
         """``body(*args, traced_id)``, run for tensor ``name``: executing eagerly, directly
@@ -295,17 +301,25 @@ class Engine:
         ``body`` it keeps: a body may only depend on the tensor through its arguments)."""
         if tf.executing_eagerly():
             return body(*args, None)
-        shape = tf.TensorShape(shape)
-        key = (kind, shape.num_elements(), dtype, self.config.is_small(tuple(shape.as_list())),
-               tuple(self._density(i, shape) for i in range(len(self.densities))))
+        key = self._share_key(kind, shape, dtype)
         function = self._shared.get(key)
         if function is None:
-            function = self._shared[key] = tf.function(body, autograph=False,
+            function = self._shared[key] = tf.function(self._checked(body), autograph=False,
                                                        experimental_attributes=_NOT_INLINED)
         # Not a constant: Grappler would specialize the function for each constant argument,
         # optimizing a copy of the exchange per tensor again.
         traced_id = tf.raw_ops.PlaceholderWithDefault(input=tf.constant(tensor_id(name), tf.int64), shape=[])
         return function(*args, traced_id)
+
+    def _checked(self, body: Callable[..., Any]) -> Callable[..., Any]:
+        """``body``, its results made to wait for the checks it builds (in its own graph)."""
+        def checked(*args: Any) -> Any:
+            with self.ops.guards() as guards:
+                results = body(*args)
+            with tf.control_dependencies(guards):
+                return tf.nest.map_structure(tf.identity, results)
+
+        return checked
 
     # -- the two paths ------------------------------------------------------------------------
     def compress(self, name: str, grad: tf.Tensor, param: Optional[Any]) -> TracedMessage:

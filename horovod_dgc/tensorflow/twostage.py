@@ -5,7 +5,9 @@ the SECOND collective and ``finish`` for one tensor, and returns the averaged up
 collectives come from the caller (``compression.py`` passes Horovod's, tests an emulation),
 so this module knows nothing of Horovod. Inside a ``tf.function`` the step counter (hence
 ScaleCom's leader, ``step mod N``) is a run-time value: the core writes it into the headers
-and checks every received header against it.
+and checks every received header against it. Each stage is traced once per tensor size and
+shared, as the sparse methods' compress and decompress are (``engine.py``); the collectives
+between the stages stay per tensor, named after it.
 """
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ import tensorflow as tf
 
 from ..core.collectives import BROADCAST
 from ..core.method import CompressCall
-from ..core.twostage import TwoStageMethod
+from ..core.twostage import StageHandover, TwoStageMethod
 from .engine import Engine
+from .ops import dtype_name
 
 # collective(kind, message, name, root) -> what this rank receives; ``root`` is the rank
 # whose message a BROADCAST sends (a tensor in a graph).
@@ -27,6 +30,11 @@ class TwoStageEngine(Engine):
     """:class:`Engine` for a :class:`~horovod_dgc.core.twostage.TwoStageMethod`."""
 
     method: TwoStageMethod
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        # Per shared trace of a density's stages, the handover's entries that are not tensors.
+        self._handover_statics: Dict[Tuple[Any, ...], Dict[str, Any]] = {}
 
     def exchange(self, name: str, grad: tf.Tensor, param: Optional[Any], collective: Collective,
                  collective_name: str) -> Tuple[tf.Tensor, tf.Tensor]:
@@ -39,12 +47,13 @@ class TwoStageEngine(Engine):
         index = self._density_index_at(step)
         state, scale = self._read_state(name), self._current_loss_scale()
         step_value = int(step) if tf.executing_eagerly() else step
+        param = None if param is None else tf.convert_to_tensor(param)  # a value, whatever the variable
 
         def at_density(i: int) -> Tuple[tf.Tensor, Dict[str, tf.Tensor], tf.Tensor, tf.Tensor]:
-            call = self._call(name, step_value, self._density(i, grad.shape), param, scale, grad.shape)
+            stages = _Stages(self, name, grad, i, (step_value, param, scale))
             with self.ops.guards() as guards:
-                update, new_state, nbytes, finite = self._stages(state, flat, call, collective,
-                                                                 f"{collective_name}.d{i}")
+                update, new_state, nbytes, finite = stages.run(state, flat, collective,
+                                                               f"{collective_name}.d{i}")
             with tf.control_dependencies(guards):
                 return tf.identity(update), new_state, nbytes, tf.identity(finite)
 
@@ -60,19 +69,70 @@ class TwoStageEngine(Engine):
                      elements_compressed=numel, selection_time_s=elapsed)
         return tf.reshape(update, grad.shape), step
 
-    def _stages(self, state: Dict[str, tf.Tensor], flat: tf.Tensor, call: CompressCall,
-                collective: Collective, collective_name: str):
+
+class _Stages:
+    """One tensor's exchange at the ``i``-th density: ``first``, ``second`` and ``finish``,
+    each through the engine's function shared by the tensors of its size
+    (``Engine._shared_call``), with the collectives between them.
+
+    A stage hands the next its ``StageHandover``: the tensors in it cross the functions as
+    arguments; the rest (layouts, shard lengths) is the same for every tensor sharing the
+    trace, and is kept per shared trace."""
+
+    def __init__(self, engine: TwoStageEngine, name: str, grad: tf.Tensor, i: int,
+                 call_args: Tuple[Any, Any, Any]):
+        self.engine, self.name, self.i, self.call_args = engine, name, i, call_args
+        self.shape, self.dtype = grad.shape, grad.dtype
+        self.numel, self.dtype_name = grad.shape.num_elements(), dtype_name(grad.dtype)
+        key = engine._share_key(f"stages.d{i}", grad.shape, grad.dtype)
+        # Executing eagerly, nothing is shared: each exchange keeps its own.
+        self.statics: Dict[str, Any] = ({} if tf.executing_eagerly()
+                                        else engine._handover_statics.setdefault(key, {}))
+
+    def _call(self, step: Any, param: Any, scale: Any, traced_id: Any) -> CompressCall:
+        engine = self.engine
+        return engine._call(self.name, step, engine._density(self.i, self.shape), param, scale,
+                            self.shape, traced_id)
+
+    def _handover(self, data: Dict[str, tf.Tensor], call: CompressCall) -> StageHandover:
+        return StageHandover(call, self.numel, self.dtype_name, {**self.statics, **data})
+
+    def _tensors(self, handover: StageHandover) -> Dict[str, tf.Tensor]:
+        """The handover's tensors; the rest goes to the statics of the shared trace."""
+        tensors = {k: v for k, v in handover.data.items() if isinstance(v, tf.Tensor)}
+        self.statics.update({k: v for k, v in handover.data.items() if k not in tensors})
+        return tensors
+
+    def _shared(self, stage: str, body: Callable[..., Any], *args: Any) -> Any:
+        return self.engine._shared_call(f"{stage}.d{self.i}", self.name, self.shape, self.dtype, body,
+                                        *args, *self.call_args)
+
+    def run(self, state: Dict[str, tf.Tensor], flat: tf.Tensor, collective: Collective,
+            collective_name: str):
         """(update, new state, bytes handed to the FIRST and the SECOND collective, whether
         every rank's gradient was finite) of one exchange."""
-        method = self.method
-        root = method.root(call)
-        message, state, handover = method.first(self.ops, state, flat, call)
+        ops, method = self.engine.ops, self.engine.method
+
+        def first(state, flat, *call_args):
+            message, state, handover = method.first(ops, state, flat, self._call(*call_args))
+            return message, state, self._tensors(handover)
+
+        def second(state, received, data, *call_args):
+            handover = self._handover(data, self._call(*call_args))
+            message, state = method.second(ops, state, received, handover)
+            return message, state, self._tensors(handover)
+
+        def finish(received, data, *call_args):
+            return method.finish(ops, received, self._handover(data, self._call(*call_args)))
+
+        root = method.root(self._call(*self.call_args, None))
+        message, state, data = self._shared("first", first, state, flat)
         received = collective(method.FIRST, message, f"{collective_name}.1", root)
-        second, state = method.second(self.ops, state, received, handover)
-        received = collective(method.SECOND, second, f"{collective_name}.2", root)
-        update, finite = method.finish(self.ops, received, handover)
+        second_message, state, data = self._shared("second", second, state, received, data)
+        received = collective(method.SECOND, second_message, f"{collective_name}.2", root)
+        update, finite = self._shared("finish", finish, received, data)
         first_bytes = tf.size(message, out_type=tf.int64) * message.dtype.size
         if method.FIRST == BROADCAST:
-            first_bytes = tf.where(tf.equal(tf.cast(root, tf.int64), call.rank), first_bytes, 0)
-        second_bytes = tf.size(second, out_type=tf.int64) * second.dtype.size
+            first_bytes = tf.where(tf.equal(tf.cast(root, tf.int64), self.engine.rank), first_bytes, 0)
+        second_bytes = tf.size(second_message, out_type=tf.int64) * second_message.dtype.size
         return update, state, tf.stack([first_bytes, second_bytes]), finite
