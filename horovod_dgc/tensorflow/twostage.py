@@ -50,12 +50,9 @@ class TwoStageEngine(Engine):
         param = None if param is None else tf.convert_to_tensor(param)  # a value, whatever the variable
 
         def at_density(i: int) -> Tuple[tf.Tensor, Dict[str, tf.Tensor], tf.Tensor, tf.Tensor]:
+            # Each stage's results wait for its own checks (Engine._shared_call).
             stages = _Stages(self, name, grad, i, (step_value, param, scale))
-            with self.ops.guards() as guards:
-                update, new_state, nbytes, finite = stages.run(state, flat, collective,
-                                                               f"{collective_name}.d{i}")
-            with tf.control_dependencies(guards):
-                return tf.identity(update), new_state, nbytes, tf.identity(finite)
+            return stages.run(state, flat, collective, f"{collective_name}.d{i}")
 
         with tf.control_dependencies([started]):
             update, new_state, nbytes, finite = self._by_density(index, grad.shape, at_density)
