@@ -14,8 +14,8 @@ from horovod_dgc.tensorflow.ops import _constant
 MOST_OPS = {"dgc": 787, "topk": 749, "gaussiank": 832, "scalecom": 736, "blocksign": 649}
 # Ops each further tensor of that size adds: the calls of the shared stages, its memories read
 # and kept, its statistics (sparse methods: 55 for dgc, 47 for topk and gaussiank; two-stage
-# ones, whose collectives stay per tensor: 85 for scalecom, 84 for blocksign, when this was
-# set); a copy of the exchange is 500 or more.
+# ones, whose collectives stay per tensor: 83 for scalecom, 82 for blocksign; at 78f25ba); a
+# copy of the exchange is 500 or more.
 MOST_OPS_PER_SHARED_TENSOR = {"dgc": 60, "topk": 60, "gaussiank": 60, "scalecom": 100, "blocksign": 100}
 
 
