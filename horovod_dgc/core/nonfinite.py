@@ -40,9 +40,9 @@ def settle_tensor(ops: TensorOps, policy: str, finite: Scalar, name: str, traced
 
 
 def received_finite(ops: TensorOps, policy: str, flags: Tensor, names: Sequence[str],
-                    step: Any, tensor: Any = None) -> Scalar:
+                    step: Any, traced_id: Any = None) -> Scalar:
     """Whether no sender flagged a non-finite gradient (``flags``: one word per message, the
-    messages of ``names`` rank after rank); see :func:`settle`. ``tensor``: the run-time id of
+    messages of ``names`` rank after rank); see :func:`settle`. ``traced_id``: the run-time id of
     the one tensor of ``names``, where one trace serves several tensors (``wire.receive``)."""
     def culprit(values: List[int], *word: int) -> str:
         named = [name_of(word[0])] if word else names
@@ -51,7 +51,7 @@ def received_finite(ops: TensorOps, policy: str, flags: Tensor, names: Sequence[
         more = f" (and {len(flagged) - 1} more)" if len(flagged) > 1 else ""
         return f"tensor {name!r} on rank {rank}{more}"
 
-    return settle(ops, policy, none_flagged(ops, flags), [flags, *id_inputs(tensor)], culprit, step)
+    return settle(ops, policy, none_flagged(ops, flags), [flags, *id_inputs(traced_id)], culprit, step)
 
 
 def flag(ops: TensorOps, finite: Scalar) -> Any:

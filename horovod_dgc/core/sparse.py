@@ -192,6 +192,6 @@ def _sum_messages(ops: TensorOps, gathered: Tensor, layouts: Sequence[wire.Messa
     of tensor t's messages. Returns the sums and each message's flags word."""
     expected = [(layout, rank) for rank in range(world_size) for layout in layouts]
     dtypes = [ops.dtype(sums[m % len(layouts)]) for m in range(len(expected))]
-    flags, messages = wire.decode_received(ops, gathered, expected, step, dtypes, tensor=traced_id)
+    flags, messages = wire.decode_received(ops, gathered, expected, step, dtypes, traced_id=traced_id)
     return ([ops.sum_sparse(s, messages[t::len(layouts)], 1.0 / world_size) for t, s in enumerate(sums)],
             flags)

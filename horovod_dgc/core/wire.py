@@ -141,28 +141,28 @@ class Layout:
         return ((MAGIC, self.method_id), tensor_id(self.name),
                 (self.numel % _INT31, self.numel // _INT31, self.capacity), self.format_codes)
 
-    def header(self, rank: Any, step: Any, count: Any, flags: Any, tensor: Any = None) -> List[Any]:
+    def header(self, rank: Any, step: Any, count: Any, flags: Any, traced_id: Any = None) -> List[Any]:
         """The header words of a message from ``rank`` at ``step`` (Python ints or 0-d
-        integer tensors, so a graph can write run-time values). ``tensor``: the tensor id
+        integer tensors, so a graph can write run-time values). ``traced_id``: the tensor id
         word, where one trace serves several tensors of this layout's size (a run-time
         value); None: the id of the layout's name."""
         kind, identity, size, formats = self._fixed_words
-        return [*kind, identity if tensor is None else tensor, *size, count, *formats, rank,
+        return [*kind, identity if traced_id is None else traced_id, *size, count, *formats, rank,
                 step_word(step), flags]
 
-    def bounds(self, rank: Any, step: Any, tensor: Any = None) -> Tuple[List[Any], List[Any]]:
+    def bounds(self, rank: Any, step: Any, traced_id: Any = None) -> Tuple[List[Any], List[Any]]:
         """(lowest, highest) accepted value of each header word of a message from ``rank``
         at ``step``: every word is fixed but the count (0 to capacity) and the flags."""
-        low = self.header(rank, step, 0, 0, tensor)
-        high = self.header(rank, step, self.capacity, FLAG_NONFINITE, tensor)
+        low = self.header(rank, step, 0, 0, traced_id)
+        high = self.header(rank, step, self.capacity, FLAG_NONFINITE, traced_id)
         return low, high
 
-    def diagnose(self, words: Sequence[int], rank: int, step: int, tensor: Optional[int] = None) -> None:
+    def diagnose(self, words: Sequence[int], rank: int, step: int, traced_id: Optional[int] = None) -> None:
         """Raise MessageError, naming the field, unless ``words`` is a valid header from
-        ``rank`` for this tensor (``tensor``: its id, given at run time) at ``step``."""
+        ``rank`` for this tensor (``traced_id``: its id, given at run time) at ``step``."""
         if len(words) != HEADER_WORDS:
-            self._fail(rank, f"header has {len(words)} words, expected {HEADER_WORDS}", tensor)
-        low, high = self.bounds(rank, step, tensor)
+            self._fail(rank, f"header has {len(words)} words, expected {HEADER_WORDS}", traced_id)
+        low, high = self.bounds(rank, step, traced_id)
         for field, got, least, most in zip(HEADER_FIELDS, words, low, high):
             if not least <= got <= most:
                 wanted = least if least == most else f"{least} to {most}"
@@ -170,15 +170,15 @@ class Layout:
                     got, wanted = (f"{i} ({METHOD_NAMES.get(i, 'none')})" for i in (got, wanted))
                 elif field == "tensor id" and got in TENSOR_NAMES:  # another tensor's message
                     got = f"{got} ({TENSOR_NAMES[got]!r})"
-                self._fail(rank, f"{field} is {got}, expected {wanted}", tensor)
+                self._fail(rank, f"{field} is {got}, expected {wanted}", traced_id)
 
-    def named(self, tensor: Optional[int] = None) -> str:
-        """The name of this layout's tensor, or of the tensor whose id is ``tensor``."""
-        return self.name if tensor is None else name_of(tensor)
+    def named(self, traced_id: Optional[int] = None) -> str:
+        """The name of this layout's tensor, or of the tensor whose id is ``traced_id``."""
+        return self.name if traced_id is None else name_of(traced_id)
 
-    def _fail(self, rank: int, detail: str, tensor: Optional[int] = None) -> None:
+    def _fail(self, rank: int, detail: str, traced_id: Optional[int] = None) -> None:
         raise MessageError(f"rank {rank} sent a malformed message for tensor "
-                           f"{self.named(tensor)!r}: {detail}")
+                           f"{self.named(traced_id)!r}: {detail}")
 
 
 @dataclass(frozen=True)
@@ -295,12 +295,12 @@ class Received:
 
 
 def receive(ops: TensorOps, data: Tensor, expected: Sequence[Expected], step: Any,
-            receiver: Any = None, tensor: Any = None) -> Received:
+            receiver: Any = None, traced_id: Any = None) -> Received:
     """The parts and flags of each message in ``data``, the concatenation of one message per
     entry of ``expected``, after checking the total size and every header at once (one
     comparison; ``step`` may be a run-time tensor). On any difference :class:`MessageError`
     names the first sending rank and tensor that differ, or the receiving rank ``receiver``
-    when only the size differs. ``tensor``: the tensor id word every message carries, where
+    when only the size differs. ``traced_id``: the tensor id word every message carries, where
     one trace serves several tensors (``Layout.header``); None: each layout's own."""
     total = sum(layout.nbytes for layout, _ in expected)
     size_ok = ops.size(data) == total
@@ -308,11 +308,11 @@ def receive(ops: TensorOps, data: Tensor, expected: Sequence[Expected], step: An
     offsets = _offsets(expected)
     headers = ops.from_bytes(ops.concat([ops.slice(fitted, offset, HEADER_BYTES)
                                          for offset in offsets]), "int32")
-    low, high = _bounds(expected, step, tensor)
+    low, high = _bounds(expected, step, traced_id)
     valid = ops.all_within(headers, ops.constant(low, "int32", like=headers),
                            ops.constant(high, "int32", like=headers))
     senders = ops.constant([sender for _, sender in expected], "int64", like=headers)
-    fitted = ops.verify(ops.where(size_ok, valid, False), [data, senders, step, *id_inputs(tensor)],
+    fitted = ops.verify(ops.where(size_ok, valid, False), [data, senders, step, *id_inputs(traced_id)],
                         lambda values, ranks, at, *word: _diagnose(values, ranks, at, expected, total,
                                                                    receiver, *word),
                         fitted)
@@ -355,18 +355,18 @@ def header_table(layouts: Tuple[Layout, ...], senders: Tuple[int, ...]) -> Heade
                        total_bytes=sum(layout.nbytes for layout, _ in expected))
 
 
-def id_inputs(tensor: Any) -> List[Any]:
+def id_inputs(traced_id: Any) -> List[Any]:
     """The run-time inputs an explanation takes for a tensor id word given at run time."""
-    return [] if tensor is None else [tensor]
+    return [] if traced_id is None else [traced_id]
 
 
-def _bounds(expected: Sequence[Expected], step: Any, tensor: Any = None) -> Tuple[List[Any], List[Any]]:
+def _bounds(expected: Sequence[Expected], step: Any, traced_id: Any = None) -> Tuple[List[Any], List[Any]]:
     """Every expected message's lowest accepted header words, one after another; then its
     highest (``Layout.bounds``)."""
     low: List[Any] = []
     high: List[Any] = []
     for layout, sender in expected:
-        least, most = layout.bounds(sender, step, tensor)
+        least, most = layout.bounds(sender, step, traced_id)
         low += least
         high += most
     return low, high
@@ -382,10 +382,10 @@ def _offsets(expected: Sequence[Expected]) -> List[int]:
 
 def _diagnose(data: Sequence[int], senders: Sequence[int], step: int,
               expected: Sequence[Expected], total: int, receiver: Any,
-              tensor: Optional[int] = None) -> None:
+              traced_id: Optional[int] = None) -> None:
     """Raise MessageError for the first message whose header is wrong, read where it should
     be (with the size difference, if any, as context)."""
-    names = ", ".join(repr(name) for name in sorted({layout.named(tensor) for layout, _ in expected}))
+    names = ", ".join(repr(name) for name in sorted({layout.named(traced_id) for layout, _ in expected}))
     where = "" if receiver is None else f" on rank {receiver}"
     size_note = "" if len(data) == total else (
         f"; received {len(data)} bytes for tensor(s) {names}{where}, expected {total} (a "
@@ -396,18 +396,18 @@ def _diagnose(data: Sequence[int], senders: Sequence[int], step: int,
             break
         words = list(struct.unpack(f"={HEADER_WORDS}i", raw[offset:offset + HEADER_BYTES]))
         try:
-            layout.diagnose(words, int(sender), int(step), tensor)
+            layout.diagnose(words, int(sender), int(step), traced_id)
         except MessageError as error:
             raise MessageError(f"{error}{size_note}") from None
     raise MessageError(f"the messages are malformed{size_note or f' for tensor(s) {names}{where}'}")
 
 
 def checked_positions(ops: TensorOps, decoded: Sequence[Tuple[Tensor, Any]],
-                      expected: Sequence[Expected], step: Any, tensor: Any = None) -> List[Tensor]:
+                      expected: Sequence[Expected], step: Any, traced_id: Any = None) -> List[Tensor]:
     """The positions of every message, once every message's positions are known to agree
     with its count and to lie inside its tensor (``decoded``: (positions, whether they do)
     per message of ``expected``); else MessageError names the first sender that differs.
-    ``tensor``: as :func:`receive`'s."""
+    ``traced_id``: as :func:`receive`'s."""
     all_positions = ops.concat([positions for positions, _ in decoded])
     verdicts = ops.constant([ops.where(ok, 1, 0) for _, ok in decoded], "int32", like=all_positions)
     senders = ops.constant([sender for _, sender in expected], "int64", like=all_positions)
@@ -418,7 +418,7 @@ def checked_positions(ops: TensorOps, decoded: Sequence[Tuple[Tensor, Any]],
                 layout._fail(rank, "its positions disagree with its count or lie outside the "
                              "tensor (a corrupted message?)", *word)
 
-    all_positions = ops.verify(ops.all_within(verdicts, 1, 1), [verdicts, senders, step, *id_inputs(tensor)],
+    all_positions = ops.verify(ops.all_within(verdicts, 1, 1), [verdicts, senders, step, *id_inputs(traced_id)],
                                explain, all_positions)
     out, offset = [], 0
     for positions, _ in decoded:
@@ -428,17 +428,17 @@ def checked_positions(ops: TensorOps, decoded: Sequence[Tuple[Tensor, Any]],
 
 
 def decode_received(ops: TensorOps, data: Tensor, expected: Sequence[Expected], step: Any,
-                    dtypes: Sequence[str], receiver: Any = None, tensor: Any = None
+                    dtypes: Sequence[str], receiver: Any = None, traced_id: Any = None
                     ) -> Tuple[Tensor, List[Tuple[Tensor, Optional[Tensor], Any]]]:
     """(each message's flags word, each message's (positions, values as ``dtypes[m]``,
     count)) of ``data``, the concatenation of one message per entry of ``expected``: every
     header checked (:func:`receive`), every message decoded, its positions checked
     (:func:`checked_positions`). What a kernel's decode (``TensorOps.decode_sums``,
-    ``decode_positions``) does in one call, composed. ``tensor``: as :func:`receive`'s."""
-    received = receive(ops, data, expected, step, receiver, tensor)
+    ``decode_positions``) does in one call, composed. ``traced_id``: as :func:`receive`'s."""
+    received = receive(ops, data, expected, step, receiver, traced_id)
     counts = [ops.gather(received.counts, m) for m in range(len(expected))]
     decoded = [layout.decode(ops, parts, count, dtype) for (layout, _), parts, count, dtype
                in zip(expected, received.parts, counts, dtypes)]
-    positions = checked_positions(ops, [(where, ok) for where, _, ok in decoded], expected, step, tensor)
+    positions = checked_positions(ops, [(where, ok) for where, _, ok in decoded], expected, step, traced_id)
     return received.flags, [(where, values, count) for where, (_, values, _), count
                             in zip(positions, decoded, counts)]
