@@ -17,14 +17,15 @@ HOSTS = ("localhost", "127.0.0.1", socket.gethostname())
 VICTIM = "127.0.0.1"
 
 
-def elastic_job(tmp_path, discovery: str, np: int, *options: str) -> subprocess.CompletedProcess:
+def elastic_job(tmp_path, discovery: str, np: int, *options: str,
+                gloo_timeout_s: int = 10) -> subprocess.CompletedProcess:
     """tests/workers/elastic_torch.py under horovodrun, elastic between 2 and 3 workers;
     ``discovery``: the lines of the host discovery script after its shebang."""
     script = tmp_path / "discover_hosts.sh"
     script.write_text("#!/bin/sh\n" + discovery)
     script.chmod(0o755)
     cmd = [str(BIN / "horovodrun"), "-np", str(np), "--min-np", "2", "--max-np", "3",
-           "--host-discovery-script", str(script), "--gloo", "--gloo-timeout-seconds", "10",
+           "--host-discovery-script", str(script), "--gloo", "--gloo-timeout-seconds", str(gloo_timeout_s),
            sys.executable, str(WORKERS / "elastic_torch.py"), *options]
     return subprocess.run(cmd, cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=300)
@@ -53,7 +54,10 @@ def test_worker_added_at_a_commit_takes_its_share_and_conserves_gradient_mass(tm
     marker = tmp_path / "host_added"
     # The third host is listed once rank 0 asks for it by writing the marker.
     discovery = f"echo {HOSTS[0]}:1\necho {HOSTS[1]}:1\n[ -e {marker} ] && echo {HOSTS[2]}:1\nexit 0\n"
-    proc = elastic_job(tmp_path, discovery, 2, "--event", "grow", "--marker", str(marker), "--path", path)
+    # The survivors wait in Gloo's rendezvous while the newcomer imports torch and Horovod:
+    # on a loaded 2-core machine that took over 10 s once ("Wait timeout").
+    proc = elastic_job(tmp_path, discovery, 2, "--event", "grow", "--marker", str(marker), "--path", path,
+                       gloo_timeout_s=60)
     out = proc.stdout
     assert proc.returncode == 0, out[-6000:]
     assert marker.read_text() == "host added at step 10"
