@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from horovod_dgc.core import TopK, TopKConfig
+from horovod_dgc.core import DGC, DGCConfig, TopK, TopKConfig
 from horovod_dgc.core.blocksign import BlockSign, BlockSignConfig
 from horovod_dgc.core.scalecom import ScaleCom, ScaleComConfig
 from horovod_dgc.tensorflow.engine import Engine
@@ -79,6 +79,35 @@ def test_tensors_of_one_size_share_one_trace_and_keep_their_own_selection_and_me
                                           err_msg=f"{name}, step {t}")
     assert step.experimental_get_tracing_count() == 1
     assert (len(traces["compress"]), len(traces["decompress"])) == (2, 2)  # a, b, c's size; d's
+
+
+def test_a_small_and_a_large_tensor_of_one_size_and_density_keep_traces_of_their_own():
+    """At equal densities only smallness tells a 1-D tensor (small: DGC keeps its momentum
+    unmasked) from a 2-D one of the same size (masked): sharing one trace would give one of
+    them the other's memory. Both must step as when executed eagerly (nothing shared)."""
+    shapes = {"kernel": (64, 64), "bias": (4096,)}
+
+    def engine() -> Engine:
+        method = DGC(DGCConfig(density=0.05, small_density=0.05))
+        return Engine(method, [tf.TensorSpec(shape, tf.float32, name) for name, shape in shapes.items()],
+                      world_size=1, rank=0)
+
+    def exchange(engine: Engine, grads):
+        messages = [engine.compress(name, grad, None) for name, grad in zip(shapes, grads)]
+        return [engine.decompress(message.message, message) for message in messages]
+
+    shared, eager = engine(), engine()
+    traces = _counting_traces(shared, ("compress",))
+    step = graph_function(lambda grads: exchange(shared, grads))
+    rs = np.random.RandomState(7)
+    for t in range(STEPS):
+        grads = [tf.constant(rs.standard_normal(shape).astype(np.float32)) for shape in shapes.values()]
+        for name, got, want in zip(shapes, step(grads), exchange(eager, grads)):
+            np.testing.assert_array_equal(got.numpy(), want.numpy(), err_msg=f"{name}, step {t}")
+            for key, memory in eager._states[name].items():
+                np.testing.assert_array_equal(shared._states[name][key].numpy(), memory.numpy(),
+                                              err_msg=f"{name}'s {key}, step {t}")
+    assert len(traces["compress"]) == 2
 
 
 def _handed_over(engine: Engine, corrupt):
