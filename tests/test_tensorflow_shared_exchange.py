@@ -151,15 +151,28 @@ TWO_STAGE = {"scalecom": lambda: ScaleCom(ScaleComConfig(density=DENSITY)),
 
 
 def _two_stage_engine(method: str, collective=single_worker):
-    """(an engine, an exchange of the gradients of the tensors of SHAPES it compresses)."""
+    """(an engine, an exchange of the gradients of the tensors of SHAPES it compresses);
+    ``method``: a name of TWO_STAGE or a ``Method``."""
     specs = [tf.TensorSpec(shape, tf.float32, name) for name, shape in SHAPES.items()]
-    engine = TwoStageEngine(TWO_STAGE[method](), specs, world_size=1, rank=0)
+    built = TWO_STAGE[method]() if isinstance(method, str) else method
+    engine = TwoStageEngine(built, specs, world_size=1, rank=0)
 
     def exchange(grads):
         return [engine.exchange(spec.name, grad, None, collective, spec.name)[0] if engine.compresses(spec)
                 else grad for spec, grad in zip(specs, grads)]
 
     return engine, exchange
+
+
+def _check_against_eager(step, engine: TwoStageEngine, eager_exchange, unshared: TwoStageEngine,
+                         grads, t: int) -> None:
+    """The traced ``step`` of ``engine`` and the eager exchange of ``unshared`` give the same
+    results for ``grads`` at step ``t`` and leave the same memories."""
+    for name, got, want in zip(SHAPES, step(grads), eager_exchange(grads)):
+        np.testing.assert_array_equal(got.numpy(), want.numpy(), err_msg=f"{name}, step {t}")
+        for key, memory in engine._states[name].items():
+            np.testing.assert_array_equal(memory.numpy(), unshared._states[name][key].numpy(),
+                                          err_msg=f"{name} {key}, step {t}")
 
 
 @pytest.mark.parametrize("method", list(TWO_STAGE))
@@ -171,15 +184,28 @@ def test_two_stage_tensors_of_one_size_share_each_stage_and_match_the_unshared_e
     rs = np.random.RandomState(6)
     for t in range(STEPS):
         grads = [tf.constant(rs.standard_normal(shape).astype(np.float32)) for shape in SHAPES.values()]
-        for name, got, want in zip(SHAPES, step(grads), eager_exchange(grads)):
-            np.testing.assert_array_equal(got.numpy(), want.numpy(), err_msg=f"{name}, step {t}")
-            for key, memory in engine._states[name].items():
-                np.testing.assert_array_equal(memory.numpy(), unshared._states[name][key].numpy(),
-                                              err_msg=f"{name} {key}, step {t}")
+        _check_against_eager(step, engine, eager_exchange, unshared, grads, t)
     sizes = len({np.prod(shape) for name, shape in SHAPES.items()
                  if engine.compresses(tf.TensorSpec(shape, tf.float32))})  # blocksign leaves d dense
     assert {kind: len(calls) for kind, calls in traces.items()} == {"first": sizes, "second": sizes,
                                                                      "finish": sizes}
+
+
+def test_each_warm_up_density_has_its_own_two_stage_traces_and_matches_the_eager_exchange():
+    """ScaleCom through its warm-up in one traced function (the density index switches at run
+    time, without retracing): each density's stages are traced apart. Stages shared across
+    densities would run every step at the first one, silently."""
+    config = ScaleComConfig(density=DENSITY, warmup_epochs=1)  # densities 0.141, then 0.02
+    engine, exchange = _two_stage_engine(ScaleCom(config))
+    unshared, eager_exchange = _two_stage_engine(ScaleCom(config))
+    step = graph_function(exchange)
+    rs = np.random.RandomState(8)
+    for t in range(4):
+        for each in (engine, unshared):
+            each.set_epoch(t // 2)
+        grads = [tf.constant(rs.standard_normal(shape).astype(np.float32)) for shape in SHAPES.values()]
+        _check_against_eager(step, engine, eager_exchange, unshared, grads, t)
+    assert step.experimental_get_tracing_count() == 1
 
 
 def test_a_two_stage_message_handed_to_another_tensor_is_refused_naming_both():
