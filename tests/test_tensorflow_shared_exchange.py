@@ -13,6 +13,7 @@ import tensorflow as tf
 from horovod_dgc.core import DGC, DGCConfig, TopK, TopKConfig
 from horovod_dgc.core.blocksign import BlockSign, BlockSignConfig
 from horovod_dgc.core.scalecom import ScaleCom, ScaleComConfig
+from horovod_dgc.core.twostage import TwoStageMethod
 from horovod_dgc.tensorflow.engine import Engine
 from horovod_dgc.tensorflow.twostage import TwoStageEngine
 from tf_emulation import graph_function, single_worker
@@ -53,6 +54,17 @@ def _counting_traces(engine: Engine, kinds=("compress", "decompress")) -> Dict[s
 
         setattr(engine.method, kind, counted)
     return counts
+
+
+def _check_against_eager(names, traced, engine: Engine, eager, unshared: Engine, t: int) -> None:
+    """The results of a traced step of ``engine`` (``traced``) equal those of the same exchange
+    executed eagerly by ``unshared`` (``eager``) at step ``t``, and the memories they leave,
+    tensor by tensor of ``names``."""
+    for name, got, want in zip(names, traced, eager):
+        np.testing.assert_array_equal(got.numpy(), want.numpy(), err_msg=f"{name}, step {t}")
+        for key, memory in unshared._states[name].items():
+            np.testing.assert_array_equal(engine._states[name][key].numpy(), memory.numpy(),
+                                          err_msg=f"{name} {key}, step {t}")
 
 
 def test_tensors_of_one_size_share_one_trace_and_keep_their_own_selection_and_memory():
@@ -102,11 +114,7 @@ def test_a_small_and_a_large_tensor_of_one_size_and_density_keep_traces_of_their
     rs = np.random.RandomState(7)
     for t in range(STEPS):
         grads = [tf.constant(rs.standard_normal(shape).astype(np.float32)) for shape in shapes.values()]
-        for name, got, want in zip(shapes, step(grads), exchange(eager, grads)):
-            np.testing.assert_array_equal(got.numpy(), want.numpy(), err_msg=f"{name}, step {t}")
-            for key, memory in eager._states[name].items():
-                np.testing.assert_array_equal(shared._states[name][key].numpy(), memory.numpy(),
-                                              err_msg=f"{name}'s {key}, step {t}")
+        _check_against_eager(shapes, step(grads), shared, exchange(eager, grads), eager, t)
     assert len(traces["compress"]) == 2
 
 
@@ -150,12 +158,11 @@ TWO_STAGE = {"scalecom": lambda: ScaleCom(ScaleComConfig(density=DENSITY)),
              "blocksign": lambda: BlockSign(BlockSignConfig())}
 
 
-def _two_stage_engine(method: str, collective=single_worker):
-    """(an engine, an exchange of the gradients of the tensors of SHAPES it compresses);
-    ``method``: a name of TWO_STAGE or a ``Method``."""
+def _two_stage_engine(method: TwoStageMethod, collective=single_worker):
+    """(an engine of ``method``, an exchange of the gradients of the tensors of SHAPES it
+    compresses)."""
     specs = [tf.TensorSpec(shape, tf.float32, name) for name, shape in SHAPES.items()]
-    built = TWO_STAGE[method]() if isinstance(method, str) else method
-    engine = TwoStageEngine(built, specs, world_size=1, rank=0)
+    engine = TwoStageEngine(method, specs, world_size=1, rank=0)
 
     def exchange(grads):
         return [engine.exchange(spec.name, grad, None, collective, spec.name)[0] if engine.compresses(spec)
@@ -164,27 +171,16 @@ def _two_stage_engine(method: str, collective=single_worker):
     return engine, exchange
 
 
-def _check_against_eager(step, engine: TwoStageEngine, eager_exchange, unshared: TwoStageEngine,
-                         grads, t: int) -> None:
-    """The traced ``step`` of ``engine`` and the eager exchange of ``unshared`` give the same
-    results for ``grads`` at step ``t`` and leave the same memories."""
-    for name, got, want in zip(SHAPES, step(grads), eager_exchange(grads)):
-        np.testing.assert_array_equal(got.numpy(), want.numpy(), err_msg=f"{name}, step {t}")
-        for key, memory in engine._states[name].items():
-            np.testing.assert_array_equal(memory.numpy(), unshared._states[name][key].numpy(),
-                                          err_msg=f"{name} {key}, step {t}")
-
-
 @pytest.mark.parametrize("method", list(TWO_STAGE))
 def test_two_stage_tensors_of_one_size_share_each_stage_and_match_the_unshared_exchange(method):
-    engine, exchange = _two_stage_engine(method)
+    engine, exchange = _two_stage_engine(TWO_STAGE[method]())
     traces = _counting_traces(engine, ("first", "second", "finish"))
-    unshared, eager_exchange = _two_stage_engine(method)
+    unshared, eager_exchange = _two_stage_engine(TWO_STAGE[method]())
     step = graph_function(exchange)
     rs = np.random.RandomState(6)
     for t in range(STEPS):
         grads = [tf.constant(rs.standard_normal(shape).astype(np.float32)) for shape in SHAPES.values()]
-        _check_against_eager(step, engine, eager_exchange, unshared, grads, t)
+        _check_against_eager(SHAPES, step(grads), engine, eager_exchange(grads), unshared, t)
     sizes = len({np.prod(shape) for name, shape in SHAPES.items()
                  if engine.compresses(tf.TensorSpec(shape, tf.float32))})  # blocksign leaves d dense
     assert {kind: len(calls) for kind, calls in traces.items()} == {"first": sizes, "second": sizes,
@@ -204,7 +200,7 @@ def test_each_warm_up_density_has_its_own_two_stage_traces_and_matches_the_eager
         for each in (engine, unshared):
             each.set_epoch(t // 2)
         grads = [tf.constant(rs.standard_normal(shape).astype(np.float32)) for shape in SHAPES.values()]
-        _check_against_eager(step, engine, eager_exchange, unshared, grads, t)
+        _check_against_eager(SHAPES, step(grads), engine, eager_exchange(grads), unshared, t)
     assert step.experimental_get_tracing_count() == 1
 
 
@@ -218,7 +214,7 @@ def test_a_two_stage_message_handed_to_another_tensor_is_refused_naming_both():
             return tf.identity(sent["a"])
         return tf.identity(message)
 
-    _, exchange = _two_stage_engine("scalecom", swapping)
+    _, exchange = _two_stage_engine(TWO_STAGE["scalecom"](), swapping)
     with pytest.raises(tf.errors.InvalidArgumentError,
                        match=r"MessageError: .*tensor \W*b\W*: tensor id is -?\d+ \(\W*a\W*\)"):
         graph_function(exchange)([tf.ones(shape) for shape in SHAPES.values()])
