@@ -33,26 +33,30 @@ CONFIGS = ([(spec.name, {}) for spec in METHODS]
 IDS = [name + "".join(f"-{v}" for v in options.values()) for name, options in CONFIGS]
 
 
-def run(name, options, device, dtype, ops=None):
+def run(name, options, device, dtype, ops=None, memory_format=torch.contiguous_format, shapes=SHAPES):
     """Every rank's averaged gradients at each step, and rank 0's memories at the end
-    (``ops``: the engines' TensorOps, if not their own)."""
+    (``ops``: the engines' TensorOps, if not their own; ``memory_format``: the 4-D
+    gradients' layout)."""
     engines = [Engine(BY_NAME[name].build(**options), world_size=WORLD, rank=r) for r in range(WORLD)]
     for engine in engines:
         engine.ops = ops or engine.ops
-    names = [f"t{i}" for i in range(len(SHAPES))]
+    names = [f"t{i}" for i in range(len(shapes))]
     averages = []
     for step in range(STEPS):
-        outputs = compress_all(engines, names, gradients(SHAPES, WORLD, step, device, dtype))
-        decoded = decode_all(engines, names, SHAPES, outputs)
+        grads = [[g.to(memory_format=memory_format) if g.dim() == 4 else g for g in rank]
+                 for rank in gradients(shapes, WORLD, step, device, dtype)]
+        outputs = compress_all(engines, names, grads)
+        decoded = decode_all(engines, names, shapes, outputs)
         averages.append([[a.float().cpu() for a in rank] for rank in decoded])
     memories = {key: tensor.float().cpu() for key, tensor in engines[0].state_dict()["states"]["t0"].items()}
     return averages, memories
 
 
-def assert_same_run(expected_run, got_run):
+def assert_same_run(expected_run, got_run, shapes=SHAPES):
     for step, (expected, got) in enumerate(zip(expected_run[0], got_run[0])):
         for rank, (e_rank, g_rank) in enumerate(zip(expected, got)):
-            for shape, e, g in zip(SHAPES, e_rank, g_rank):
+            assert len(e_rank) == len(g_rank) == len(shapes)
+            for shape, e, g in zip(shapes, e_rank, g_rank):
                 assert g.shape == e.shape
                 torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-5,
                                            msg=lambda m: f"step {step}, rank {rank}, {shape}: {m}")
@@ -73,6 +77,18 @@ def test_choosing_as_on_a_gpu_changes_nothing_on_the_cpu(name, options):
     kept) sends what the CPU's selection sends, through the whole engine."""
     assert_same_run(run(name, options, "cpu", torch.float32),
                     run(name, options, "cpu", torch.float32, WaitingOps(defer_checks=True)))
+
+
+@pytest.mark.parametrize("name,options", CONFIGS, ids=IDS)
+def test_channels_last_gradients_give_what_contiguous_ones_give(name, options):
+    """A model in ``torch.channels_last`` (the usual layout for convolutions under autocast)
+    has 4-D gradients whose storage order is not their element order: a flatten or a kernel
+    that reads storage order would select, scale and keep other entries than it should.
+    A compressed kernel's gradient and a small one's."""
+    shapes = [(64, 3, 7, 7), (16, 3, 3, 3)]
+    assert_same_run(run(name, options, "cpu", torch.float32, shapes=shapes),
+                    run(name, options, "cpu", torch.float32, memory_format=torch.channels_last, shapes=shapes),
+                    shapes)
 
 
 @cuda_only
