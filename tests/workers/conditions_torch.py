@@ -5,8 +5,9 @@ scales travel as float32), two models with an optimizer each stepping after one 
 pass (a GAN's generator and discriminator: their collectives in flight at once), a
 ``torch.compile``'d model (its backward a compiled graph), Horovod's
 ``broadcast_optimizer_state`` before training (no training step), a channels-last
-gradient and Horovod's grouped all-reduces (``groups=``), Adam under a
-method that keeps a plain residual, and DGC refusing Adam (it keeps the momentum itself)."""
+gradient and Horovod's grouped all-reduces (``groups=``), Horovod's gradient-clipping
+recipe (with and without a GradScaler), Adam under a method that keeps a plain residual, and
+DGC refusing Adam (it keeps the momentum itself)."""
 from typing import Callable, Tuple
 
 import horovod.torch as hvd
@@ -190,6 +191,54 @@ def channels_last_and_grouped_all_reduces(method: str) -> None:
                 f"groups.{method}: differs from ungrouped all-reduces"
 
 
+def memories(compression) -> dict:
+    """Copies of every memory tensor of ``compression``, by parameter and slot."""
+    return {f"{n}.{k}": v.clone() for n, slots in compression.state_dict()["states"].items()
+            for k, v in slots.items()}
+
+
+def clipped_after_synchronize(method: str, path: str, scaled: bool) -> None:
+    """Horovod's clipping recipe (``synchronize()``, a GradScaler's ``unscale_`` if
+    ``scaled``, ``clip_grad_norm_``, ``step()`` under ``skip_synchronize()``): each step applies
+    -lr times the average clipped by the norm computed here, and ``step()`` leaves the memories
+    as ``synchronize()`` left them. Catches a ``step()`` that writes its own copy of the
+    average over the clipped gradients, or that exchanges them again."""
+    label, lr, max_norm = f"clip.{method}.{path}.{scaled}", 0.05, 0.1
+    net = model()
+    optimizer, compression = distributed(net, method, path, torch.optim.SGD(net.parameters(), lr=lr),
+                                         prefix=label)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if scaled else None
+    if scaled:
+        compression.attach_grad_scaler(scaler)
+    for step in range(3):
+        gen = torch.Generator().manual_seed(100 * step + hvd.rank())
+        optimizer.zero_grad()
+        loss = net(torch.randn(16, 64, generator=gen)).pow(2).mean()
+        (scaler.scale(loss) if scaled else loss).backward()
+        optimizer.synchronize()
+        if scaled:
+            scaler.unscale_(optimizer)
+        average = [p.grad.double() for p in net.parameters()]
+        norm = sum(float((g * g).sum()) for g in average) ** 0.5
+        assert norm > max_norm, f"{label} step {step}: nothing to clip (norm {norm})"
+        torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm)
+        before, kept = [p.detach().clone() for p in net.parameters()], memories(compression)
+        with optimizer.skip_synchronize():
+            if scaled:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+        for p, old, g in zip(net.parameters(), before, average):
+            expected = old.double() - lr * g * (max_norm / (norm + 1e-6))
+            assert torch.allclose(p.detach().double(), expected, rtol=0, atol=1e-7), \
+                f"{label} step {step}: the update is not -lr times the clipped average"
+        after = memories(compression)
+        assert after.keys() == kept.keys() and all(torch.equal(v, after[k]) for k, v in kept.items()), \
+            f"{label} step {step}: step() changed the memories synchronize() left"
+    same_on_every_rank(net, label)
+
+
 def adam_under_a_plain_residual(path: str) -> None:
     net = model()
     optimizer, _ = distributed(net, "topk", path, torch.optim.Adam(net.parameters(), lr=1e-3))
@@ -231,6 +280,9 @@ if __name__ == "__main__":
             float64_model(spec.name, path)
             optimizers_in_flight_at_once(spec.name, path)
         channels_last_and_grouped_all_reduces(spec.name)
+        for path in ("stock", "own"):
+            for scaled in (False, True):
+                clipped_after_synchronize(spec.name, path, scaled)
     for method in ("dgc", "scalecom"):
         state_broadcast_is_no_step(method)
     compiled_model("topk", "stock")
