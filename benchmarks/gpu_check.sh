@@ -3,6 +3,8 @@
 # `benchmarks.compress --device cuda`, `benchmarks.host_syncs` and `benchmarks.gpu_profile`.
 # Needs PyTorch with CUDA, not Horovod. Each part has its own time limit, so that one that
 # hangs leaves the others' results; the exit status is that of the first part that failed.
+# OUT_DIR gets at most 8 files (what the device tool brings back): device.txt, and a .txt per
+# part plus a .json for compress, syncs and profile; the C kernels' build log only if it fails.
 #
 #   benchmarks/gpu_check.sh [OUT_DIR] [PARTS...]    (PARTS: tests compress syncs profile; default: all;
 #                                                 TESTS=... overrides the test files)
@@ -29,8 +31,10 @@ part() {  # name, limit in seconds, command...
 
 # The CPU kernels are part of the adapter (the parity tests run them beside the GPU).
 if ! "$PYTHON" -c "import horovod_dgc.torch.kernels" 2>/dev/null; then
-    "$PYTHON" setup.py -q build_ext --inplace > "$OUT/build.txt" 2>&1 \
-        || { echo "building the C kernels failed:"; tail -n 20 "$OUT/build.txt"; exit 1; }
+    build_log=$(mktemp)
+    "$PYTHON" setup.py -q build_ext --inplace > "$build_log" 2>&1 \
+        || { mv "$build_log" "$OUT/build.txt"; echo "building the C kernels failed:"; tail -n 20 "$OUT/build.txt"; exit 1; }
+    rm -f "$build_log"
 fi
 
 "$PYTHON" - <<'EOF' | tee "$OUT/device.txt"
@@ -44,8 +48,7 @@ TESTS=${TESTS:-tests/test_core_references.py tests/test_core_selection.py tests/
     tests/test_codecs.py tests/test_core_twostage.py tests/test_core_sparse_allreduce.py
     tests/test_core_warmup.py tests/test_bad_input.py tests/test_device_torch.py tests/test_triton_memory.py}
 # shellcheck disable=SC2086
-part tests 300 "$PYTHON" -m pytest -q -p no:cacheprovider -rfEs -k "cuda or device_torch or triton" \
-    --junitxml="$OUT/tests.xml" $TESTS
+part tests 300 "$PYTHON" -m pytest -q -p no:cacheprovider -rfEs -k "cuda or device_torch or triton" $TESTS
 part compress 120 "$PYTHON" -m benchmarks.compress --device cuda --json "$OUT/compress.json"
 part syncs 150 "$PYTHON" -m benchmarks.host_syncs --steps 2 --sparse-allreduce --json "$OUT/syncs.json"
 part profile 120 "$PYTHON" -m benchmarks.gpu_profile --graph --json "$OUT/profile.json"
