@@ -123,7 +123,8 @@ def test_16_and_64_bit_models_two_optimizers_state_broadcast_adam_and_dgc_refusi
     one backward pass (every method, both paths), a channels-last gradient (both paths) and
     Horovod's groups= equal to the contiguous, ungrouped training, Horovod's clipping recipe
     (synchronize, clip_grad_norm_, step under skip_synchronize; with and without a GradScaler)
-    applying exactly the clipped average and leaving the memories, a torch.compile'd model
+    applying exactly the clipped average and leaving the memories, a model of float16,
+    bfloat16, float32 and float64 layers the same on both paths, a torch.compile'd model
     equal to the eager one, Horovod's broadcast_optimizer_state before training, Adam under
     topk, and DGC refusing Adam."""
     out = horovodrun("conditions_torch.py", 2)

@@ -6,7 +6,7 @@ pass (a GAN's generator and discriminator: their collectives in flight at once),
 ``torch.compile``'d model (its backward a compiled graph), Horovod's
 ``broadcast_optimizer_state`` before training (no training step), a channels-last
 gradient and Horovod's grouped all-reduces (``groups=``), Horovod's gradient-clipping
-recipe (with and without a GradScaler), Adam under a method that keeps a plain residual, and
+recipe (with and without a GradScaler), a model of four dtypes, Adam under a method that keeps a plain residual, and
 DGC refusing Adam (it keeps the momentum itself)."""
 from typing import Callable, Tuple
 
@@ -65,6 +65,40 @@ def trained(method: str, path: str, dtype: torch.dtype) -> torch.Tensor:
     steps(net, optimizer, 3, dtype)
     same_on_every_rank(net, f"{dtype}.{method}.{path}")
     return flat(net)
+
+
+class MixedPrecisionNet(torch.nn.Module):
+    """float16 and bfloat16 linear layers around a float32 BatchNorm, then a float64 head
+    (a half-precision model that keeps its normalisation in float32, as apex's O2 did)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = torch.nn.Linear(64, 128).half()
+        self.norm = torch.nn.BatchNorm1d(128)
+        self.second = torch.nn.Linear(128, 64).bfloat16()
+        self.head = torch.nn.Linear(64, 10).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(self.norm(self.first(x.half()).float()))
+        return self.head(self.second(hidden.bfloat16()).double())
+
+
+def mixed_dtypes(method: str) -> None:
+    """Four dtypes in one model (the fused optimizer's buckets and dense all-reduces hold
+    several): the same parameters on both paths and every rank, bit for bit."""
+    trained = {}
+    for path in ("stock", "own"):
+        net = MixedPrecisionNet()
+        # The same names on both paths: a name seeds DGC's sampling, which decides among
+        # float16 gradients of equal magnitude at the threshold.
+        optimizer, _ = distributed(net, method, path, torch.optim.SGD(net.parameters(), lr=0.05),
+                                   prefix="mixed")
+        steps(net, optimizer, 3)
+        same_on_every_rank(net, f"mixed.{method}.{path}")
+        trained[path] = flat(net)
+    assert not torch.equal(trained["stock"], flat(MixedPrecisionNet())), f"mixed.{method}: no update"
+    assert torch.equal(trained["stock"], trained["own"]), f"mixed.{method}: the paths differ"
 
 
 def float64_model(method: str, path: str) -> None:
@@ -280,6 +314,7 @@ if __name__ == "__main__":
             float64_model(spec.name, path)
             optimizers_in_flight_at_once(spec.name, path)
         channels_last_and_grouped_all_reduces(spec.name)
+        mixed_dtypes(spec.name)
         for path in ("stock", "own"):
             for scaled in (False, True):
                 clipped_after_synchronize(spec.name, path, scaled)
