@@ -43,12 +43,14 @@ print(f"python {sys.version.split()[0]}, torch {torch.__version__}, CUDA {torch.
 print(torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device")
 EOF
 
-# The in-process tests that take the `device` fixture (tests/conftest.py), and the device parity.
+# The in-process tests that take the `device` fixture (tests/conftest.py), the device parity,
+# and the DDP hook's transport on CUDA tensors under torchrun (Gloo, and NCCL on one rank).
 TESTS=${TESTS:-tests/test_core_references.py tests/test_core_selection.py tests/test_core_methods.py
     tests/test_codecs.py tests/test_core_twostage.py tests/test_core_sparse_allreduce.py
-    tests/test_core_warmup.py tests/test_bad_input.py tests/test_device_torch.py tests/test_triton_memory.py}
+    tests/test_core_warmup.py tests/test_bad_input.py tests/test_device_torch.py tests/test_triton_memory.py
+    tests/test_ddp_torch.py}
 # shellcheck disable=SC2086
-part tests 300 "$PYTHON" -m pytest -q -p no:cacheprovider -rfEs -k "cuda or device_torch or triton" $TESTS
+part tests 300 "$PYTHON" -m pytest -q -p no:cacheprovider -rfEs -k "cuda or device_torch or triton or transport" $TESTS
 part compress 120 "$PYTHON" -m benchmarks.compress --device cuda --json "$OUT/compress.json"
 part syncs 150 "$PYTHON" -m benchmarks.host_syncs --steps 2 --sparse-allreduce --json "$OUT/syncs.json"
 part profile 120 "$PYTHON" -m benchmarks.gpu_profile --graph --json "$OUT/profile.json"

@@ -51,6 +51,24 @@ def test_ddp_parameters_no_rank_used_keep_their_memories():
             assert out.count(f"{method} ['{option}'] ddp unused ok") == 2, out
 
 
+@pytest.mark.parametrize("nproc, older_torch", [
+    pytest.param(1, False, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL needs a GPU per rank")),
+    (2, False), (3, True)])
+def test_ddp_transport_collectives_give_what_they_are_defined_to(nproc, older_torch):
+    """Every collective of the hook's transport against the concatenation, average, root's
+    message and exchanged chunks of the ranks' messages, on CPU tensors and, where a GPU is
+    present, CUDA tensors (NCCL where each rank has a GPU of its own). ``older_torch``:
+    without ``all_gather_single`` (new in torch 2.13; the hook's allgather failed with an
+    AttributeError on older torch)."""
+    out = torchrun("dist_transport_torch.py", nproc, ["--without-all-gather-single"] if older_torch else [])
+    present = hasattr(torch.distributed, "all_gather_single") and not older_torch
+    assert out.count("all_gather_single " + ("present" if present else "absent")) == nproc, out
+    labels = ["gloo cpu"] + (["gloo cuda"] if torch.cuda.is_available() else []) + \
+        (["nccl cuda"] if torch.cuda.device_count() >= nproc else [])
+    for label in labels:
+        assert out.count(f"{label} transport ok") == nproc, out
+
+
 @pytest.fixture(scope="module")
 def checkpoint_and_misuse():
     """One job for three: the hook's state round trip, what register() refuses, and a

@@ -18,6 +18,12 @@ import torch.distributed as dist
 from ..core.collectives import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST
 
 
+def _all_gather_single():
+    """``dist.all_gather_single``, or, where torch predates it (2.11 has none), its old
+    name ``all_gather_into_tensor``, which torch 2.13 deprecated."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 @dataclass(frozen=True)
 class Pending:
     """A launched collective: its work, the tensor it fills, and what to say if it fails.
@@ -64,7 +70,7 @@ class DistTransport:
         try:
             if kind == ALLGATHER:
                 result = message.new_empty(message.numel() * self.size())
-                work = dist.all_gather_single(result, message, group=self.group, async_op=True)
+                work = _all_gather_single()(result, message, group=self.group, async_op=True)
                 return Pending(work, result, kind, name)
             if kind == ALLREDUCE:
                 result = message.clone()
