@@ -19,7 +19,9 @@ setup(
     install_requires=[],
     extras_require={
         # Horovod itself is compiled against the framework: see scripts/setup_env.sh.
-        "torch": ["torch>=2.1"],
+        # 2.3: torch.amp.GradScaler, which the adapter checks for. Tested with 2.13 (every
+        # path) and 2.11 (the core and the engine, on a GPU).
+        "torch": ["torch>=2.3"],
         "tensorflow": ["tensorflow-cpu>=2.16", "tf_keras>=2.16"],
         "test": ["pytest>=8", "hypothesis>=6", "mpi4py>=4", "pyflakes>=3",
                  "triton>=3"],  # runs the GPU kernel's tests under its interpreter on a CPU
