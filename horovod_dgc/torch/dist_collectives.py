@@ -19,8 +19,8 @@ from ..core.collectives import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST
 
 
 def _all_gather_single():
-    """``dist.all_gather_single``, or, where torch predates it (2.11 has none), its old
-    name ``all_gather_into_tensor``, which torch 2.13 deprecated."""
+    """``dist.all_gather_single``, or, on a torch that predates it, its old name
+    ``all_gather_into_tensor`` (torch 2.13 brought the new name and deprecated the old)."""
     return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
