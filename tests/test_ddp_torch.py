@@ -18,20 +18,22 @@ def test_ddp_aggregated_gradient_equals_dense_reference(nproc):
 
 
 def test_ddp_hook_and_horovod_stock_path_give_the_same_parameters(tmp_path):
-    """20 steps with the same seeds and per-rank gradients: the DDP hook (buckets rebuilt
-    by DDP after the first step) and hvd.DistributedOptimizer end within 1e-6."""
+    """20 steps with the same seeds and per-rank gradients, a float32 and a bfloat16 model:
+    the DDP hook (buckets rebuilt by DDP after the first step) and hvd.DistributedOptimizer
+    end within 1e-6."""
     methods = ",".join(PARITY_METHODS)
     torchrun("ddp_torch.py", 2, ["train", "--methods", methods, "--out", str(tmp_path)])
     horovodrun("ddp_torch.py", 2, ["train", "--horovod", "--methods", methods,
                                    "--out", str(tmp_path)])
     first = torch.load(tmp_path / "ddp_rank0.pt")
+    runs = [f"{method}/{dtype}" for method in PARITY_METHODS for dtype in ("float32", "bfloat16")]
     for rank in range(2):
         hooked = torch.load(tmp_path / f"ddp_rank{rank}.pt")
         stock = torch.load(tmp_path / f"horovod_rank{rank}.pt")
-        for method in PARITY_METHODS:
-            difference = float((hooked[method] - stock[method]).abs().max())
-            assert difference <= 1e-6, f"rank {rank} {method}: DDP and Horovod differ by {difference}"
-            assert torch.equal(hooked[method], first[method]), f"{method}: ranks differ"
+        for run in runs:
+            difference = float((hooked[run].float() - stock[run].float()).abs().max())
+            assert difference <= 1e-6, f"rank {rank} {run}: DDP and Horovod differ by {difference}"
+            assert torch.equal(hooked[run], first[run]), f"{run}: ranks differ"
 
 
 def test_ddp_gradient_accumulation_under_no_sync_equals_one_pass_of_the_sum():

@@ -6,7 +6,8 @@ Modes (first argument, comma-separated):
   gradient equals the dense reference built from all ranks' sent values (gradient minus
   what the memory kept), bit for bit, and that Top-k and DGC sent the exact top-k.
 * ``train --out DIR``: 20 steps of every method of ``--methods`` with fixed per-rank
-  gradients, parameters saved to ``DIR/ddp_rank{r}.pt``. With ``--horovod`` (run under
+  gradients, a float32 and a bfloat16 model, parameters saved to ``DIR/ddp_rank{r}.pt``
+  under ``method/dtype``. With ``--horovod`` (run under
   ``horovodrun``) the same steps go through the stock ``hvd.DistributedOptimizer`` instead
   and are saved to ``DIR/horovod_rank{r}.pt``: the test compares the two.
 * ``accumulate``: gradient accumulation under DDP's ``no_sync`` equals one pass of the sum.
@@ -40,6 +41,8 @@ from aggregate_torch import exact_topk_dense, sent_values
 from conditions_torch import compiled_fresh
 
 STEPS = 20
+# train: the model's dtypes (bfloat16: DDP's buckets and the hook's dense all-reduces of it).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BUCKET_CAP_MB = 0.07  # a few buckets, some holding two parameters
 LAYER_SCALE = (1.0, 1.0, 0.01, 0.01)
 # Run name -> (method, options).
@@ -68,8 +71,8 @@ class Injected(torch.nn.Module):
 
 
 def gradients(model: torch.nn.Module, rank: int, step: int) -> List[torch.Tensor]:
-    return [torch.randn(p.shape, generator=torch.Generator().manual_seed(10_000 * rank + 100 * step + i))
-            * LAYER_SCALE[i] for i, p in enumerate(model.parameters())]
+    return [(torch.randn(p.shape, generator=torch.Generator().manual_seed(10_000 * rank + 100 * step + i))
+             * LAYER_SCALE[i]).to(p.dtype) for i, p in enumerate(model.parameters())]
 
 
 def flat(model: torch.nn.Module) -> torch.Tensor:
@@ -80,9 +83,9 @@ def ddp_model(module: torch.nn.Module) -> torch.nn.parallel.DistributedDataParal
     return torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=BUCKET_CAP_MB)
 
 
-def setup(method: str, **overrides):
-    """A fresh model, its DDP wrapper, the hook's state and plain SGD."""
-    module = Injected()
+def setup(method: str, dtype: torch.dtype = torch.float32, **overrides):
+    """A fresh model (of ``dtype``), its DDP wrapper, the hook's state and plain SGD."""
+    module = Injected().to(dtype)
     model = ddp_model(module)
     compression = make_compression(method, **overrides)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -175,14 +178,14 @@ def unused(method: str, users_by_step: Tuple[Tuple[int, ...], ...], **ddp_option
 
 
 # -- train ------------------------------------------------------------------------------------
-def train_ddp(method: str) -> torch.Tensor:
-    module, model, state, sgd = setup(method)
+def train_ddp(method: str, dtype: torch.dtype) -> torch.Tensor:
+    module, model, state, sgd = setup(method, dtype)
     ddp_steps(model, module, state, sgd, range(STEPS))
     return flat(module)
 
 
-def train_horovod(method: str, hvd) -> torch.Tensor:
-    module = Injected()
+def train_horovod(method: str, dtype: torch.dtype, hvd) -> torch.Tensor:
+    module = Injected().to(dtype)
     compression = make_compression(method, named_parameters=module.named_parameters())
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(module.parameters(), lr=0.1),
                                          named_parameters=module.named_parameters(),
@@ -417,7 +420,8 @@ def main() -> None:
     if args.horovod:
         import horovod.torch as hvd
         hvd.init()
-        results: Dict[str, torch.Tensor] = {m: train_horovod(m, hvd) for m in methods}
+        results: Dict[str, torch.Tensor] = {f"{m}/{d}": train_horovod(m, DTYPES[d], hvd)
+                                             for m in methods for d in DTYPES}
         torch.save(results, args.out / f"horovod_rank{hvd.rank()}.pt")
         print(f"rank {hvd.rank()} horovod trained", flush=True)
         return
@@ -427,7 +431,7 @@ def main() -> None:
             for method in methods:
                 aggregate(method)
         elif mode == "train":
-            results = {m: train_ddp(m) for m in methods}
+            results = {f"{m}/{d}": train_ddp(m, DTYPES[d]) for m in methods for d in DTYPES}
             torch.save(results, args.out / f"ddp_rank{dist.get_rank()}.pt")
             print(f"rank {dist.get_rank()} ddp trained", flush=True)
         elif mode == "accumulate":
