@@ -178,12 +178,15 @@ def test_interrupting_the_run_removes_everything(tmp_path, netns_unchanged, sign
 
 
 def test_a_job_past_its_time_limit_is_stopped(tmp_path, netns_unchanged):
+    # sleep adds up its arguments: a fraction of its own tells this job's sleep from any other
+    # process's (a `sleep 600` of someone else's beside the test once failed it).
+    job = ["sleep", "600", f"0.{uuid.uuid4().int % 10 ** 9:09d}"]
     started = time.monotonic()
     with NetnsCluster(2, unique_prefix()) as cluster:
         with pytest.raises(ClusterError, match="the job ran past its 3 s limit"):
-            ClusterJob(cluster, ["sleep", "600"], tmp_path, timeout_s=3, echo_rank0=False).run()
+            ClusterJob(cluster, job, tmp_path, timeout_s=3, echo_rank0=False).run()
     assert time.monotonic() - started < 20
-    assert no_process_mentions("sleep 600")
+    assert no_process_mentions(" ".join(job))
 
 
 def test_without_root_it_refuses_in_one_sentence(tmp_path):
