@@ -54,7 +54,8 @@ def test_ddp_parameters_no_rank_used_keep_their_memories():
 
 
 @pytest.mark.parametrize("nproc, older_torch", [
-    pytest.param(1, False, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="NCCL needs a GPU per rank")),
+    pytest.param(1, False, marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                    reason="NCCL needs a GPU per rank")),
     (2, False), (3, True)])
 def test_ddp_transport_collectives_give_what_they_are_defined_to(nproc, older_torch):
     """Every collective of the hook's transport against the concatenation, average, root's

@@ -6,8 +6,8 @@ pass (a GAN's generator and discriminator: their collectives in flight at once),
 ``torch.compile``'d model (its backward a compiled graph), Horovod's
 ``broadcast_optimizer_state`` before training (no training step), a channels-last
 gradient and Horovod's grouped all-reduces (``groups=``), Horovod's gradient-clipping
-recipe (with and without a GradScaler), a model of four dtypes, Adam under a method that keeps a plain residual, and
-DGC refusing Adam (it keeps the momentum itself)."""
+recipe (with and without a GradScaler), a model of four dtypes, Adam under a method that
+keeps a plain residual, and DGC refusing Adam (it keeps the momentum itself)."""
 from typing import Callable, Tuple
 
 import horovod.torch as hvd
@@ -15,6 +15,7 @@ import torch
 
 import horovod_dgc.torch as hdgc
 from horovod_dgc.core.methods import METHODS
+from amp_torch import memories
 
 OPTIONS = {"dgc": dict(density=0.05), "topk": dict(density=0.05), "gaussiank": dict(density=0.05),
            "scalecom": dict(density=0.05), "blocksign": dict()}
@@ -223,12 +224,6 @@ def channels_last_and_grouped_all_reduces(method: str) -> None:
         if path == "stock":
             assert torch.equal(trained_injected(method, path, groups=1), contiguous), \
                 f"groups.{method}: differs from ungrouped all-reduces"
-
-
-def memories(compression) -> dict:
-    """Copies of every memory tensor of ``compression``, by parameter and slot."""
-    return {f"{n}.{k}": v.clone() for n, slots in compression.state_dict()["states"].items()
-            for k, v in slots.items()}
 
 
 def clipped_after_synchronize(method: str, path: str, scaled: bool) -> None:

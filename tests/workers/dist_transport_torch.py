@@ -44,10 +44,12 @@ def check(transport: DistTransport, device: str, label: str) -> None:
         if kind == ALLTOALL and ELEMENTS_PER_RANK % size:
             continue
         root = size - 1
-        got = transport.wait(transport.launch(kind, message_of(rank, dtype, device), f"{kind}.{dtype}", root=root))
+        message = message_of(rank, dtype, device)
+        got = transport.wait(transport.launch(kind, message, f"{kind}.{dtype}", root=root))
         assert got.device.type == device, f"{label} {kind}: the result is on {got.device}"
         want = expected(kind, rank, size, dtype, root)
-        assert torch.equal(got.cpu(), want), f"rank {rank} {label} {kind} {dtype}: {got.tolist()} != {want.tolist()}"
+        assert torch.equal(got.cpu(), want), \
+            f"rank {rank} {label} {kind} {dtype}: {got.tolist()} != {want.tolist()}"
     print(f"rank {rank} {label} transport ok", flush=True)
 
 
