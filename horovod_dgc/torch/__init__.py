@@ -1,9 +1,10 @@
 """PyTorch adapter: ``Compression`` for ``hvd.DistributedOptimizer`` and our own fused
 ``DistributedOptimizer``.
 
-The names that need Horovod are imported on first use, so that the engine and the ops
-(``horovod_dgc.torch.engine``, ``horovod_dgc.torch.ops``) work where PyTorch is installed
-without Horovod, as on a GPU machine used to test and time them.
+Modules are imported on first use, and Horovod only by the paths that run through it, so
+that ``Compression`` with the DDP hook (``horovod_dgc.torch.ddp``), the engine and the ops work
+where PyTorch is installed without Horovod (a ``torchrun`` job, a GPU machine used to test and
+time them); ``DistributedOptimizer`` needs Horovod.
 """
 from importlib import import_module
 from typing import Any

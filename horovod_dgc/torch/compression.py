@@ -10,7 +10,9 @@ A float32 gradient handed to ``compress`` is consumed: its memory receives that 
 
 The family classes (:class:`SparseCompressor`, :class:`TwoStageCompressor`) run their
 collectives through a transport: Horovod's by default, ``torch.distributed``'s when
-:mod:`horovod_dgc.torch.ddp` registers the compressor as a DDP communication hook.
+:mod:`horovod_dgc.torch.ddp` registers the compressor as a DDP communication hook. Horovod is
+imported where a Horovod path first needs it, never at import: the DDP hook's users need not
+install it.
 """
 from __future__ import annotations
 
@@ -22,13 +24,9 @@ import sys
 import threading
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-import horovod.torch as hvd
 import torch
-from horovod.torch.compression import Compression as HorovodCompression
-from horovod.torch.compression import Compressor
-from horovod.torch.optimizer import _DistributedOptimizer as _HorovodOptimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..core.callers import caller_frames, calling_object, values_among_callers
@@ -40,17 +38,20 @@ from ..core.method import Method
 from ..core.methods import METHODS, MethodSpec, spec_of
 from ..core.one_worker import refuse_or_warn
 from ..core.twostage import StageHandover
-from .collectives import HOROVOD
 from .engine import DenseUpdate, Engine, OutgoingMessage
-from .hierarchy import HostReduction, HostReductions, HostTransport, find_hosts
+
+if TYPE_CHECKING:  # imported by the hierarchical path only: it needs Horovod
+    from .hierarchy import HostReductions
 
 NamedParameters = Iterable[Tuple[str, torch.nn.Parameter]]
 # What one tensor brings to an exchange: its name, gradient and parameter.
 Entry = Tuple[str, torch.Tensor, Optional[torch.nn.Parameter]]
 
 
-class MethodCompressor(CompressorControls, Compressor):
-    """A core method as a Horovod compressor: what every horovod_dgc compressor shares.
+class MethodCompressor(CompressorControls):
+    """A core method as a Horovod compressor (``compress``/``decompress``, the interface of
+    Horovod's ``Compressor``, which Horovod calls without checking the class) and as the DDP
+    hook's: what every horovod_dgc compressor shares.
 
     Args:
         method: the core method (config included).
@@ -76,7 +77,7 @@ class MethodCompressor(CompressorControls, Compressor):
         # averages went back (see _handed_over_again).
         self._exchanged: set = set()
         self._averages_delivered = False
-        self.transport: Transport = HOROVOD
+        self._transport: Optional[Transport] = None
         self._host_reductions: Optional[HostReductions] = None
         if named_parameters is not None:
             self.bind(named_parameters)
@@ -100,21 +101,40 @@ class MethodCompressor(CompressorControls, Compressor):
         if self._engine is not None:
             self._engine.set_method(self.method)
 
+    @property
+    def transport(self) -> Transport:
+        """Where this compressor's collectives run: Horovod's unless :meth:`use_transport`
+        named another (:func:`horovod_dgc.torch.ddp.register` names ``torch.distributed``'s)."""
+        if self._transport is None:
+            try:
+                from .collectives import HOROVOD
+            except ImportError as error:
+                raise ImportError(
+                    f"this compressor exchanges through Horovod ({error}) unless it is registered "
+                    f"as a DDP communication hook first: horovod_dgc.torch.ddp.register(model, "
+                    f"compression) before any other use of it") from error
+            self._transport = HOROVOD
+        return self._transport
+
     def use_transport(self, transport: Transport) -> None:
         """Run this compressor's collectives through ``transport`` (Horovod's by default;
         :func:`horovod_dgc.torch.ddp.register` gives it ``torch.distributed``'s)."""
-        if self.hierarchical and not isinstance(transport, HostTransport):
+        if self.hierarchical:
             raise ValueError("a compressor built with hierarchical=True exchanges through "
                              "Horovod's process sets; build it without for a DDP hook")
-        self.transport = transport
+        self._join(transport)
+
+    def _join(self, transport: Transport) -> None:
+        self._transport = transport
         if self._engine is not None:
             self._engine.join(transport.size(), transport.rank())
 
     def exchange_between_hosts(self, hosts: Hosts) -> None:
         """Average each compressed gradient densely inside the host first and run the method
         between hosts only (see :mod:`horovod_dgc.torch.hierarchy`); only before training."""
+        from .hierarchy import HostReductions, HostTransport
         self._host_reductions = HostReductions(hosts)
-        self.use_transport(HostTransport(hosts))
+        self._join(HostTransport(hosts))
 
     @property
     def hierarchical(self) -> bool:
@@ -260,7 +280,7 @@ class MethodCompressor(CompressorControls, Compressor):
 
     def finish(self, exchange) -> List[torch.Tensor]:
         """The averaged gradients of an exchange's tensors, shaped like them."""
-        if not isinstance(exchange, HostReduction):
+        if not self.hierarchical:
             return self._finish(exchange)
         if exchange.exchange is None:
             self._host_reductions.start_exchanges(self._launch)
@@ -318,6 +338,7 @@ class MethodCompressor(CompressorControls, Compressor):
         """Refuse an hvd.DistributedOptimizer around an optimizer that would apply momentum
         or weight decay a second time, or an op other than Average (best effort: the
         optimizer is found through the garbage collector's referrers)."""
+        import horovod.torch as hvd
         self._optimizer_checked = True
         for optimizer in _optimizers_holding(self):
             check_optimizer_compatible(optimizer, self.config, getattr(optimizer, "op", hvd.Average))
@@ -507,6 +528,7 @@ def check_optimizer_compatible(optimizer: torch.optim.Optimizer, config, op) -> 
     with a config that :attr:`~horovod_dgc.core.CompressionConfig.needs_plain_optimizer`
     (DGC's momentum correction, blocksign's momentum), any optimizer with state of its own
     (momentum, adaptive moments: Adam, AdamW, RMSprop, Adagrad, ...) applies momentum twice."""
+    import horovod.torch as hvd
     if op != hvd.Average:
         raise ValueError("horovod_dgc compressors average the gradients: use op=hvd.Average")
     check_plain_optimizer(optimizer, config)
@@ -571,7 +593,8 @@ COMPRESSORS = {"sparse": SparseCompressor, "two-stage": TwoStageCompressor}
 def _workers() -> Optional[int]:
     """The number of workers, once Horovod or ``torch.distributed`` is set up (what
     ``aggregation="auto"`` picks by)."""
-    if hvd.is_initialized():
+    hvd = sys.modules.get("horovod.torch")  # not imported: not initialized either
+    if hvd is not None and hvd.is_initialized():
         return hvd.size()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_world_size()
@@ -588,10 +611,12 @@ def _refuse_a_skipped_compressor(optimizer: torch.optim.Optimizer, *_hook_argume
     :mod:`~horovod_dgc.core.one_worker`) one of our compressors held by Horovod's own
     ``DistributedOptimizer`` on one worker, where Horovod registers no hooks (its condition:
     one worker and not elastic) and the compressor never runs."""
+    optimizers = sys.modules.get("horovod.torch.optimizer")  # not imported: no such optimizer
     compression = getattr(optimizer, "_compression", None)
-    if (isinstance(compression, MethodCompressor) and not compression._one_worker_told
-            and getattr(type(optimizer), "synchronize", None) is _HorovodOptimizer.synchronize
-            and hvd.size() == 1 and os.environ.get("HOROVOD_ELASTIC") != "1"):
+    if (optimizers is not None and isinstance(compression, MethodCompressor)
+            and not compression._one_worker_told
+            and getattr(type(optimizer), "synchronize", None) is optimizers._DistributedOptimizer.synchronize
+            and sys.modules["horovod.torch"].size() == 1 and os.environ.get("HOROVOD_ELASTIC") != "1"):
         refuse_or_warn(compression.config, "DistributedOptimizer", _ONE_WORKER_INSTEAD)
         compression._one_worker_told = True
 
@@ -605,7 +630,10 @@ def _factory(spec: MethodSpec) -> Callable[..., MethodCompressor]:
     def factory(named_parameters: Optional[NamedParameters] = None, hierarchical: bool = False,
                 **options) -> MethodCompressor:
         _watch_for_skipped_compressors()
-        hosts = find_hosts() if hierarchical else None
+        hosts = None
+        if hierarchical:
+            from .hierarchy import find_hosts
+            hosts = find_hosts()
         method = spec.build(_workers() if hosts is None else hosts.count, **options)
         compressor = COMPRESSORS[method.family](method, named_parameters)
         if hosts is not None:
@@ -617,6 +645,22 @@ def _factory(spec: MethodSpec) -> Callable[..., MethodCompressor]:
     return factory
 
 
+class _HorovodCompressor:
+    """One of Horovod's own compressors on :class:`Compression`, imported when first read."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    def __get__(self, instance: Any, owner: type) -> Any:
+        try:
+            from horovod.torch.compression import Compression as HorovodCompression
+        except ImportError as error:
+            raise ImportError(f"Compression.{self._name} is Horovod's own compressor ({error}); "
+                              f"under DDP use DDP's own hooks (torch.distributed.algorithms."
+                              f"ddp_comm_hooks)") from error
+        return getattr(HorovodCompression, self._name)
+
+
 class Compression:
     """Horovod's ``Compression`` namespace plus every method of the table
     (:mod:`horovod_dgc.core.methods`): ``Compression.dgc(...)``, ``Compression.topk(...)``, ...
@@ -626,8 +670,8 @@ class Compression:
     the method's config class (:class:`~horovod_dgc.core.DGCConfig` and friends).
     """
 
-    none = HorovodCompression.none
-    fp16 = HorovodCompression.fp16
+    none = _HorovodCompressor()
+    fp16 = _HorovodCompressor()
 
 
 for _spec in METHODS:

@@ -12,6 +12,7 @@ import torch
 
 import horovod_dgc.torch as hdgc
 from horovod_dgc.core.selection import top_count
+from shared_torch import exact_topk_dense, sent_values
 
 DENSITY = 0.01
 
@@ -28,21 +29,6 @@ def gradients(rank: int, model: Net) -> dict:
     gen = torch.Generator().manual_seed(1000 + rank)
     return {n: torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()
             if not n.startswith("unused")}
-
-
-def sent_values(compression, name: str, grad: torch.Tensor) -> torch.Tensor:
-    """What this rank sent for ``name``: the gradient minus what its memory kept."""
-    state = compression.engine._states[name]
-    kept = state["velocity"] if "velocity" in state else state["residual"]
-    return grad - kept.reshape(grad.shape)
-
-
-def exact_topk_dense(grad: torch.Tensor, k: int) -> torch.Tensor:
-    flat = grad.reshape(-1)
-    order = sorted(range(flat.numel()), key=lambda i: -abs(float(flat[i])))
-    out = torch.zeros_like(flat)
-    out[order[:k]] = flat[order[:k]]
-    return out.reshape(grad.shape)
 
 
 def run(method: str, path: str) -> None:

@@ -8,14 +8,13 @@ pass (a GAN's generator and discriminator: their collectives in flight at once),
 gradient and Horovod's grouped all-reduces (``groups=``), Horovod's gradient-clipping
 recipe (with and without a GradScaler), a model of four dtypes, Adam under a method that
 keeps a plain residual, and DGC refusing Adam (it keeps the momentum itself)."""
-from typing import Callable, Tuple
-
 import horovod.torch as hvd
 import torch
 
 import horovod_dgc.torch as hdgc
 from horovod_dgc.core.methods import METHODS
 from amp_torch import memories
+from shared_torch import compiled_fresh
 
 OPTIONS = {"dgc": dict(density=0.05), "topk": dict(density=0.05), "gaussiank": dict(density=0.05),
            "scalecom": dict(density=0.05), "blocksign": dict()}
@@ -105,16 +104,6 @@ def mixed_dtypes(method: str) -> None:
 def float64_model(method: str, path: str) -> None:
     difference = float((trained(method, path, torch.float64) - trained(method, path, torch.float32)).abs().max())
     assert difference < 1e-5, f"float64.{method}.{path}: {difference} from the float32 model"
-
-
-def compiled_fresh(module: torch.nn.Module) -> Tuple[torch.nn.Module, Callable[[], int]]:
-    """(``torch.compile(module)`` with the ``aot_eager`` backend, a count of the graphs
-    dynamo compiled since this call). Dynamo is reset first, so that no recompile limit left
-    by earlier compiles makes it run ``module`` eagerly, silently; its counters are not."""
-    torch._dynamo.reset()
-    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    return (torch.compile(module, backend="aot_eager"),
-            lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"] - before)
 
 
 def compiled_model(method: str, path: str) -> None:
