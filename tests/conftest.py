@@ -76,14 +76,6 @@ def exchange(engine, grad: torch.Tensor) -> torch.Tensor:
     return engine.finish(engine.second("w", first, handover), handover, grad.shape)
 
 
-def torch_compression():
-    """``horovod_dgc.torch.Compression``, or a skip where Horovod is not installed (a GPU
-    machine that runs the engine's and the core's tests)."""
-    pytest.importorskip("horovod.torch", reason="Horovod is not installed")
-    from horovod_dgc.torch import Compression
-    return Compression
-
-
 # Two names of this machine that Horovod takes for two hosts (both are local, so no SSH).
 TWO_HOSTS = ("localhost", "127.0.0.1")
 

@@ -3,9 +3,8 @@ import pytest
 import torch
 
 from horovod_dgc.core import DGC, CompressCall, DGCConfig, MessageError, TopK, TopKConfig
+from horovod_dgc.torch import Compression
 from horovod_dgc.torch.ops import TorchOps
-
-from conftest import torch_compression
 
 ops = TorchOps()
 
@@ -14,7 +13,7 @@ ops = TorchOps()
 @pytest.mark.parametrize("density", [0.0, -0.1, 1.5, float("nan"), "0.1"])
 def test_density_outside_zero_one_raises_value_error(method, density):
     with pytest.raises(ValueError, match="density"):
-        getattr(torch_compression(), method)(density=density)
+        getattr(Compression, method)(density=density)
 
 
 @pytest.mark.parametrize("options,field", [(dict(momentum=-0.1), "momentum"), (dict(momentum=1.0), "momentum"),
@@ -27,24 +26,24 @@ def test_density_outside_zero_one_raises_value_error(method, density):
                                            (dict(nonfinite="ignore"), "nonfinite")])
 def test_bad_dgc_settings_raise_value_error_at_construction(options, field):
     with pytest.raises(ValueError, match=field):
-        torch_compression().dgc(**options)
+        Compression.dgc(**options)
 
 
 @pytest.mark.parametrize("value_dtype", ["float16", "int8"])
 def test_scalecom_refuses_values_its_all_reduce_would_sum_lossily(value_dtype):
     with pytest.raises(ValueError, match="value_dtype must be 'float32' for ScaleCom"):
-        torch_compression().scalecom(value_dtype=value_dtype)
+        Compression.scalecom(value_dtype=value_dtype)
 
 
 @pytest.mark.parametrize("small_density", [0.0, 1.5])
 def test_small_density_outside_zero_one_raises_value_error(small_density):
     with pytest.raises(ValueError, match="small_density"):
-        torch_compression().topk(small_density=small_density)
+        Compression.topk(small_density=small_density)
 
 
 def test_unknown_option_is_a_type_error():
     with pytest.raises(TypeError):
-        torch_compression().topk(momentum=0.9)
+        Compression.topk(momentum=0.9)
 
 
 def test_configs_are_frozen():
@@ -129,7 +128,7 @@ def test_count_beyond_capacity_is_refused(device):
                                     torch.ones(3, 3, dtype=torch.int32, device="cpu")])
 def test_zero_element_and_integer_tensors_pass_through_untouched(tensor, device):
     tensor = tensor.to(device)
-    compression = torch_compression().dgc()
+    compression = Compression.dgc()
     out, ctx = compression.compress(tensor)
     assert out is tensor and ctx is None
 
@@ -144,7 +143,7 @@ def test_bad_shared_settings_raise_value_error_at_construction(method, options, 
     min_numel check, a bool taken for an integer, a negative warm-up accepted, and a dropped
     aggregation check."""
     with pytest.raises(ValueError, match=field):
-        getattr(torch_compression(), method)(**options)
+        getattr(Compression, method)(**options)
 
 
 @pytest.mark.parametrize("options", [dict(momentum=0.0), dict(density=1.0, small_density=1.0),
@@ -152,7 +151,7 @@ def test_bad_shared_settings_raise_value_error_at_construction(method, options, 
 def test_settings_at_the_edges_of_their_ranges_are_accepted(options):
     """No momentum, a density of 1, no warm-up and min_numel 1 are valid. Catches bounds
     tightened by one (momentum in (0, 1), density in (0, 1), warmup_epochs >= 1)."""
-    torch_compression().dgc(**options)
+    Compression.dgc(**options)
 
 
 def test_untold_grad_scaler_is_found_on_the_thread_waiting_in_backward():
@@ -164,7 +163,7 @@ def test_untold_grad_scaler_is_found_on_the_thread_waiting_in_backward():
     outcomes = {}
 
     def engine_thread(every_thread: bool) -> None:
-        compression = torch_compression().topk()
+        compression = Compression.topk()
         try:
             compression.check_grad_scaler_use(every_thread=every_thread)
             outcomes[every_thread] = "accepted"
@@ -186,7 +185,7 @@ def test_a_refused_momentum_says_how_to_keep_the_sgds_own():
     refuses without momentum, so the user would drop it)."""
     from horovod_dgc.torch.compression import check_plain_optimizer
     net = torch.nn.Linear(4, 4)
-    dgc = torch_compression().dgc().config
+    dgc = Compression.dgc().config
     with pytest.raises(ValueError, match="and the compressor momentum=0.95, nesterov=True to keep yours"):
         check_plain_optimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.95, nesterov=True), dgc)
     with pytest.raises(ValueError, match=r"applies it\), or use"):

@@ -11,9 +11,10 @@ from horovod_dgc.core import MessageError, CompressCall
 from horovod_dgc.core.methods import BY_NAME, from_saved
 from horovod_dgc.core.sparse_allreduce import FORWARD_SLACK, REGION_SLACK, SparseAllreduce
 from horovod_dgc.core.twostage import simulate_step
+from horovod_dgc.torch import Compression
 from horovod_dgc.torch.ops import TorchOps
 
-from conftest import randn, torch_compression
+from conftest import randn
 
 ops = TorchOps()
 
@@ -224,7 +225,6 @@ def test_resuming_on_more_workers_re_cuts_the_owner_residuals(device):
 
 
 def test_the_torch_factory_resolves_auto_by_the_number_of_workers(monkeypatch):
-    Compression = torch_compression()
     import horovod_dgc.torch.compression as adapter
 
     monkeypatch.setattr(adapter, "_workers", lambda: None)

@@ -7,9 +7,10 @@ from horovod_dgc.core.blocksign import BlockSign, BlockSignConfig, shard_length
 from horovod_dgc.core.collectives import emulate
 from horovod_dgc.core.twostage import simulate_step
 from horovod_dgc.core.scalecom import ScaleCom, ScaleComConfig
+from horovod_dgc.torch import Compression
 from horovod_dgc.torch.ops import TorchOps
 
-from conftest import randn, torch_compression
+from conftest import randn
 
 ops = TorchOps()
 
@@ -87,14 +88,14 @@ def test_scalecom_leaders_take_turns_and_chunked_selection_sends_k(device):
                                            (dict(leader_selection="random"), "leader_selection")])
 def test_bad_scalecom_settings_raise_at_construction(options, field):
     with pytest.raises(ValueError, match=field):
-        torch_compression().scalecom(**options)
+        Compression.scalecom(**options)
 
 
 @pytest.mark.parametrize("options,field", [(dict(block_size=0), "block_size"), (dict(block_size=-4), "block_size"),
                                            (dict(momentum=1.0), "momentum")])
 def test_bad_blocksign_settings_raise_at_construction(options, field):
     with pytest.raises(ValueError, match=field):
-        torch_compression().blocksign(**options)
+        Compression.blocksign(**options)
 
 
 def test_shard_of_wrong_length_names_rank_and_tensor(device):

@@ -1,8 +1,12 @@
 """The one-line change that ``make horovod-examples`` makes to Horovod's scripts: only the
-compression line, at its own indentation (TensorFlow 2's sits inside a ``tf.function``)."""
+compression line, at its own indentation (TensorFlow 2's sits inside a ``tf.function``); and
+what that line builds is a Horovod compressor."""
+from importlib import import_module
+
 import pytest
 
 from benchmarks.horovod_examples import rewrite
+from horovod_dgc.core.methods import METHODS
 
 SCRIPT = """import horovod.tensorflow as hvd
 
@@ -36,3 +40,13 @@ def test_dgc_takes_the_scripts_weight_decay_where_the_script_has_one():
     assert rewrite(imagenet, "torch", "dgc")[1] == "compression = Compression.dgc(density=0.001, weight_decay=args.wd)"
     assert rewrite(imagenet, "torch", "blocksign")[1] == "compression = Compression.blocksign()"
     assert rewrite(SCRIPT, "torch", "dgc")[1] == "compression = Compression.dgc(density=0.001)"
+
+
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+def test_every_compressor_is_a_horovod_compressor_where_horovod_is_installed(framework):
+    """Horovod's scripts and users may test for its ``Compressor``; the torch adapter keeps
+    it importable without Horovod (the DDP hook) and must not drop the base class for that."""
+    horovod = pytest.importorskip(f"horovod.{framework}.compression")
+    ours = import_module(f"horovod_dgc.{framework}").Compression
+    for spec in METHODS:
+        assert isinstance(getattr(ours, spec.name)(), horovod.Compressor), spec.name

@@ -214,8 +214,9 @@ def aggregated(inner: SparseMethod, world_size: Optional[int]) -> Method:
     if choice == "auto":
         if world_size is None:
             raise ValueError("aggregation='auto' picks by the number of workers: build the "
-                             "compressor after hvd.init() (or give aggregation='allgather' or "
-                             "'sparse_allreduce')")
+                             "compressor after hvd.init() (for a DDP hook, after "
+                             "torch.distributed.init_process_group()), or give "
+                             "aggregation='allgather' or 'sparse_allreduce'")
         pays = world_size > 1 and bytes_share(inner, world_size) <= AUTO_MOST_BYTES_SHARE
         choice = "sparse_allreduce" if pays else "allgather"
     return SparseAllreduce(inner) if choice == "sparse_allreduce" else inner

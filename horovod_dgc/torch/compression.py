@@ -10,9 +10,8 @@ A float32 gradient handed to ``compress`` is consumed: its memory receives that 
 
 The family classes (:class:`SparseCompressor`, :class:`TwoStageCompressor`) run their
 collectives through a transport: Horovod's by default, ``torch.distributed``'s when
-:mod:`horovod_dgc.torch.ddp` registers the compressor as a DDP communication hook. Horovod is
-imported where a Horovod path first needs it, never at import: the DDP hook's users need not
-install it.
+:mod:`horovod_dgc.torch.ddp` registers the compressor as a DDP communication hook. The DDP hook's users
+need not install Horovod: the rest of it is imported where a Horovod path first needs it.
 """
 from __future__ import annotations
 
@@ -28,6 +27,11 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional,
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+try:
+    from horovod.torch.compression import Compressor as HorovodCompressor
+except ImportError:  # the DDP hook, where Horovod is not installed; the error comes back below
+    HorovodCompressor = object
 
 from ..core.callers import caller_frames, calling_object, values_among_callers
 from ..core.collectives import ALLGATHER, Transport, join, split
@@ -48,10 +52,9 @@ NamedParameters = Iterable[Tuple[str, torch.nn.Parameter]]
 Entry = Tuple[str, torch.Tensor, Optional[torch.nn.Parameter]]
 
 
-class MethodCompressor(CompressorControls):
-    """A core method as a Horovod compressor (``compress``/``decompress``, the interface of
-    Horovod's ``Compressor``, which Horovod calls without checking the class) and as the DDP
-    hook's: what every horovod_dgc compressor shares.
+class MethodCompressor(CompressorControls, HorovodCompressor):
+    """A core method as a Horovod compressor (a subclass of Horovod's ``Compressor`` where
+    Horovod is installed) and as the DDP hook's: what every horovod_dgc compressor shares.
 
     Args:
         method: the core method (config included).

@@ -27,8 +27,8 @@ writes the averaged gradients into the buckets' buffers and completes every futu
 therefore kept or dropped whole, as on the Horovod paths: if any rank's gradient of any
 tensor was not finite, every memory of every rank stays as it was before the step.
 
-No Horovod on this path, installed or not: the collectives are ``torch.distributed``'s, over
-DDP's own process group (Gloo on CPU, NCCL for CUDA tensors).
+Horovod need not be installed and is never initialised here: the collectives are
+``torch.distributed``'s, over DDP's own process group (Gloo on CPU, NCCL for CUDA tensors).
 """
 # No ``from __future__ import annotations``: DDP checks the hook's annotations as objects.
 from dataclasses import dataclass, field
