@@ -2,11 +2,17 @@
 horovod_dgc compressor: the one-argument change ``compression=`` on the stock
 ``hvd.DistributedOptimizer`` (``--path stock``), horovod_dgc's fused optimizer
 (``--path fused``), or a ``DistributedDataParallel`` model with horovod_dgc's communication
-hook (``--path ddp``: Horovod only launches the processes and reports); float32, bfloat16
-autocast, or float16 autocast with a GradScaler (stock and fused paths).
+hook (``--path ddp``); float32, bfloat16 autocast, or float16 autocast with a GradScaler
+(stock and fused paths).
 
     horovodrun -np 2 -H localhost:2 --gloo .venv/bin/python examples/pytorch_fashion_mnist.py \\
         --compression dgc --epochs 3
+
+``--path ddp`` runs under either launcher: under ``horovodrun`` Horovod only launches the
+processes and averages the reported loss; under ``torchrun`` Horovod is not imported at all
+(it need not be installed)::
+
+    torchrun --standalone --nproc-per-node 2 examples/pytorch_fashion_mnist.py --path ddp
 
 99.9% of the parameters are in the tensors that are compressed (the second convolution's
 kernel and the two weight matrices); the rest (biases, the first 288-weight kernel) travel
@@ -16,14 +22,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
+import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
-import horovod.torch as hvd
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -83,7 +91,46 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(f"--path {args.path} needs a compressing method")
     if args.path == "ddp" and args.precision == "fp16":
         p.error("--path ddp: this example has no GradScaler recipe for a DDP hook")
+    if under_torchrun() and args.path != "ddp":
+        p.error(f"--path {args.path} runs through Horovod: launch it with horovodrun "
+                f"(torchrun runs --path ddp)")
     return args
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+@dataclass(frozen=True)
+class Workers:
+    """This process among the workers: its rank, their number, and Horovod where it launched
+    them (None under torchrun)."""
+
+    rank: int
+    size: int
+    horovod: Any
+
+    def mean(self, value: float, name: str) -> float:
+        """``value`` averaged over the workers."""
+        if self.horovod is not None:
+            return self.horovod.allreduce(torch.tensor(value), name=name).item()
+        total = torch.tensor(value)
+        dist.all_reduce(total)
+        return total.item() / self.size
+
+
+def join_workers(args: argparse.Namespace) -> Workers:
+    """Horovod's workers (under horovodrun; ``--path ddp`` also sets up torch.distributed
+    among them), or torch.distributed's alone (under torchrun)."""
+    if under_torchrun():
+        dist.init_process_group("gloo")
+        return Workers(dist.get_rank(), dist.get_world_size(), None)
+    import horovod.torch as hvd
+    hvd.init()
+    if args.path == "ddp":
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.ddp_port}",
+                                rank=hvd.rank(), world_size=hvd.size())
+    return Workers(hvd.rank(), hvd.size(), hvd)
 
 
 class Net(nn.Module):
@@ -121,7 +168,11 @@ def make_optimizer(args: argparse.Namespace, model: nn.Module, compression):
         base = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.0 if inside else args.momentum)
     if args.path == "ddp":
         return base
-    wrap = hvd.DistributedOptimizer if args.path == "stock" else hdgc.DistributedOptimizer
+    if args.path == "stock":
+        import horovod.torch as hvd
+        wrap = hvd.DistributedOptimizer
+    else:
+        wrap = hdgc.DistributedOptimizer
     return wrap(base, named_parameters=model.named_parameters(), compression=compression)
 
 
@@ -140,24 +191,24 @@ def accuracy(model: nn.Module, test: data.Split, args: argparse.Namespace) -> fl
 
 
 def main(args: argparse.Namespace) -> None:
-    hvd.init()
+    workers = join_workers(args)
     torch.set_num_threads(1)
     if args.precision == "fp16":
         # On CPUs with AVX512-FP16, oneDNN's float16 convolution backward is a reference loop
         # (3 s a step here, against 0.6 s for ATen's own kernels): same autocast, other kernels.
         torch.backends.mkldnn.enabled = False
     torch.manual_seed(args.seed)
-    args.lr = args.lr or (1e-3 if args.optimizer == "adam" else 0.05 * hvd.size() / 4)
+    args.lr = args.lr or (1e-3 if args.optimizer == "adam" else 0.05 * workers.size / 4)
     train, test = data.load()
-    shard = train.first(args.train_images).shard(hvd.rank(), hvd.size())
+    shard = train.first(args.train_images).shard(workers.rank, workers.size)
     model = Net()
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    if workers.horovod is not None:
+        workers.horovod.broadcast_parameters(model.state_dict(), root_rank=0)
     compression = make_compression(args, model)
     optimizer = make_optimizer(args, model, compression)
     forward = model
     if args.path == "ddp":
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.ddp_port}",
-                                rank=hvd.rank(), world_size=hvd.size())
+        # DDP broadcasts rank 0's parameters here.
         forward = torch.nn.parallel.DistributedDataParallel(model)
         ddp.register(forward, compression, optimizer=optimizer)
     scaler = torch.amp.GradScaler("cpu") if args.precision == "fp16" else None
@@ -171,8 +222,8 @@ def main(args: argparse.Namespace) -> None:
     total = sum(p.numel() for p in model.parameters())
     compressed_share = sum(p.numel() for p in model.parameters()
                            if not CompressionConfig().is_small(tuple(p.shape))) / total
-    if hvd.rank() == 0:
-        print(f"{hvd.size()} workers, {total:,} parameters ({compressed_share:.2%} in compressed "
+    if workers.rank == 0:
+        print(f"{workers.size} workers, {total:,} parameters ({compressed_share:.2%} in compressed "
               f"tensors), {args.compression} on the {args.path} path, {args.precision}, "
               f"{args.optimizer}, {steps} steps per epoch", flush=True)
     history, started = [], time.perf_counter()
@@ -199,9 +250,9 @@ def main(args: argparse.Namespace) -> None:
                 scaler.update()
             scheduler.step()
             losses.append(loss.item())
-        mean_loss = hvd.allreduce(torch.tensor(sum(losses) / len(losses)), name=f"loss.{epoch}").item()
+        mean_loss = workers.mean(sum(losses) / len(losses), name=f"loss.{epoch}")
         stats = compression.stats() if hasattr(compression, "stats") else None
-        if hvd.rank() == 0:
+        if workers.rank == 0:
             acc = accuracy(model, test, args)
             history.append(dict(epoch=epoch + 1, loss=mean_loss, accuracy=acc,
                                 density=getattr(compression, "density", 1.0),
@@ -215,14 +266,17 @@ def main(args: argparse.Namespace) -> None:
                        f"{stats.ratio:.0f}x)" if stats else "")
             print(f"epoch {epoch + 1}/{args.epochs}: loss {mean_loss:.4f}, test accuracy {acc:.4f}, "
                   f"density {history[-1]['density']:.4g}{traffic}", flush=True)
-    if hvd.rank() == 0:
+    if workers.rank == 0:
         wall = time.perf_counter() - started
         print(f"final test accuracy: {history[-1]['accuracy']:.4f} after {wall:.0f} s", flush=True)
         if args.json:
-            args.json.write_text(json.dumps(dict(vars(args), json=str(args.json), workers=hvd.size(),
+            args.json.write_text(json.dumps(dict(vars(args), json=str(args.json), workers=workers.size,
                                                  compressed_share=compressed_share, accuracy=history[-1]["accuracy"], wall_s=wall,
                                                  history=history), indent=2))
     if args.path == "ddp":
+        del forward  # the DDP model before its process group (README's "Without Horovod")
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
 
 

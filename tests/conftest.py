@@ -21,8 +21,8 @@ BIN = Path(sys.executable).parent
 from benchmarks import worker_env  # noqa: E402  (re-exported for the tests that launch workers)
 
 
-def _run(cmd: List[str], timeout_s: float) -> str:
-    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE,
+def _run(cmd: List[str], timeout_s: float, **env: str) -> str:
+    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(**env), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=timeout_s)
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-6000:]}")
@@ -97,12 +97,14 @@ def mpirun(script: str, np: int, args: Sequence[str] = (), timeout_s: float = 30
     return _run(cmd, timeout_s)
 
 
-def torchrun(script: str, nproc: int, args: Sequence[str] = (), timeout_s: float = 300) -> str:
-    """Run tests/workers/<script> on ``nproc`` local ranks with ``torchrun --standalone`` (a
-    free rendezvous port on this host); return the output."""
+def torchrun(script: str, nproc: int, args: Sequence[str] = (), timeout_s: float = 300,
+             **env: str) -> str:
+    """Run tests/workers/<script> (or the script at an absolute path) on ``nproc`` local ranks
+    with ``torchrun --standalone`` (a free rendezvous port on this host), ``env`` added to
+    the workers' environment; return the output."""
     cmd = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(nproc),
            str(WORKERS / script), *args]
-    return _run(cmd, timeout_s)
+    return _run(cmd, timeout_s, **env)
 
 
 def traffic_figures(out: str) -> dict:

@@ -1,10 +1,13 @@
 """The DDP communication hook (``horovod_dgc.torch.ddp``) in real multi-process jobs:
 ``torchrun --standalone`` with Gloo on CPU, and the stock Horovod path under ``horovodrun``
 for comparison (tests/workers/ddp_torch.py)."""
+import json
+import os
+
 import pytest
 import torch
 
-from conftest import horovodrun, torchrun
+from conftest import ROOT, horovodrun, torchrun
 
 PARITY_METHODS = ("dgc", "topk", "gaussiank", "scalecom", "blocksign", "dgc-sar")
 
@@ -98,3 +101,19 @@ def test_ddp_grad_scaler_overflow_on_one_rank_skips_the_step_everywhere():
     out = torchrun("amp_torch.py", 2, ["--ddp"])
     for method in ("dgc", "dgc-sar", "topk", "scalecom", "blocksign"):
         assert out.count(f"{method} ddp amp ok") == 2, out
+
+
+def test_the_fashion_mnist_example_trains_under_torchrun_where_horovod_cannot_be_imported(tmp_path):
+    """README's DDP path for a user without Horovod: ``examples/pytorch_fashion_mnist.py
+    --path ddp`` under torchrun, every worker's import of Horovod made to fail (a
+    sitecustomize on PYTHONPATH). Catches a Horovod import anywhere on that path (the example,
+    ``Compression``, the hook), and a hook that does not apply the averaged gradient (the test
+    accuracy would stay near chance, 0.1) or is bypassed (no bytes counted at density 0.001)."""
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['horovod'] = None\n")
+    torchrun(str(ROOT / "examples" / "pytorch_fashion_mnist.py"), 2,
+             ["--path", "ddp", "--compression", "dgc", "--epochs", "2", "--train-images", "2048",
+              "--json", str(tmp_path / "run.json")],
+             PYTHONPATH=os.pathsep.join((str(tmp_path), str(ROOT))))
+    last = json.loads((tmp_path / "run.json").read_text())["history"][-1]
+    assert last["density"] == 0.001 and last["handed_ratio"] > 500, last
+    assert last["accuracy"] > 0.4, last
