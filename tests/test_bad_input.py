@@ -190,3 +190,13 @@ def test_a_refused_momentum_says_how_to_keep_the_sgds_own():
         check_plain_optimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.95, nesterov=True), dgc)
     with pytest.raises(ValueError, match=r"applies it\), or use"):
         check_plain_optimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), dgc)
+
+
+def test_a_compressor_used_before_hvd_init_or_ddp_register_says_which_to_call(monkeypatch):
+    """A DDP user who calls set_epoch (or attach_grad_scaler) before ``ddp.register`` reaches
+    the default transport, Horovod's: the error names both ways out, not Horovod's bare "use
+    hvd.init()". (Without Horovod installed: tests/workers/ddp_torch.py's misuse mode.)"""
+    import horovod.torch as hvd
+    monkeypatch.setattr(hvd, "is_initialized", lambda: False)
+    with pytest.raises(ValueError, match=r"hvd.init\(\) before .*ddp.register\(model, compression\)"):
+        Compression.topk().set_epoch(0)

@@ -47,6 +47,11 @@ from .engine import DenseUpdate, Engine, OutgoingMessage
 if TYPE_CHECKING:  # imported by the hierarchical path only: it needs Horovod
     from .hierarchy import HostReductions
 
+_NO_TRANSPORT = ("this compressor exchanges through Horovod unless it is registered as a DDP "
+                 "communication hook, and {}: call hvd.init() before using it on a Horovod path, "
+                 "or horovod_dgc.torch.ddp.register(model, compression) before any other use of "
+                 "it (set_epoch, attach_grad_scaler, ...) under DDP")
+
 NamedParameters = Iterable[Tuple[str, torch.nn.Parameter]]
 # What one tensor brings to an exchange: its name, gradient and parameter.
 Entry = Tuple[str, torch.Tensor, Optional[torch.nn.Parameter]]
@@ -110,12 +115,11 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
         named another (:func:`horovod_dgc.torch.ddp.register` names ``torch.distributed``'s)."""
         if self._transport is None:
             try:
-                from .collectives import HOROVOD
+                from .collectives import HOROVOD, hvd
             except ImportError as error:
-                raise ImportError(
-                    f"this compressor exchanges through Horovod ({error}) unless it is registered "
-                    f"as a DDP communication hook first: horovod_dgc.torch.ddp.register(model, "
-                    f"compression) before any other use of it") from error
+                raise ImportError(_NO_TRANSPORT.format(f"Horovod cannot be imported ({error})")) from error
+            if not hvd.is_initialized():
+                raise ValueError(_NO_TRANSPORT.format("Horovod is not initialized"))
             self._transport = HOROVOD
         return self._transport
 

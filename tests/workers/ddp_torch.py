@@ -326,6 +326,8 @@ def misuse() -> None:
            register_with(object()))
     expect(ImportError, ["Horovod's own compressor", "DDP's own hooks"],
            lambda: hdgc.Compression.fp16)
+    expect(ImportError, ["Horovod cannot be imported", "ddp.register(model, compression) before"],
+           lambda: hdgc.Compression.topk().set_epoch(0))
     expect(TypeError, ["DistributedDataParallel", "Injected"],
            lambda: ddp.register(module, hdgc.Compression.topk()))
     sparse_misuse()
