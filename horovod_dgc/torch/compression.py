@@ -10,8 +10,9 @@ A float32 gradient handed to ``compress`` is consumed: its memory receives that 
 
 The family classes (:class:`SparseCompressor`, :class:`TwoStageCompressor`) run their
 collectives through a transport: Horovod's by default, ``torch.distributed``'s when
-:mod:`horovod_dgc.torch.ddp` registers the compressor as a DDP communication hook. The DDP hook's users
-need not install Horovod: the rest of it is imported where a Horovod path first needs it.
+:mod:`horovod_dgc.torch.ddp` registers the compressor as a DDP communication hook. The DDP
+hook's users need not install Horovod: beyond its ``Compressor`` base class (where installed),
+Horovod is imported where a Horovod path first needs it.
 """
 from __future__ import annotations
 
