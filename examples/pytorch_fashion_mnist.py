@@ -160,7 +160,9 @@ def make_compression(args: argparse.Namespace, model: nn.Module):
                                                        **options)
 
 
-def make_optimizer(args: argparse.Namespace, model: nn.Module, compression):
+def make_optimizer(args: argparse.Namespace, model: nn.Module, compression, horovod: Any):
+    """The optimizer of ``args.path``; ``horovod``: ``horovod.torch`` (the stock path wraps
+    with its ``DistributedOptimizer``), or None under torchrun."""
     if args.optimizer == "adam":
         base = torch.optim.Adam(model.parameters(), lr=args.lr)
     else:
@@ -168,11 +170,7 @@ def make_optimizer(args: argparse.Namespace, model: nn.Module, compression):
         base = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.0 if inside else args.momentum)
     if args.path == "ddp":
         return base
-    if args.path == "stock":
-        import horovod.torch as hvd
-        wrap = hvd.DistributedOptimizer
-    else:
-        wrap = hdgc.DistributedOptimizer
+    wrap = horovod.DistributedOptimizer if args.path == "stock" else hdgc.DistributedOptimizer
     return wrap(base, named_parameters=model.named_parameters(), compression=compression)
 
 
@@ -205,7 +203,7 @@ def main(args: argparse.Namespace) -> None:
     if workers.horovod is not None:
         workers.horovod.broadcast_parameters(model.state_dict(), root_rank=0)
     compression = make_compression(args, model)
-    optimizer = make_optimizer(args, model, compression)
+    optimizer = make_optimizer(args, model, compression, workers.horovod)
     forward = model
     if args.path == "ddp":
         # DDP broadcasts rank 0's parameters here.

@@ -30,9 +30,11 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 try:
+    from horovod.torch.compression import Compression as HorovodCompression
     from horovod.torch.compression import Compressor as HorovodCompressor
-except ImportError:  # the DDP hook, where Horovod is not installed; the error comes back below
-    HorovodCompressor = object
+    HOROVOD_MISSING: Optional[ImportError] = None
+except ImportError as error:  # the DDP hook needs no Horovod; the Horovod paths raise this
+    HorovodCompression, HorovodCompressor, HOROVOD_MISSING = None, object, error
 
 from ..core.callers import caller_frames, calling_object, values_among_callers
 from ..core.collectives import ALLGATHER, Transport, join, split
@@ -115,10 +117,10 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
         """Where this compressor's collectives run: Horovod's unless :meth:`use_transport`
         named another (:func:`horovod_dgc.torch.ddp.register` names ``torch.distributed``'s)."""
         if self._transport is None:
-            try:
-                from .collectives import HOROVOD, hvd
-            except ImportError as error:
-                raise ImportError(_NO_TRANSPORT.format(f"Horovod cannot be imported ({error})")) from error
+            if HOROVOD_MISSING is not None:
+                raise ImportError(_NO_TRANSPORT.format(
+                    f"Horovod cannot be imported ({HOROVOD_MISSING})")) from HOROVOD_MISSING
+            from .collectives import HOROVOD, hvd
             if not hvd.is_initialized():
                 raise ValueError(_NO_TRANSPORT.format("Horovod is not initialized"))
             self._transport = HOROVOD
@@ -653,19 +655,18 @@ def _factory(spec: MethodSpec) -> Callable[..., MethodCompressor]:
     return factory
 
 
-class _HorovodCompressor:
-    """One of Horovod's own compressors on :class:`Compression`, imported when first read."""
+class _HorovodOwnCompressor:
+    """One of Horovod's own compressors on :class:`Compression`; where Horovod is missing,
+    reading it raises."""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self._name = name
 
     def __get__(self, instance: Any, owner: type) -> Any:
-        try:
-            from horovod.torch.compression import Compression as HorovodCompression
-        except ImportError as error:
-            raise ImportError(f"Compression.{self._name} is Horovod's own compressor ({error}); "
-                              f"under DDP use DDP's own hooks (torch.distributed.algorithms."
-                              f"ddp_comm_hooks)") from error
+        if HOROVOD_MISSING is not None:
+            raise ImportError(f"Compression.{self._name} is Horovod's own compressor "
+                              f"({HOROVOD_MISSING}); under DDP use DDP's own hooks "
+                              f"(torch.distributed.algorithms.ddp_comm_hooks)") from HOROVOD_MISSING
         return getattr(HorovodCompression, self._name)
 
 
@@ -678,8 +679,8 @@ class Compression:
     the method's config class (:class:`~horovod_dgc.core.DGCConfig` and friends).
     """
 
-    none = _HorovodCompressor()
-    fp16 = _HorovodCompressor()
+    none = _HorovodOwnCompressor()
+    fp16 = _HorovodOwnCompressor()
 
 
 for _spec in METHODS:
