@@ -94,3 +94,25 @@ def test_autograph_converts_none_of_horovod_dgc_in_a_users_function(monkeypatch)
     assert converted, "autograph converted nothing: the probe no longer sees conversions"
     ours = [module for module in converted if module.startswith("horovod_dgc")]
     assert not ours, ours
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["variables-given", "variables-learned"])
+def test_the_first_step_is_traced_once_though_the_memories_are_made_in_it(given):
+    """The memories are made while Horovod's tape first traces the step. Made through
+    ``tf.Variable`` there, ``tf.function`` takes them for its own and traces the whole step a
+    second time (every model's first step twice as long); they must be captured instead."""
+    weight = tf.Variable(tf.ones([50, 40]), name="weight")
+    compression = Compression.topk(density=0.01, **({"variables": [weight]} if given else {}))
+    traces = []
+
+    @tf.function
+    def step():
+        traces.append(1)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(weight * weight)
+        return hvd.DistributedGradientTape(tape, compression=compression).gradient(loss, [weight])
+
+    for _ in range(3):
+        step()
+    assert len(traces) == 1
+    assert compression.engine._states["weight"]["residual"].shape == [2000]

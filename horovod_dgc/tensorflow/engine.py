@@ -7,7 +7,8 @@ tracing a ``tf.function``, where Python runs once per trace, so every per-step e
 TensorFlow op:
 
 * memories, step counters and statistics are ``tf.Variable``s, all created when the engine is
-  built (``tf.function`` accepts new variables only on a function's first trace);
+  built (``tf.function`` accepts new variables only on a function's first trace), eagerly even
+  when that is during the user's first trace (:func:`_variable_maker`);
 * a message's header carries the step counter's value at run time, and the core checks it
   against that run-time value on arrival;
 * the warm-up density is chosen at run time among the schedule's few densities
@@ -21,12 +22,14 @@ shapes, and a step's graph grows by a call per tensor instead of a copy of the e
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 import tensorflow as tf
+from tensorflow.python.ops.resource_variable_ops import ResourceVariable
 
 from ..core.collectives import ALLGATHER, ALLREDUCE, network_bytes
 from ..core.method import CompressCall, Method
@@ -41,6 +44,23 @@ State = Dict[str, tf.Variable]
 _TOTALS = {"bytes_sent": tf.int64, "dense_bytes": tf.int64, "network_bytes": tf.float64,
            "dense_network_bytes": tf.float64, "elements_sent": tf.int64,
            "elements_compressed": tf.int64, "selection_time_s": tf.float64}
+
+
+@contextlib.contextmanager
+def _variable_maker() -> Iterator[Callable[..., tf.Variable]]:
+    """``tf.init_scope()``, yielding how to make a non-trainable variable there.
+
+    The engine is usually built while the user's step is first traced (Horovod calls the
+    compressor there). A ``tf.Variable`` made then goes through the variable-creator scope
+    ``tf.function`` holds during its first trace, which takes it for the function's own and
+    traces the whole step a second time to initialize it: every model's first step twice as
+    long. A ``ResourceVariable`` made eagerly bypasses that scope and is captured like any
+    variable made before the step. In a TF1 graph (no eager context to lift to) and outside
+    any trace, ``tf.Variable`` as usual."""
+    traced = not tf.executing_eagerly()
+    with tf.init_scope():
+        maker = ResourceVariable if traced and tf.executing_eagerly() else tf.Variable
+        yield functools.partial(maker, trainable=False)
 
 
 @dataclass
@@ -102,16 +122,14 @@ class Engine:
         self.densities = schedule.densities_in_use if schedule else (1.0,)
         self._watch = WarmupWatch(schedule)
         self._loss_scale: Optional[Callable[[], Any]] = None
-        with tf.init_scope():
-            self._density_index = tf.Variable(self.densities.index(self.density), trainable=False,
-                                              name="horovod_dgc/density_index")
-            self._states = {spec.name: self._new_state(spec) for spec in tensors}
+        with _variable_maker() as variable:
+            self._density_index = variable(self.densities.index(self.density),
+                                           name="horovod_dgc/density_index")
+            self._states = {spec.name: self._new_state(spec, variable) for spec in tensors}
             self._numels = {spec.name: spec.shape.num_elements() for spec in tensors}
-            self._steps = {spec.name: tf.Variable(tf.constant(0, tf.int64), trainable=False,
-                                                  name=f"horovod_dgc/{spec.name}/step")
+            self._steps = {spec.name: variable(tf.constant(0, tf.int64), name=f"horovod_dgc/{spec.name}/step")
                            for spec in tensors}
-            self._totals = {field: tf.Variable(tf.constant(0, dtype), trainable=False,
-                                               name=f"horovod_dgc/{field}")
+            self._totals = {field: variable(tf.constant(0, dtype), name=f"horovod_dgc/{field}")
                             for field, dtype in _TOTALS.items()}
         self._steps_at_reset = 0
         self._shared: Dict[Tuple[Any, ...], Callable[..., Any]] = {}
@@ -121,13 +139,12 @@ class Engine:
     def config(self):
         return self.method.config
 
-    def _new_state(self, spec: tf.TensorSpec) -> State:
+    def _new_state(self, spec: tf.TensorSpec, variable: Callable[..., tf.Variable]) -> State:
         if self.passes_through(spec):
             return {}
         flat = tf.TensorSpec([spec.shape.num_elements()], spec.dtype)
         initial = self.method.init_state(self.ops, flat, self.compresses(spec), self.world_size)
-        return {key: tf.Variable(value, trainable=False, name=f"horovod_dgc/{spec.name}/{key}")
-                for key, value in initial.items()}
+        return {key: variable(value, name=f"horovod_dgc/{spec.name}/{key}") for key, value in initial.items()}
 
     # -- schedule and statistics ------------------------------------------------------------
     @property
