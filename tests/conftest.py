@@ -2,11 +2,13 @@
 Horovod jobs from tests."""
 from __future__ import annotations
 
+import atexit
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import pytest
 import torch
@@ -22,11 +24,46 @@ from benchmarks import worker_env  # noqa: E402  (re-exported for the tests that
 
 
 def _run(cmd: List[str], timeout_s: float, **env: str) -> str:
-    proc = subprocess.run(cmd, cwd=ROOT, env=worker_env(**env), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=timeout_s)
+    return _succeeded(subprocess.run(cmd, cwd=ROOT, env=worker_env(**env), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, timeout=timeout_s))
+
+
+def _succeeded(proc: subprocess.CompletedProcess) -> str:
+    """The output of a launch that exited 0; the test fails otherwise."""
     if proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stdout[-6000:]}")
+        pytest.fail(f"{' '.join(proc.args)} exited {proc.returncode}:\n{proc.stdout[-6000:]}")
     return proc.stdout
+
+
+_warm_server: Optional[subprocess.Popen] = None
+_warm_server_errors = tempfile.TemporaryFile("w+")  # what it prints itself (its launches' output goes to files)
+
+
+def run_horovodrun(args: Sequence[str], timeout_s: float, **env: str) -> subprocess.CompletedProcess:
+    """``horovodrun args`` from this repository's root, ``env`` added to the workers'
+    environment, through tests/warm_horovodrun.py (Horovod's launcher without its 6 s check
+    of the build at every launch); standard error in the output."""
+    global _warm_server
+    if _warm_server is None or _warm_server.poll() is not None:
+        _warm_server = subprocess.Popen([sys.executable, str(Path(__file__).parent / "warm_horovodrun.py")],
+                                        cwd=ROOT, env=worker_env(), stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=_warm_server_errors, text=True)
+        atexit.register(_warm_server.stdin.close)  # its end
+    with tempfile.NamedTemporaryFile("r", prefix="horovodrun-", suffix=".out") as output:
+        request = dict(argv=list(args), env=worker_env(**env), cwd=str(ROOT), output=output.name,
+                       timeout_s=timeout_s)
+        _warm_server.stdin.write(json.dumps(request) + "\n")
+        _warm_server.stdin.flush()
+        reply = _warm_server.stdout.readline()
+        if not reply:
+            _warm_server_errors.seek(0)
+            raise RuntimeError(f"tests/warm_horovodrun.py ended (exit {_warm_server.wait()}):\n"
+                               f"{_warm_server_errors.read()[-6000:]}")
+        reply, out = json.loads(reply), output.read()
+    cmd = ["horovodrun", *args]
+    if reply["timed_out"]:
+        raise subprocess.TimeoutExpired(cmd, timeout_s, out)
+    return subprocess.CompletedProcess(cmd, reply["status"], out)
 
 
 DEVICES = ("cpu", "cuda")
@@ -81,13 +118,15 @@ TWO_HOSTS = ("localhost", "127.0.0.1")
 
 
 def horovodrun(script: str, np: int, args: Sequence[str] = (), timeout_s: float = 300,
-               hosts: Sequence[str] = ("localhost",)) -> str:
+               hosts: Sequence[str] = ("localhost",), cli: bool = False) -> str:
     """Run tests/workers/<script> on ``np`` local ranks with Gloo, spread evenly over
-    ``hosts`` (e.g. :data:`TWO_HOSTS`: Horovod sees two hosts); return the output."""
+    ``hosts`` (e.g. :data:`TWO_HOSTS`: Horovod sees two hosts); return the output. Through
+    :func:`run_horovodrun`, or the ``horovodrun`` executable itself if ``cli``."""
     slots = ",".join(f"{host}:{np // len(hosts)}" for host in hosts)
-    cmd = [str(BIN / "horovodrun"), "-np", str(np), "-H", slots, "--gloo",
-           sys.executable, str(WORKERS / script), *args]
-    return _run(cmd, timeout_s)
+    args = ["-np", str(np), "-H", slots, "--gloo", sys.executable, str(WORKERS / script), *args]
+    if cli:
+        return _run([str(BIN / "horovodrun"), *args], timeout_s)
+    return _succeeded(run_horovodrun(args, timeout_s))
 
 
 def mpirun(script: str, np: int, args: Sequence[str] = (), timeout_s: float = 300) -> str:

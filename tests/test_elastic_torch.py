@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import BIN, ROOT, WORKERS, worker_env
+from conftest import WORKERS, run_horovodrun
 
 # Three names of this machine: horovodrun treats them as three hosts (each resolves to a
 # local address, so workers start without ssh), and blacklists the one whose worker fails.
@@ -24,11 +24,9 @@ def elastic_job(tmp_path, discovery: str, np: int, *options: str,
     script = tmp_path / "discover_hosts.sh"
     script.write_text("#!/bin/sh\n" + discovery)
     script.chmod(0o755)
-    cmd = [str(BIN / "horovodrun"), "-np", str(np), "--min-np", "2", "--max-np", "3",
-           "--host-discovery-script", str(script), "--gloo", "--gloo-timeout-seconds", str(gloo_timeout_s),
-           sys.executable, str(WORKERS / "elastic_torch.py"), *options]
-    return subprocess.run(cmd, cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=300)
+    return run_horovodrun(["-np", str(np), "--min-np", "2", "--max-np", "3", "--host-discovery-script",
+                           str(script), "--gloo", "--gloo-timeout-seconds", str(gloo_timeout_s),
+                           sys.executable, str(WORKERS / "elastic_torch.py"), *options], timeout_s=300)
 
 
 def lose_a_worker(tmp_path, *options: str) -> subprocess.CompletedProcess:
