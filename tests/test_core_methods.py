@@ -160,6 +160,28 @@ def test_dgc_momentum_correction_and_masking_match_the_equations_for_10_steps(ne
         assert sampled_at == list(range(10))
 
 
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_dgc_clips_a_workers_gradient_to_c_over_sqrt_n_only_when_it_is_longer(nesterov, device):
+    """Local gradient clipping (DGC 3.3) scales a worker's gradient down to norm C / sqrt(N)
+    when it is longer, and leaves a shorter one as it is: norms from 0.2 to 3 times the bound,
+    against the equations. Catches a factor ``bound / norm`` applied without its ``min(1, .)``
+    (short gradients blown up to the bound) and a bound of C / N."""
+    n, density, world_size, clip_norm = 5000, 0.01, 4, 2.0
+    bound = clip_norm / math.sqrt(world_size)
+    gen = torch.Generator().manual_seed(4)
+    grads = []
+    for times_bound in (0.5, 3.0, 0.9, 1.5, 0.2, 2.0):
+        g = randn(n, generator=gen, device=device)
+        grads.append(g * (times_bound * bound / float(g.norm())))
+    method = DGC(DGCConfig(density=density, momentum=0.9, nesterov=nesterov, clip_norm=clip_norm,
+                           value_dtype="float32"))
+    state = method.init_state(ops, grads[0], True, 1)
+    expected = reference_dgc(grads, top_count(density, n), 0.9, nesterov, clip_norm, world_size)
+    for t, (grad, (ref_sent, ref_u, ref_v)) in enumerate(zip(grads, expected)):
+        sent, state, _ = bounded_step(method, state, grad, t, world_size)
+        assert_matches_reference(t, sent, state, ref_sent, ref_u, ref_v)
+
+
 def test_dgc_small_tensors_keep_their_momentum_when_sent_for_10_steps(device):
     """The paper sends small tensors dense, their momentum whole; compressed, they keep it
     unmasked (momentum SGD with error feedback), where large tensors are masked."""
@@ -273,17 +295,20 @@ def test_dgc_undoes_the_loss_scale_before_weight_decay_and_clipping(weight_decay
     assert result.state["momentum"].tolist() == pytest.approx(expected_u, rel=1e-5, abs=1e-7)
 
 
-def test_dgc_dense_tensors_with_nesterov_send_the_momentum_plus_the_gradient(device):
+@pytest.mark.parametrize("loss_scale", [1.0, 512.0])
+def test_dgc_dense_tensors_with_nesterov_send_the_momentum_plus_the_gradient(loss_scale, device):
     """Dense tensors under Nesterov: ``u = m * (u + g)`` and the update is ``u + g``
-    (docs/algorithms.md#dgc). Catches an update that sends ``u`` alone (plain momentum's)."""
+    (docs/algorithms.md#dgc), both in unscaled units under a loss scale S (gradients S * g).
+    Catches an update that sends ``u`` alone (plain momentum's), and one that adds the
+    gradient still scaled (``u + S * g``)."""
     m = 0.9
     method = DGC(DGCConfig(momentum=m, nesterov=True))
     gen = torch.Generator().manual_seed(11)
     g1, g2 = randn(10, generator=gen, device=device), randn(10, generator=gen, device=device)
     state = method.init_state(ops, g1, False, 1)
-    ctx = CompressCall("bias", 0, 1, 0, 0.001)
-    out1, state = method.dense(ops, state, g1, ctx)
-    out2, state = method.dense(ops, state, g2, ctx)
+    ctx = CompressCall("bias", 0, 1, 0, 0.001, loss_scale=loss_scale)
+    out1, state = method.dense(ops, state, g1 * loss_scale, ctx)
+    out2, state = method.dense(ops, state, g2 * loss_scale, ctx)
     u1 = [m * a for a in g1.tolist()]
     u2 = [m * (u + b) for u, b in zip(u1, g2.tolist())]
     # Entries of order 1 in float32: sums that cancel are checked to their absolute rounding.
