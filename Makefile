@@ -7,7 +7,7 @@ DEVICE ?= cpu
 # gpu-check's interpreter: one whose PyTorch has CUDA (Horovod is not needed).
 GPU_PYTHON ?= python3
 
-.PHONY: setup test test-slow demo imagenet-demo bench-compress bench-model-step gpu-check bench-trace-tf bench-convergence bench-regions bench-scalecom-leader cluster-bench cluster-scaling cluster-negotiation traffic-model compose-test horovod-examples stress-hierarchical clean-venv
+.PHONY: setup test test-slow mutation-check demo imagenet-demo bench-compress bench-model-step gpu-check bench-trace-tf bench-convergence bench-regions bench-scalecom-leader cluster-bench cluster-scaling cluster-negotiation traffic-model compose-test horovod-examples stress-hierarchical clean-venv
 
 setup:
 	@bash scripts/setup_env.sh
@@ -19,6 +19,11 @@ test: setup
 ## Convergence runs and other long checks.
 test-slow: setup
 	$(PYTHON) -m pytest -m slow -q
+
+## Whether the tests catch about 50 plausible bugs, each applied to a copy of the tree (15-40
+## minutes): the test that caught each, or the ones none caught, in results/mutation/.
+mutation-check: setup
+	$(PYTHON) -m benchmarks.mutation
 
 ## Fashion-MNIST on $(NP) workers: dense, then DGC at density 0.001 (a 1M-parameter CNN, 99.6% of it
 ## compressed), one line per epoch, then both accuracies, the bytes per step and the ratios.

@@ -7,6 +7,9 @@ memories in variables, the step counter read at run time and the warm-up density
 run time). Bad input: bad settings fail at construction, and bad messages and non-finite
 gradients fail with errors that name the rank and the tensor, in graph mode too.
 """
+import dataclasses
+import math
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -116,13 +119,18 @@ def _case_branches(graph) -> list:
                   if n.op in ("Case", "StatelessCase"))
 
 
+@pytest.mark.parametrize("driven_by", ["set_epoch", "steps_per_epoch"])
 @pytest.mark.parametrize("name", list(WARM_UP))
-def test_engines_agree_in_tf_function_through_warm_up(name):
+def test_engines_agree_in_tf_function_through_warm_up(name, driven_by):
     """The TensorFlow engine (variables, run-time step and density) against PyTorch's; the
-    warm-up switches density every 3 steps without retracing. ``b`` is small: its floor
-    (0.05) merges the last two of the densities 0.215, 0.046, 0.01, so its exchange has two
-    branches in the graph, not three."""
+    warm-up switches density every 3 steps without retracing, told by ``set_epoch`` or
+    counting the steps itself (``steps_per_epoch=3``, the epoch then computed in the graph).
+    ``w`` sends the k of the paper's schedule, ``0.01 ** ((e + 1) / 3)`` in epochs 0 and 1,
+    then 0.01. ``b`` is small: its floor (0.05) merges the last two of the densities 0.215,
+    0.046, 0.01, so its exchange has two branches in the graph, not three."""
     method = WARM_UP[name]
+    if driven_by == "steps_per_epoch":
+        method = type(method)(dataclasses.replace(method.config, steps_per_epoch=3))
     shapes = {"w": (311, 97), "b": (97,)}
     torch_engine = TorchEngine(method, world_size=1, rank=0)
     tf_engine = Engine(method, [tf.TensorSpec(shape, tf.float32, n) for n, shape in shapes.items()],
@@ -138,10 +146,14 @@ def test_engines_agree_in_tf_function_through_warm_up(name):
 
     rs = np.random.RandomState(1)
     for t in range(STEPS):
-        torch_engine.epoch = t // 3
-        tf_engine.set_epoch(t // 3)
+        if driven_by == "set_epoch":
+            torch_engine.epoch = t // 3
+            tf_engine.set_epoch(t // 3)
         grads = [rs.standard_normal(shape).astype(np.float32) for shape in shapes.values()]
         updates = tf_step([tf.constant(g) for g in grads])
+        if name != "gaussiank":  # its count follows its threshold, not k
+            density = 0.01 ** ((t // 3 + 1) / 3) if t // 3 < 2 else 0.01
+            assert np.count_nonzero(updates[0].numpy()) == math.ceil(density * 311 * 97), t
         for tensor, grad, update in zip(shapes, grads, updates):
             outcome = torch_engine.compress(tensor, torch.from_numpy(grad.copy()), None)  # consumed
             expected = torch_engine.decompress(outcome.message, [outcome])[0].numpy()

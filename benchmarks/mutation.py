@@ -1,0 +1,330 @@
+"""Whether the tests catch plausible bugs (``make mutation-check``).
+
+Each mutant of :data:`MUTANTS` is one small edit that someone could write by mistake (a
+missing ``min(1, .)``, a sum where a mean belongs, a memory kept on a skipped step). It is
+applied to a copy of the working tree, the tests of its layer run there (``-m "not slow"``,
+stopping at the first failure), and the table says which test failed, or that none did: a
+mutant that survives is a bug the tests would let through. The working tree itself is never
+edited.
+
+    .venv/bin/python -m benchmarks.mutation [--only ID,...] [--layer core|torch|tensorflow]
+                                            [--out results/mutation]
+
+A mutant that no test catches takes its layer's whole test set (core about 1.5 minutes, torch
+about 4, tensorflow about 6 on 2 cores); a caught one usually seconds. Exit status 1 when a
+mutant survives or its edit no longer applies (the code moved: update the catalogue).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Dict, Optional, Sequence, Tuple
+
+from benchmarks import ROOT, worker_env
+
+LAYERS = ("core", "torch", "tensorflow")
+# Each layer's tests, fastest and most direct first (the run stops at the first failure).
+TESTS: Dict[str, Tuple[str, ...]] = {
+    "core": ("test_core_references.py", "test_core_methods.py", "test_core_selection.py",
+             "test_core_twostage.py", "test_core_sparse_allreduce.py", "test_core_warmup.py",
+             "test_core_hosts.py", "test_traffic_model.py", "test_bad_input.py", "test_kernels_torch.py",
+             "test_device_torch.py", "test_triton_memory.py", "test_codecs.py"),
+    "torch": ("test_core_methods.py", "test_bad_input.py", "test_device_torch.py",
+              "test_checkpoint_torch.py", "test_torch_multiprocess.py"),
+    "tensorflow": ("test_tensorflow_parity.py", "test_tensorflow_bad_input.py",
+                   "test_tensorflow_shared_exchange.py", "test_tensorflow_variables.py",
+                   "test_tensorflow_multiprocess.py"),
+}
+TIMEOUT_S = 1800
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One plausible bug: ``old`` (found exactly once in ``path``) replaced by ``new``."""
+
+    id: str
+    path: str
+    old: str
+    new: str
+    bug: str
+
+    @property
+    def layer(self) -> str:
+        """Whose tests run: the adapter's for an adapter file, else the core's (an adapter's
+        ``ops.py`` is the core's ``TensorOps``, which the core's tests run on)."""
+        for layer in ("torch", "tensorflow"):
+            if self.path.startswith(f"horovod_dgc/{layer}/") and not self.path.endswith("/ops.py"):
+                return layer
+        return "core"
+
+
+def _m(id: str, path: str, old: str, new: str, bug: str) -> Mutant:
+    return Mutant(id, f"horovod_dgc/{path}", old, new, bug)
+
+
+MUTANTS: Tuple[Mutant, ...] = (
+    # DGC
+    _m("dgc-clip-bound-over-n", "core/dgc.py", "bound = cfg.clip_norm / call.world_size ** 0.5",
+       "bound = cfg.clip_norm / call.world_size", "local clipping to C / N instead of C / sqrt(N)"),
+    _m("dgc-clip-without-min", "core/dgc.py",
+       "return grad, ops.minimum(bound / ops.maximum(norm, 1e-30), 1.0) * factor",
+       "return grad, bound / ops.maximum(norm, 1e-30) * factor",
+       "clipping scales short gradients up to the bound"),
+    _m("dgc-weight-decay-scaled", "core/dgc.py",
+       "grad, factor = ops.add(grad, call.param, factor, weight_decay), 1.0",
+       "grad, factor = ops.add(grad, call.param, 1.0, weight_decay), 1.0",
+       "weight decay added to the gradient still under the loss scale"),
+    _m("dgc-small-masked", "core/dgc.py", "return self._small_memory if call.small else self.memory",
+       "return self.memory", "small tensors' momentum masked like large ones'"),
+    _m("momentum-unmasked", "core/memory.py",
+       'momentum = ops.scatter_zero(state["momentum"], indices) if self.masked else state["momentum"]',
+       'momentum = state["momentum"]', "no momentum factor masking"),
+    _m("velocity-zeroed", "core/memory.py",
+       'return {"momentum": momentum, "velocity": ops.scatter_sub(state["velocity"], indices, sent)}',
+       'return {"momentum": momentum, "velocity": ops.scatter_zero(state["velocity"], indices)}',
+       "the velocity sent is zeroed, losing the wire's rounding"),
+    _m("nesterov-dense-scaled", "core/memory.py", "update = ops.add(momentum, grad, 1.0, grad_scale)",
+       "update = ops.add(momentum, grad, 1.0, 1.0)",
+       "a dense Nesterov update adds the gradient still under the loss scale"),
+    # error feedback
+    _m("residual-zeroed", "core/memory.py",
+       'return {"residual": ops.scatter_sub(state["residual"], indices, sent)}',
+       'return {"residual": ops.scatter_zero(state["residual"], indices)}',
+       "the residual sent is zeroed, losing the wire's rounding"),
+    _m("residual-dense-scaled", "core/memory.py", "return ops.scale(ops.copy(grad), grad_scale), state",
+       "return ops.copy(grad), state", "dense tensors keep the loss scale"),
+    _m("sent-before-rounding", "core/sparse.py", "sent = ops.cast(ops.slice(decoded, 0, count), ops.dtype(x))",
+       "sent = selected", "the memory forgets what the wire format rounds or clamps"),
+    _m("skipped-step-kept", "core/sparse.py", "return state, layout.empty(ops, header, like=grad), 0, 0.0",
+       "return accumulated.state, layout.empty(ops, header, like=grad), 0, 0.0",
+       "a non-finite step's memory is kept"),
+    _m("sum-not-mean", "core/sparse.py", "sums, 1.0 / world_size)", "sums, 1.0)",
+       "the decoded messages summed, not averaged"),
+    _m("flag-never-set", "core/nonfinite.py", "return ops.where(finite, 0, FLAG_NONFINITE)", "return 0",
+       "a non-finite gradient is never flagged to the other ranks"),
+    # selection
+    _m("topk-count-floor", "core/selection.py",
+       "return min(numel, max(1, math.ceil(round(density * numel, 6))))",
+       "return min(numel, max(1, int(round(density * numel, 6))))", "k rounded down"),
+    _m("topk-one-short", "core/selection.py",
+       "chosen = ops.nonzero(ops.greater_equal(magnitudes, ops.kth_largest(magnitudes, k)))",
+       "chosen = ops.nonzero(ops.greater_equal(magnitudes, ops.kth_largest(magnitudes, k + 1)))",
+       "the candidates' cut at the (k+1)-th largest"),
+    _m("ties-unsorted", "core/selection.py",
+       "lambda: ops.sort(ops.gather(positions, ops.topk_abs(magnitudes, k)))[0])",
+       "lambda: ops.gather(positions, ops.topk_abs(magnitudes, k)))",
+       "positions out of order after a tie"),
+    _m("no-fallback-bound", "core/selection.py",
+       "    threshold = ops.cond(count < k, lambda: candidates.lower_bound(k), lambda: threshold)\n", "",
+       "fewer than k entries sent when the retries end short"),
+    _m("gaussian-one-sided", "core/selection.py", "z = NormalDist().inv_cdf(1.0 - density / 2.0)",
+       "z = NormalDist().inv_cdf(1.0 - density)", "Gaussian-k's quantile of one tail"),
+    _m("gaussian-no-mean", "core/selection.py", "return ops.abs(mean) + ops.sqrt(variance) * z",
+       "return ops.sqrt(variance) * z", "Gaussian-k's threshold without the mean"),
+    _m("gaussian-adjust-swapped", "core/selection.py",
+       "t = t * ops.where(count < low, GAUSSIAN_LOWER_BY, GAUSSIAN_RAISE_BY)",
+       "t = t * ops.where(count < low, GAUSSIAN_RAISE_BY, GAUSSIAN_LOWER_BY)",
+       "Gaussian-k raises the threshold when too few entries reach it"),
+    # ScaleCom
+    _m("scalecom-fixed-leader", "core/scalecom.py", "return call.step % call.world_size", "return 0",
+       "rank 0 always leads"),
+    _m("scalecom-memory-unrounded", "core/scalecom.py",
+       "state = self.memory.update(ops, state, indices, ops.cast(decoded, state_dtype(handover.dtype)))",
+       'state = self.memory.update(ops, state, indices, ops.gather(handover.data["p"], indices))',
+       "a float64 model's memory forgets the float32 rounding of the values sent"),
+    _m("low-pass-sent-unfiltered", "core/memory.py", "sent = ops.scale(ops.copy(sent), self.beta)",
+       "sent = ops.copy(sent)", "the low-pass memory subtracts the whole value sent"),
+    _m("low-pass-gradient-unfiltered", "core/memory.py",
+       'grad_scale * self.beta, out=reuse(spare, "memory"))', 'grad_scale, out=reuse(spare, "memory"))',
+       "the low-pass memory adds the whole gradient"),
+    # blocksign
+    _m("blocksign-short-block-mean", "core/blocksign.py",
+       "parts.append(ops.scale(ops.slice(sums, full, 1), 1.0 / rest))",
+       "parts.append(ops.scale(ops.slice(sums, full, 1), 1.0 / block))",
+       "the last, short block's scale divided by the full block length"),
+    _m("blocksign-server-sum", "core/blocksign.py",
+       'averaged = ops.scale_add(ops.scale(total, 1.0 / call.world_size), 1.0, state["server"])',
+       'averaged = ops.scale_add(total, 1.0, state["server"])', "the server sums instead of averaging"),
+    _m("blocksign-server-no-feedback", "core/blocksign.py",
+       'averaged = ops.scale_add(ops.scale(total, 1.0 / call.world_size), 1.0, state["server"])',
+       "averaged = ops.scale(total, 1.0 / call.world_size)", "no error feedback on the server"),
+    _m("blocksign-plain-momentum", "core/blocksign.py",
+       'return ops.add(grad, momentum, unscale, mu), 1.0, {**state, "momentum": momentum}',
+       'return momentum, 1.0, {**state, "momentum": momentum}', "plain momentum instead of Nesterov's"),
+    _m("sign-of-zero-negative", "torch/ops.py", "bits = (x >= 0).view(torch.uint8).view(torch.int64)",
+       "bits = (x > 0).view(torch.uint8).view(torch.int64)", "sign(0) = -1"),
+    # sparse all-reduce, warm-up, traffic
+    _m("sparse-allreduce-sum", "core/sparse_allreduce.py",
+       "total = ops.scatter_add(total, where, ops.scale(ops.copy(values), 1.0 / world))",
+       "total = ops.scatter_add(total, where, ops.copy(values))", "the owners sum instead of averaging"),
+    _m("warmup-root-of-w", "core/warmup.py", "return self.final_density ** (1.0 / (self.warmup_epochs + 1))",
+       "return self.final_density ** (1.0 / max(1, self.warmup_epochs))", "warm-up factor rho^(1/W)"),
+    _m("warmup-epoch-offset", "core/warmup.py", "return max(self.ratio ** (e + 1), self.final_density)",
+       "return max(self.ratio ** e, self.final_density)", "epoch 0 runs dense"),
+    _m("warmup-epoch-rounded-up", "core/warmup.py", "e = max(math.floor(epoch), 0)", "e = max(math.ceil(epoch), 0)",
+       "a started epoch counts as finished"),
+    _m("allgather-bytes-n", "core/collectives.py", "return (n - 1) * nbytes", "return n * nbytes",
+       "an allgather counted as N messages per worker"),
+    _m("allreduce-bytes-half", "core/collectives.py", "return 2 * (n - 1) / n * nbytes",
+       "return (n - 1) / n * nbytes", "a ring all-reduce counted as one pass"),
+    _m("header-count-unchecked", "core/wire.py",
+       "high = self.header(rank, step, self.capacity, FLAG_NONFINITE, traced_id)",
+       "high = self.header(rank, step, self.capacity + 1, FLAG_NONFINITE, traced_id)",
+       "a count past the message's capacity accepted"),
+    _m("stats-steps-short", "core/stats.py", "steps=max(t.steps, step - self._first_step + 1)",
+       "steps=max(t.steps, step - self._first_step)", "statistics count one step too few"),
+    _m("stats-ratio-handed", "core/stats.py", "return self.dense_network_bytes / self.network_bytes",
+       "return self.dense_bytes / self.network_bytes", "the network ratio mixes handed and network bytes"),
+    # the PyTorch adapter
+    _m("torch-skipped-step-kept", "torch/engine.py", "keep = finite and name not in self._unapplied",
+       "keep = name not in self._unapplied", "memories kept when some rank was not finite"),
+    _m("torch-dense-unscaled", "torch/engine.py", "        if scale != 1.0:\n            update = update * scale\n",
+       "", "dense results not put back under the loss scale"),
+    _m("torch-sparse-unscaled", "torch/engine.py",
+       "return update if loss_scale == 1.0 else update.mul_(loss_scale)", "return update",
+       "sparse results not put back under the loss scale"),
+    _m("torch-spare-is-the-memory", "torch/engine.py", "self._spares[name] = kept if keep else staged",
+       "self._spares[name] = staged if keep else kept", "the memory kept is handed out as scratch"),
+    _m("torch-small-density", "torch/engine.py", "density = self.config.density_for(step, self.epoch, small)",
+       "density = self.config.density_for(step, self.epoch)", "small tensors lose their density floor"),
+    _m("fused-second-synchronize", "torch/optimizer.py",
+       "        if self._synchronized:\n            return\n", "",
+       "synchronize() twice compresses the average again"),
+    _m("fused-one-weight-decay", "torch/optimizer.py", "if len(set(decays.values())) > 1:", "if False:",
+       "per-group weight decays replaced by the first group's"),
+    _m("fused-dense-sum", "torch/optimizer.py", "op=hvd.Average), members))", "op=hvd.Sum), members))",
+       "the fused path's dense buckets summed"),
+    # the TensorFlow adapter
+    _m("tf-skipped-step-kept", "tensorflow/engine.py", "assign(tf.where(finite, new[key], old[key]))",
+       "assign(new[key])", "memories kept when some rank was not finite"),
+    _m("tf-sparse-unscaled", "tensorflow/engine.py", "flat = flat * tf.cast(message.loss_scale, flat.dtype)",
+       "flat = tf.identity(flat)", "sparse results not put back under the loss scale"),
+    _m("tf-dense-unscaled", "tensorflow/engine.py",
+       "update = tf.cast(update, reducible) * tf.cast(scale, reducible)", "update = tf.cast(update, reducible)",
+       "dense results not put back under the loss scale"),
+    _m("tf-warmup-epoch-offset", "tensorflow/engine.py",
+       "epoch = tf.minimum(step // schedule.steps_per_epoch, schedule.warmup_epochs)",
+       "epoch = tf.minimum(step // schedule.steps_per_epoch + 1, schedule.warmup_epochs)",
+       "a schedule driven by steps_per_epoch runs one epoch ahead in a graph"),
+)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What became of one mutant: ``caught_by`` the first failing test (None: survived);
+    ``stale``: its edit no longer applies."""
+
+    id: str
+    layer: str
+    bug: str
+    caught_by: Optional[str]
+    seconds: float
+    stale: bool = False
+
+
+def stale_reason(mutant: Mutant, root: Path = ROOT) -> Optional[str]:
+    """Why ``mutant`` cannot be applied to the tree at ``root`` (None: it can)."""
+    path = root / mutant.path
+    if not path.is_file():
+        return f"{mutant.path} does not exist"
+    found = path.read_text().count(mutant.old)
+    if found != 1:
+        return f"its text occurs {found} times in {mutant.path}, not once"
+    if mutant.old == mutant.new:
+        return "its edit changes nothing"
+    return None
+
+
+def copy_tree(destination: Path) -> None:
+    """The working tree's files that git tracks or would track, and the compiled kernels."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
+                            check=True, capture_output=True).stdout.decode().split("\0")
+    kernels = [str(p.relative_to(ROOT)) for p in (ROOT / "horovod_dgc").rglob("*.so")]
+    for name in [n for n in listed if n] + kernels:
+        source, target = ROOT / name, destination / name
+        if source.is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+
+
+def run_tests(tree: Path, tests: Sequence[str]) -> Tuple[Optional[str], str]:
+    """(the first failing test's id, or None when all passed; pytest's output) in ``tree``."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "not slow", "-q", "-x", "-p", "no:cacheprovider",
+                           *[f"tests/{t}" for t in tests]],
+                          cwd=tree, env=worker_env(PYTHONPATH=str(tree)), capture_output=True, text=True,
+                          timeout=TIMEOUT_S)
+    if proc.returncode == 0:
+        return None, proc.stdout
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", proc.stdout, re.M)
+    return (failed[0] if failed else f"pytest exit {proc.returncode}"), proc.stdout
+
+
+def try_mutant(mutant: Mutant, tree: Path, tests: Optional[Sequence[str]] = None) -> Verdict:
+    """Apply ``mutant`` to the copy at ``tree``, run its layer's tests (or ``tests``), undo it."""
+    reason = stale_reason(mutant, tree)
+    if reason:
+        return Verdict(mutant.id, mutant.layer, reason, None, 0.0, stale=True)
+    path = tree / mutant.path
+    original = path.read_text()
+    path.write_text(original.replace(mutant.old, mutant.new))
+    started = time.perf_counter()
+    try:
+        caught_by, _ = run_tests(tree, tests or TESTS[mutant.layer])
+    finally:
+        path.write_text(original)
+    return Verdict(mutant.id, mutant.layer, mutant.bug, caught_by, time.perf_counter() - started)
+
+
+def table(verdicts: Sequence[Verdict]) -> str:
+    """A Markdown table of ``verdicts``."""
+    rows = ["| mutant | layer | the bug | caught by | s |", "|---|---|---|---|---:|"]
+    for v in verdicts:
+        caught = "**stale**" if v.stale else (f"`{v.caught_by}`" if v.caught_by else "**nothing: survived**")
+        rows.append(f"| {v.id} | {v.layer} | {v.bug} | {caught} | {v.seconds:.0f} |")
+    return "\n".join(rows)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", default=None, help="comma-separated mutant ids (default: all)")
+    parser.add_argument("--layer", choices=LAYERS, default=None, help="only this layer's mutants")
+    parser.add_argument("--out", default="results/mutation", help="where mutants.md and .json go")
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    chosen = [m for m in MUTANTS if (args.layer is None or m.layer == args.layer)
+              and (args.only is None or m.id in args.only.split(","))]
+    unknown = set(args.only.split(",")) - {m.id for m in MUTANTS} if args.only else set()
+    if unknown or not chosen:
+        raise SystemExit(f"no such mutants: {sorted(unknown)}" if unknown else "no mutant chosen")
+    verdicts = []
+    with tempfile.TemporaryDirectory(prefix="horovod_dgc-mutants-") as tmp:
+        tree = Path(tmp)
+        copy_tree(tree)
+        for mutant in chosen:
+            verdict = try_mutant(mutant, tree)
+            print(f"{verdict.id}: {'stale: ' + verdict.bug if verdict.stale else verdict.caught_by or 'SURVIVED'} "
+                  f"({verdict.seconds:.0f} s)", flush=True)
+            verdicts.append(verdict)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "mutants.md").write_text(table(verdicts) + "\n")
+    (out / "mutants.json").write_text(json.dumps([asdict(v) for v in verdicts], indent=1))
+    survived = [v.id for v in verdicts if v.caught_by is None]
+    print(f"\n{len(verdicts) - len(survived)} of {len(verdicts)} mutants caught; "
+          f"survived or stale: {survived or 'none'}; table in {out / 'mutants.md'}")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
