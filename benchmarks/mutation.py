@@ -36,7 +36,7 @@ TESTS: Dict[str, Tuple[str, ...]] = {
     "core": ("test_core_references.py", "test_core_methods.py", "test_core_selection.py",
              "test_core_twostage.py", "test_core_sparse_allreduce.py", "test_core_warmup.py",
              "test_core_hosts.py", "test_traffic_model.py", "test_bad_input.py", "test_kernels_torch.py",
-             "test_device_torch.py", "test_triton_memory.py", "test_codecs.py"),
+             "test_device_torch.py", "test_triton_memory.py", "test_checkpoint_torch.py", "test_codecs.py"),
     "torch": ("test_core_methods.py", "test_bad_input.py", "test_device_torch.py",
               "test_checkpoint_torch.py", "test_torch_multiprocess.py"),
     "tensorflow": ("test_tensorflow_parity.py", "test_tensorflow_bad_input.py",
@@ -101,8 +101,9 @@ MUTANTS: Tuple[Mutant, ...] = (
        "the residual sent is zeroed, losing the wire's rounding"),
     _m("residual-dense-scaled", "core/memory.py", "return ops.scale(ops.copy(grad), grad_scale), state",
        "return ops.copy(grad), state", "dense tensors keep the loss scale"),
-    _m("sent-before-rounding", "core/sparse.py", "sent = ops.cast(ops.slice(decoded, 0, count), ops.dtype(x))",
-       "sent = selected", "the memory forgets what the wire format rounds or clamps"),
+    _m("sent-before-rounding", "core/sparse.py",
+       "sent = ops.cast(ops.slice(decoded, 0, count), ops.dtype(x))", "sent = selected",
+       "the memory forgets what the wire format rounds or clamps"),
     _m("skipped-step-kept", "core/sparse.py", "return state, layout.empty(ops, header, like=grad), 0, 0.0",
        "return accumulated.state, layout.empty(ops, header, like=grad), 0, 0.0",
        "a non-finite step's memory is kept"),
@@ -169,7 +170,8 @@ MUTANTS: Tuple[Mutant, ...] = (
        "return self.final_density ** (1.0 / max(1, self.warmup_epochs))", "warm-up factor rho^(1/W)"),
     _m("warmup-epoch-offset", "core/warmup.py", "return max(self.ratio ** (e + 1), self.final_density)",
        "return max(self.ratio ** e, self.final_density)", "epoch 0 runs dense"),
-    _m("warmup-epoch-rounded-up", "core/warmup.py", "e = max(math.floor(epoch), 0)", "e = max(math.ceil(epoch), 0)",
+    _m("warmup-epoch-rounded-up", "core/warmup.py", "e = max(math.floor(epoch), 0)",
+       "e = max(math.ceil(epoch), 0)",
        "a started epoch counts as finished"),
     _m("allgather-bytes-n", "core/collectives.py", "return (n - 1) * nbytes", "return n * nbytes",
        "an allgather counted as N messages per worker"),
@@ -183,11 +185,25 @@ MUTANTS: Tuple[Mutant, ...] = (
        "steps=max(t.steps, step - self._first_step)", "statistics count one step too few"),
     _m("stats-ratio-handed", "core/stats.py", "return self.dense_network_bytes / self.network_bytes",
        "return self.dense_bytes / self.network_bytes", "the network ratio mixes handed and network bytes"),
+    # checkpoints and hosts
+    _m("resume-sums-memories", "core/state.py",
+       "return ops.cast(ops.scale(total, 1.0 / len(tensors)), ops.dtype(tensors[0]))",
+       "return ops.cast(total, ops.dtype(tensors[0]))", "resuming on another world sums the ranks' memories"),
+    _m("resume-first-shard", "core/state.py",
+       "value = ops.slice(ops.pad(value, world_size * length), rank * length, length)",
+       "value = ops.slice(ops.pad(value, world_size * length), 0, length)",
+       "every rank resumes the first shard of a sharded memory"),
+    _m("resume-rank-0-part", "core/state.py", "        return parts[rank]\n", "        return parts[0]\n",
+       "every rank resumes rank 0's part in the same world"),
+    _m("host-leader-fixed", "core/hosts.py", "return self.leader_ranks[self.index]",
+       "return self.leader_ranks[0]",
+       "every host takes the first host's leader"),
     # the PyTorch adapter
     _m("torch-skipped-step-kept", "torch/engine.py", "keep = finite and name not in self._unapplied",
        "keep = name not in self._unapplied", "memories kept when some rank was not finite"),
-    _m("torch-dense-unscaled", "torch/engine.py", "        if scale != 1.0:\n            update = update * scale\n",
-       "", "dense results not put back under the loss scale"),
+    _m("torch-dense-unscaled", "torch/engine.py",
+       "        if scale != 1.0:\n            update = update * scale\n", "",
+       "dense results not put back under the loss scale"),
     _m("torch-sparse-unscaled", "torch/engine.py",
        "return update if loss_scale == 1.0 else update.mul_(loss_scale)", "return update",
        "sparse results not put back under the loss scale"),
@@ -208,7 +224,8 @@ MUTANTS: Tuple[Mutant, ...] = (
     _m("tf-sparse-unscaled", "tensorflow/engine.py", "flat = flat * tf.cast(message.loss_scale, flat.dtype)",
        "flat = tf.identity(flat)", "sparse results not put back under the loss scale"),
     _m("tf-dense-unscaled", "tensorflow/engine.py",
-       "update = tf.cast(update, reducible) * tf.cast(scale, reducible)", "update = tf.cast(update, reducible)",
+       "update = tf.cast(update, reducible) * tf.cast(scale, reducible)",
+       "update = tf.cast(update, reducible)",
        "dense results not put back under the loss scale"),
     _m("tf-warmup-epoch-offset", "tensorflow/engine.py",
        "epoch = tf.minimum(step // schedule.steps_per_epoch, schedule.warmup_epochs)",
@@ -257,8 +274,8 @@ def copy_tree(destination: Path) -> None:
 
 def run_tests(tree: Path, tests: Sequence[str]) -> Tuple[Optional[str], str]:
     """(the first failing test's id, or None when all passed; pytest's output) in ``tree``."""
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "not slow", "-q", "-x", "-p", "no:cacheprovider",
-                           *[f"tests/{t}" for t in tests]],
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "not slow", "-q", "-x",
+                           "-p", "no:cacheprovider", *[f"tests/{t}" for t in tests]],
                           cwd=tree, env=worker_env(PYTHONPATH=str(tree)), capture_output=True, text=True,
                           timeout=TIMEOUT_S)
     if proc.returncode == 0:
@@ -313,8 +330,8 @@ def main() -> int:
         copy_tree(tree)
         for mutant in chosen:
             verdict = try_mutant(mutant, tree)
-            print(f"{verdict.id}: {'stale: ' + verdict.bug if verdict.stale else verdict.caught_by or 'SURVIVED'} "
-                  f"({verdict.seconds:.0f} s)", flush=True)
+            outcome = f"stale: {verdict.bug}" if verdict.stale else verdict.caught_by or "SURVIVED"
+            print(f"{verdict.id}: {outcome} ({verdict.seconds:.0f} s)", flush=True)
             verdicts.append(verdict)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

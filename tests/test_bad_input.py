@@ -116,11 +116,14 @@ def test_rank_with_another_method_is_named_with_both_methods(device):
 
 
 def test_count_beyond_capacity_is_refused(device):
+    """By the header check, which says so; a later check of the positions would refuse the
+    message too, but only as "positions disagree with its count"."""
     _, parts, layout = _messages(3, device)
     parts[0] = parts[0].clone()
     header = parts[0][:48].view(torch.int32)
     header[6] = layout.capacity + 1
-    with pytest.raises(MessageError, match=r"rank 0 .*count"):
+    with pytest.raises(MessageError, match=rf"rank 0 .*'fc.weight': count is {layout.capacity + 1}, "
+                                           rf"expected 0 to {layout.capacity}$"):
         _decode(parts, layout)
 
 
