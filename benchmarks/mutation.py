@@ -11,7 +11,7 @@ edited.
                                             [--out results/mutation]
 
 A mutant that no test catches takes its layer's whole test set (core about 1.5 minutes, torch
-about 4, tensorflow about 6 on 2 cores); a caught one usually seconds. Exit status 1 when a
+about 5, tensorflow about 6 on 2 cores); a caught one usually seconds. Exit status 1 when a
 mutant survives or its edit no longer applies (the code moved: update the catalogue).
 """
 from __future__ import annotations
@@ -236,6 +236,12 @@ MUTANTS: Tuple[Mutant, ...] = (
        "update = tf.cast(update, reducible) * tf.cast(scale, reducible)",
        "update = tf.cast(update, reducible)",
        "dense results not put back under the loss scale"),
+    _m("tf-two-stage-unscaled", "tensorflow/twostage.py", "update = update * tf.cast(scale, update.dtype)",
+       "update = tf.identity(update)", "two-stage results not put back under the loss scale"),
+    _m("tf-two-stage-skipped-step-kept", "tensorflow/twostage.py",
+       "with tf.control_dependencies([self._keep_if(finite, name, state, new_state)]):",
+       "with tf.control_dependencies([self._keep_if(tf.constant(True), name, state, new_state)]):",
+       "two-stage memories kept when some rank was not finite"),
     _m("tf-warmup-epoch-offset", "tensorflow/engine.py",
        "epoch = tf.minimum(step // schedule.steps_per_epoch, schedule.warmup_epochs)",
        "epoch = tf.minimum(step // schedule.steps_per_epoch + 1, schedule.warmup_epochs)",
