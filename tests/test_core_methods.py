@@ -218,6 +218,21 @@ def test_dgc_weight_decay_is_folded_into_the_gradient(device):
     torch.testing.assert_close(sent, grad + 0.1 * param)
 
 
+@pytest.mark.parametrize("config_decay,tensor_decay", [(0.0, 0.1), (0.1, 0.0), (0.1, 0.3)])
+def test_dgc_takes_a_tensors_own_weight_decay_over_the_configs(config_decay, tensor_decay, device):
+    """A tensor's own decay (the fused optimizer's parameter groups: none on biases, say)
+    replaces the config's, also when it is 0. Catches a core that reads the config's decay
+    for every tensor, which a check of the settings alone lets through."""
+    n = 2048
+    grad, param = randn(n, device=device), randn(n, device=device)
+    method = DGC(DGCConfig(density=1.0, momentum=0.0, weight_decay=config_decay, value_dtype="float32"))
+    call = CompressCall("w", 0, 1, 0, 1.0, param=param, weight_decay=tensor_decay)
+    result = method.compress(ops, method.init_state(ops, grad, True, 1), grad, call)
+    sent = method.decompress(ops, result.message, [result.layout], 1, 0, [ops.dtype(grad)])[0][0]
+    expected = [g + tensor_decay * w for g, w in zip(grad.tolist(), param.tolist())]
+    assert sent.tolist() == pytest.approx(expected, rel=1e-6, abs=1e-7)
+
+
 def test_dgc_dense_tensors_still_get_momentum(device):
     method = DGC(DGCConfig(momentum=0.9))
     g1, g2 = randn(10, device=device), randn(10, device=device)

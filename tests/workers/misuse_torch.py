@@ -89,15 +89,31 @@ def momentum_of_another_form_is_refused_or_warned_of() -> None:
 
 
 def weight_decay_per_param_group() -> None:
-    """The usual "no decay on biases": each tensor keeps its group's decay."""
-    net = torch.nn.Linear(64, 64)
-    compression = hdgc.Compression.dgc()
-    sgd = torch.optim.SGD([{"params": [net.weight], "weight_decay": 1e-4},
-                           {"params": [net.bias], "weight_decay": 0.0}], lr=0.1, momentum=0.9)
+    """The usual "no decay on biases": each tensor keeps its group's decay, in the update
+    itself. At density 1 (the bias all-reduced dense) the first step of DGC's momentum is
+    ``-lr * mean_r(g_r + wd * w)`` per tensor, with the group's ``wd``: computed here from
+    gradients all-reduced by Horovod. Catches a decay that reaches the settings but not the
+    update (the config's 0 taken for every tensor), or the weight's decay given to the bias."""
+    torch.manual_seed(100 + hvd.rank())  # each rank its own batch
+    net = torch.nn.Linear(64, 64)  # weight: 4,096 entries, compressed
+    hvd.broadcast_parameters(net.state_dict(), root_rank=0)
+    decays, lr = {"weight": 1e-2, "bias": 0.0}, 0.1
+    compression = hdgc.Compression.dgc(density=1.0, small_density=None, value_dtype="float32")
+    sgd = torch.optim.SGD([{"params": [net.weight], "weight_decay": decays["weight"]},
+                           {"params": [net.bias], "weight_decay": decays["bias"]}], lr=lr, momentum=0.9)
     optimizer = hdgc.DistributedOptimizer(sgd, named_parameters=net.named_parameters(), compression=compression)
-    assert compression.engine._weight_decays == {"weight": 1e-4, "bias": 0.0}
+    assert compression.engine._weight_decays == decays
     assert all(g["momentum"] == 0 and g["weight_decay"] == 0 for g in optimizer.param_groups)
-    one_step(optimizer, net)
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    batch = torch.randn(4, 64)
+    grads = torch.autograd.grad(net(batch).sum(), [net.weight, net.bias])
+    averaged = {n: hvd.allreduce(g, op=hvd.Average, name=f"reference.{n}") for n, g in zip(("weight", "bias"), grads)}
+    optimizer.zero_grad()
+    net(batch).sum().backward()
+    optimizer.step()
+    for name, p in net.named_parameters():
+        expected = before[name] - lr * (averaged[name] + decays[name] * before[name])
+        torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 def second_synchronize_sends_nothing() -> None:
