@@ -107,7 +107,8 @@ def test_loss_scale_overflow_on_one_rank_is_skipped_by_every_rank_and_memories_s
 
 
 def test_keras_fit_under_a_loss_scale_optimizer_keeps_memories_unscaled_unasked():
-    """tests/workers/loss_scale_keras_tensorflow.py: tf_keras model.fit, no attach_loss_scale."""
+    """tests/workers/loss_scale_keras_tensorflow.py: tf_keras model.fit, no attach_loss_scale;
+    the warm-up callback moves the density sent with fit's epochs."""
     out = horovodrun("loss_scale_keras_tensorflow.py", 2, timeout_s=600)
     assert out.count("keras fit loss scale ok") == 2, out
 

@@ -11,7 +11,9 @@ gradients, and the compressor must find that scale itself.
   and ends with finite weights identical to the other ranks'.
 
 ``CompressionWarmup`` runs in every fit: its check of the optimizer judges a
-``LossScaleOptimizer`` by the SGD it wraps (it refused DGC under one before).
+``LossScaleOptimizer`` by the SGD it wraps (it refused DGC under one before). It also moves
+the warm-up with fit's epochs, from ``initial_epoch`` on a resumed fit: the density sent in
+each epoch follows the schedule.
 """
 import os
 
@@ -39,18 +41,24 @@ def weights(net) -> np.ndarray:
     return np.concatenate([v.numpy().ravel() for v in net.trainable_variables])
 
 
-def fit(method: str, optimizer_around=None, overflow: bool = False, record=None):
-    """(model, compressor) after one epoch of ``model.fit``; ``record`` (a :class:`Record`)
-    watches the compressor batch by batch."""
+def net_and_data():
+    """The model (seeded alike on every rank) and this rank's own batches."""
     keras.utils.set_random_seed(0)
     net = keras.Sequential([keras.layers.Dense(64, activation="relu", input_shape=(32,)),
                             keras.layers.Dense(10, dtype="float32")])
-    compression = getattr(hdgc.Compression, method)(**METHODS[method])
-    optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(0.05), compression=compression)
-    net.compile(optimizer=optimizer if optimizer_around is None else optimizer_around(optimizer), loss="mse")
     rs = np.random.RandomState(hvd.rank())
     x = rs.standard_normal((BATCHES * BATCH, 32)).astype(np.float32)
     y = rs.standard_normal((BATCHES * BATCH, 10)).astype(np.float32)
+    return net, x, y
+
+
+def fit(method: str, optimizer_around=None, overflow: bool = False, record=None):
+    """(model, compressor) after one epoch of ``model.fit``; ``record`` (a :class:`Record`)
+    watches the compressor batch by batch."""
+    net, x, y = net_and_data()
+    compression = getattr(hdgc.Compression, method)(**METHODS[method])
+    optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(0.05), compression=compression)
+    net.compile(optimizer=optimizer if optimizer_around is None else optimizer_around(optimizer), loss="mse")
     if overflow and hvd.rank() == 1:
         x[OVERFLOW * BATCH:(OVERFLOW + 1) * BATCH] = 1e30
     # CompressionWarmup checks the optimizer at the start: a LossScaleOptimizer by the one it wraps.
@@ -107,8 +115,47 @@ def overflow_on_one_rank_is_skipped_everywhere(method: str) -> None:
         assert np.array_equal(other, values), f"{method}: ranks hold different weights"
 
 
+class SentPerEpoch(keras.callbacks.Callback):
+    """The fraction of the compressed tensors' entries the compressor sent in each epoch."""
+
+    def __init__(self, compression):
+        super().__init__()
+        self.compression, self.totals, self.sent = compression, (0, 0), []
+
+    def on_epoch_end(self, epoch, logs=None):
+        stats = self.compression.stats()
+        sent, compressed = stats.elements_sent - self.totals[0], stats.elements_compressed - self.totals[1]
+        self.totals = (stats.elements_sent, stats.elements_compressed)
+        self.sent.append(sent / compressed)
+
+
+def warmup_follows_fits_epochs() -> None:
+    """``CompressionWarmup`` sets the epoch at the start of each epoch of ``fit``, counted from
+    ``initial_epoch``: the density sent in each epoch (the compressor's statistics) and the one
+    logged follow ``rho ** ((e + 1) / (W + 1))``, from a fresh run and from one resumed at
+    epoch 1. Catches a callback that never sets the epoch (every epoch would send epoch 0's
+    density, 7x too many entries by the last) or that counts from 0 on resuming."""
+    final, warmup_epochs = 0.05, 2
+    schedule = [final ** ((e + 1) / (warmup_epochs + 1)) for e in range(warmup_epochs)] + [final]
+    for initial_epoch in (0, 1):
+        net, x, y = net_and_data()
+        compression = hdgc.Compression.dgc(density=final, min_numel=1000, warmup_epochs=warmup_epochs)
+        net.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.05), compression=compression),
+                    loss="mse")
+        sent = SentPerEpoch(compression)
+        history = net.fit(x, y, batch_size=BATCH, epochs=len(schedule), initial_epoch=initial_epoch,
+                          shuffle=False, verbose=0,
+                          callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+                                     CompressionWarmup(compression), sent])
+        wanted = schedule[initial_epoch:]
+        # Each tensor sends ceil(density * n) entries: a few percent over the density here.
+        assert np.allclose(sent.sent, wanted, rtol=0.05), (initial_epoch, sent.sent, wanted)
+        assert np.allclose(history.history["density"], wanted), (initial_epoch, history.history, wanted)
+
+
 if __name__ == "__main__":
     hvd.init()
+    warmup_follows_fits_epochs()
     for method in METHODS:
         dynamic_scale_matches_the_unscaled_twin(method)
         overflow_on_one_rank_is_skipped_everywhere(method)
