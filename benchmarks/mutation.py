@@ -327,6 +327,22 @@ MUTANTS: Tuple[Mutant, ...] = (
        "        if False:\n            raise ValueError(", "DGC accepts a Keras Adam"),
     _m("tf-sgd-momentum-accepted", "tensorflow/compression.py", "if mine and theirs:", "if False:",
        "DGC accepts a Keras SGD with momentum"),
+    _m("tf-set-epoch-ignored", "tensorflow/engine.py",
+       "self._density_index.assign(self.densities.index(self.density))", "self._density_index.assign(0)",
+       "set_epoch() does not reach the traced step's density"),
+    _m("keras-callback-epoch-unset", "tensorflow/callbacks.py", "self.compressor.set_epoch(epoch)", "pass",
+       "the Keras warm-up callback does not advance the epoch"),
+    _m("keras-callback-optimizer-unchecked", "tensorflow/callbacks.py",
+       "check_optimizer(self.model.optimizer)", "pass",
+       "the Keras warm-up callback does not check the optimizer at fit's start"),
+    _m("tf-elastic-accepted", "tensorflow/compression.py", 'if int(os.environ.get("HOROVOD_ELASTIC", "0")):',
+       "if False:", "an elastic TensorFlow job is not refused (its traced step keeps the old world)"),
+    _m("tf-resume-steps-lost", "tensorflow/engine.py", "self._steps[name].assign(step)", "pass",
+       "a resumed TensorFlow compressor starts its step counters again"),
+    _m("tf-dense-nonfinite-kept", "tensorflow/engine.py",
+       "self._keep_if(finite, sent.name, sent.old_state, sent.new_state)",
+       "self._keep_if(tf.constant(True), sent.name, sent.old_state, sent.new_state)",
+       "a dense tensor's momentum kept on a step some rank could not send"),
 )
 
 
