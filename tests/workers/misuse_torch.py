@@ -104,10 +104,11 @@ def weight_decay_per_param_group() -> None:
     optimizer = hdgc.DistributedOptimizer(sgd, named_parameters=net.named_parameters(), compression=compression)
     assert compression.engine._weight_decays == decays
     assert all(g["momentum"] == 0 and g["weight_decay"] == 0 for g in optimizer.param_groups)
-    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    named = dict(net.named_parameters())
+    before = {n: p.detach().clone() for n, p in named.items()}
     batch = torch.randn(4, 64)
-    grads = torch.autograd.grad(net(batch).sum(), [net.weight, net.bias])
-    averaged = {n: hvd.allreduce(g, op=hvd.Average, name=f"reference.{n}") for n, g in zip(("weight", "bias"), grads)}
+    grads = torch.autograd.grad(net(batch).sum(), list(named.values()))
+    averaged = {n: hvd.allreduce(g, op=hvd.Average, name=f"reference.{n}") for n, g in zip(named, grads)}
     optimizer.zero_grad()
     net(batch).sum().backward()
     optimizer.step()
