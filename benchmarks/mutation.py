@@ -5,7 +5,9 @@ missing ``min(1, .)``, a sum where a mean belongs, a memory kept on a skipped st
 applied to a copy of the working tree, the tests of its layer run there (``-m "not slow"``,
 stopping at the first failure), and the table says which test failed, or that none did: a
 mutant that survives is a bug the tests would let through. The working tree itself is never
-edited.
+edited. A mutant of a C kernel (``torch/kernels/*.c``) is compiled into the copy
+(``setup.py build_ext --inplace``) before its tests run, and the copy's built kernels are put
+back afterwards.
 
     .venv/bin/python -m benchmarks.mutation [--only ID,...] [--layer core|torch|tensorflow]
                                             [--out results/mutation]
@@ -45,6 +47,8 @@ TESTS: Dict[str, Tuple[str, ...]] = {
                    "test_tensorflow_multiprocess.py"),
 }
 TIMEOUT_S = 1800
+KERNELS = "horovod_dgc/torch/kernels/"
+KERNEL_TESTS = ("test_kernels_torch.py", "test_codecs.py")
 
 
 @dataclass(frozen=True)
@@ -58,13 +62,27 @@ class Mutant:
     bug: str
 
     @property
+    def compiled(self) -> bool:
+        """Whether the edit is to a C kernel, which the copy must build again to take it."""
+        return self.path.startswith(KERNELS) and self.path.endswith((".c", ".h"))
+
+    @property
     def layer(self) -> str:
         """Whose tests run: the adapter's for an adapter file, else the core's (an adapter's
-        ``ops.py`` is the core's ``TensorOps``, which the core's tests run on)."""
+        ``ops.py`` and its C kernels are the core's ``TensorOps``, which the core's tests run
+        on)."""
         for layer in ("torch", "tensorflow"):
-            if self.path.startswith(f"horovod_dgc/{layer}/") and not self.path.endswith("/ops.py"):
+            if (self.path.startswith(f"horovod_dgc/{layer}/") and not self.path.endswith("/ops.py")
+                    and not self.compiled):
                 return layer
         return "core"
+
+    @property
+    def tests(self) -> Tuple[str, ...]:
+        """Its layer's test files, the kernels' own first for a C kernel."""
+        if self.compiled:
+            return KERNEL_TESTS + tuple(t for t in TESTS["core"] if t not in KERNEL_TESTS)
+        return TESTS[self.layer]
 
 
 def _m(id: str, path: str, old: str, new: str, bug: str) -> Mutant:
@@ -343,6 +361,64 @@ MUTANTS: Tuple[Mutant, ...] = (
        "self._keep_if(finite, sent.name, sent.old_state, sent.new_state)",
        "self._keep_if(tf.constant(True), sent.name, sent.old_state, sent.new_state)",
        "a dense tensor's momentum kept on a step some rank could not send"),
+    # The C kernels (built again in the copy for each of these)
+    _m("kernel-stream-tail-dropped", "torch/kernels/streaming.c",
+       "        for (; i < len; ++i)\n            dst[i] = src[i];\n        return;", "        return;",
+       "a streamed store leaves the last len % 4 entries of a range unwritten"),
+    _m("kernel-candidate-at-bound-missed", "torch/kernels/streaming.c", "        if (a >= c->bound_bits) {",
+       "        if (a > c->bound_bits) {", "the memory pass leaves out a candidate exactly at the bound"),
+    _m("kernel-chunk-at-bound-skipped", "torch/kernels/streaming.c",
+       "if (candidates && m >= candidates->bound_bits)", "if (candidates && m > candidates->bound_bits)",
+       "a chunk whose largest entry equals the bound is not searched for candidates"),
+    _m("kernel-nesterov-gradient-dropped", "torch/kernels/streaming.c", "b_out[i] = fmaf(x, s, b[i] + u);",
+       "b_out[i] = b[i] + u;", "the Nesterov velocity leaves out the gradient's own term"),
+    _m("kernel-momentum-factor-dropped", "torch/kernels/streaming.c",
+       "float u = fmaf(LOAD(g[i]), s, a[i] * m);", "float u = fmaf(LOAD(g[i]), s, a[i]);",
+       "the fused momentum update ignores the momentum factor"),
+    _m("kernel-float16-inf-unflagged", "torch/kernels/streaming.c",
+       "#define BAD_FLOAT16(v) (((v) & 0x7c00u) == 0x7c00u)", "#define BAD_FLOAT16(v) (((v) & 0x7fffu) > 0x7c00u)",
+       "a float16 infinity in the gradient is not reported (only NaN is)"),
+    _m("kernel-chunk-crosses-block", "torch/kernels/streaming.c",
+       "        if (stat != STAT_NONE && len > block - in_block) len = block - in_block;\n", "",
+       "a chunk is not cut at a statistic block's end, so blocks share one statistic"),
+    _m("kernel-abs-sum-tail-dropped", "torch/kernels/streaming.c",
+       "    for (; i < len; ++i)\n        total += fabs((double)x[i]);\n", "",
+       "blocksign's block sums leave out the last len % 8 entries of a chunk"),
+    _m("kernel-sign-of-zero-negative", "torch/kernels/streaming.c", "positive = _mm_cmpge_ps(x, zero);",
+       "positive = _mm_cmpgt_ps(x, zero);", "the vector sign packing takes sign(0) as -1"),
+    _m("kernel-sign-decode-one-scale-per-byte", "torch/kernels/streaming.c",
+       "if (at + 8 <= boundary && byte * 8 + 8 <= n) {", "if (byte * 8 + 8 <= n) {",
+       "eight signs that straddle two blocks are decoded with the first block's scale"),
+    _m("kernel-sum-sparse-buffer-dirty", "torch/kernels/streaming.c",
+       "                buffer[messages[m].positions[i] - at] = 0.0f;", "                ;",
+       "the decode's chunk buffer keeps a chunk's sums for the next chunk"),
+    _m("kernel-range-start-skips-entry", "torch/kernels/streaming.c", "        if (positions[mid] < at)",
+       "        if (positions[mid] <= at)", "a thread's range skips an entry at its first position"),
+    _m("kernel-elias-fano-high-unshifted", "torch/kernels/bits.c",
+       "int64_t high = i * 8 + __builtin_ctz(byte) - found;", "int64_t high = i * 8 + __builtin_ctz(byte);",
+       "Elias-Fano's high part read without subtracting the entry's rank"),
+    _m("kernel-elias-fano-last-fields-zero", "torch/kernels/bits.c",
+       "                } else if (low_bits) {\n                    low = (int64_t)field_at(lower, low_bits, bit);\n                }",
+       "                }", "the low fields within 8 bytes of the end are read as 0"),
+    _m("kernel-count-tail-unmasked", "torch/kernels/bits.c",
+       "count += __builtin_popcount(packed[full] & ((1u << (n_bits % 8)) - 1u));",
+       "count += __builtin_popcount(packed[full]);", "set bits past the bitmap's length are counted"),
+    _m("kernel-float16-unclamped", "torch/kernels/bits.c",
+       "float v = values[i] > 65504.0f ? 65504.0f : values[i] < -65504.0f ? -65504.0f : values[i];",
+       "float v = values[i];", "the C encoder sends a value above 65504 as a float16 infinity"),
+    _m("kernel-bfloat16-truncated", "torch/kernels/bits.c",
+       "return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);", "return (uint16_t)(u >> 16);",
+       "bfloat16 values truncated instead of rounded to nearest even"),
+    _m("kernel-int8-truncated", "torch/kernels/bits.c", "float level = nearbyintf(values[i] * inverse);",
+       "float level = (float)(int32_t)(values[i] * inverse);", "int8 levels truncated instead of rounded"),
+    _m("kernel-block-max-tail-dropped", "torch/kernels/selection.c",
+       "        for (; i < block; ++i) {\n            int32_t a = (int32_t)((uint32_t)row[i] & ABS_BITS);\n"
+       "            largest = a > largest ? a : largest;\n        }\n", "",
+       "a block's maximum leaves out its last block % 8 entries"),
+    _m("kernel-collect-at-threshold-missed", "torch/kernels/selection.c", "            if (a >= threshold) {",
+       "            if (a > threshold) {", "the block filter's collection leaves out entries equal to the threshold"),
+    _m("kernel-count-at-threshold-missed", "torch/kernels/selection.c", "count += fabsf(x[p]) >= threshold;",
+       "count += fabsf(x[p]) > threshold;", "the block filter's count leaves out entries equal to the threshold"),
 )
 
 
@@ -404,13 +480,30 @@ def try_mutant(mutant: Mutant, tree: Path, tests: Optional[Sequence[str]] = None
         return Verdict(mutant.id, mutant.layer, reason, None, 0.0, stale=True)
     path = tree / mutant.path
     original = path.read_text()
+    built = {so: so.read_bytes() for so in (tree / KERNELS).glob("*.so")} if mutant.compiled else {}
     path.write_text(original.replace(mutant.old, mutant.new))
     started = time.perf_counter()
     try:
-        caught_by, _ = run_tests(tree, tests or TESTS[mutant.layer])
+        failed_build = build_kernels(tree) if mutant.compiled else None
+        if failed_build:
+            return Verdict(mutant.id, mutant.layer, f"it does not compile: {failed_build}", None,
+                           time.perf_counter() - started, stale=True)
+        caught_by, _ = run_tests(tree, tests or mutant.tests)
     finally:
         path.write_text(original)
+        for so, content in built.items():
+            so.write_bytes(content)
     return Verdict(mutant.id, mutant.layer, mutant.bug, caught_by, time.perf_counter() - started)
+
+
+def build_kernels(tree: Path) -> Optional[str]:
+    """Compile the C kernels of the copy at ``tree`` in place; the compiler's last line when
+    that fails, else None."""
+    proc = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace", "--force"],
+                          cwd=tree, capture_output=True, text=True, timeout=TIMEOUT_S)
+    if proc.returncode == 0:
+        return None
+    return (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
 
 
 def table(verdicts: Sequence[Verdict]) -> str:

@@ -87,6 +87,30 @@ def test_count_at_least_is_a_plain_count_of_the_listed_blocks(numel, block, thre
         torch.set_num_threads(previous)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_collect_and_count_take_the_entries_equal_to_the_threshold(threads):
+    """Selection's thresholds are magnitudes of entries (a k-th largest), so ties with the
+    threshold are the usual case, not a rare one: every entry with |x| equal to it counts,
+    against a loop. Catches a ``>`` where ``>=`` belongs in the collection or in the count
+    (Gaussian-k's adjustments would then disagree with what is collected)."""
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(5))
+    x[400], x[801] = -x[17], x[17]  # ties in other blocks, of both signs
+    threshold = float(x[17].abs())
+    blocks = torch.arange(-(-x.numel() // 64))
+    naive = [p for p, v in enumerate(x.tolist()) if abs(v) >= threshold]
+    assert {17, 400, 801} <= set(naive)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        positions, magnitudes = kernels.collect_at_least(x, blocks, 64, threshold)
+        count = kernels.count_at_least(x, blocks, 64, threshold)
+    finally:
+        torch.set_num_threads(previous)
+    assert positions.tolist() == naive
+    assert torch.equal(magnitudes, x[naive].abs())
+    assert count == len(naive)
+
+
 def test_collect_refuses_a_block_outside_the_tensor():
     with pytest.raises(IndexError, match="block 2 of a tensor of 2 blocks"):
         kernels.collect_at_least(torch.randn(100), torch.tensor([0, 2]), 64, 0.5)

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.mutation import LAYERS, MUTANTS, TESTS, Mutant, copy_tree, stale_reason, try_mutant
+from benchmarks.mutation import KERNELS, LAYERS, MUTANTS, TESTS, Mutant, copy_tree, stale_reason, try_mutant
 from conftest import ROOT
 
 
@@ -43,3 +43,17 @@ def test_the_harness_reports_a_mutant_that_no_test_catches(tree):
                       '"""Warm-up  sparsity', "a docstring")
     verdict = try_mutant(harmless, tree, ["test_core_warmup.py"])
     assert verdict.caught_by is None and not verdict.stale, verdict
+
+
+def test_a_kernel_mutant_is_compiled_into_the_copy_and_its_kernels_put_back(tree):
+    """A C kernel's mutant is caught only if the copy is built again with it; afterwards the
+    copy holds the original kernel. Catches a harness that tests the kernels compiled before
+    the edit (every C mutant would survive) or leaves the mutant's build for the next one."""
+    mutant = next(m for m in MUTANTS if m.id == "kernel-count-at-threshold-missed")
+    built = next((tree / KERNELS).glob("_selection*.so"))
+    before = built.read_bytes()
+    verdict = try_mutant(mutant, tree, [
+        "test_kernels_torch.py::test_collect_and_count_take_the_entries_equal_to_the_threshold"])
+    assert verdict.caught_by and "equal_to_the_threshold" in verdict.caught_by, verdict
+    assert built.read_bytes() == before
+    assert mutant.layer == "core" and mutant.tests[0] == "test_kernels_torch.py"
