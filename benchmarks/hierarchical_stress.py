@@ -36,8 +36,8 @@ from benchmarks import ROOT, worker_env
 WORKER = ROOT / "tests" / "workers" / "hierarchy_torch.py"
 # The run lists of the job, alternated here; tests/test_torch_multiprocess.py's hierarchical
 # test runs each once.
-RUN_LISTS = ("topk/stock,scalecom/own,blocksign/stock,dgc-sar/own",
-             "topk/own,scalecom/stock,blocksign/own,dgc-sar/stock")
+RUN_LISTS = ("topk/stock,scalecom/own,blocksign/stock,dgc-sar/own,blocksign-bf16/own",
+             "topk/own,scalecom/stock,blocksign/own,dgc-sar/stock,blocksign-bf16/stock")
 WORKERS = 4
 TIMEOUT_LINE = re.compile(r"^\S+ \[(\d+)\]<stderr>:.*Timed out waiting \d+ms for (send|recv) operation")
 

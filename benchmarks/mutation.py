@@ -12,6 +12,9 @@ back afterwards.
     .venv/bin/python -m benchmarks.mutation [--only ID,...] [--layer core|torch|tensorflow]
                                             [--out results/mutation]
 
+A mutant of compression between hosts runs the slow job that tests that mode (``make
+test-slow``; out of ``make test`` while its intermittent hang is open), which the table names.
+
 A mutant that no test catches takes its layer's whole test set (core about 1.5 minutes, torch
 about 7, tensorflow about 6 on 2 cores); a caught one usually seconds. Exit status 1 when a
 mutant survives or its edit no longer applies (the code moved: update the catalogue).
@@ -60,6 +63,9 @@ class Mutant:
     old: str
     new: str
     bug: str
+    # The test of `make test-slow` that judges it, where `make test` holds none that could:
+    # compression between hosts, whose jobs are slow while their intermittent hang is open.
+    slow_test: Optional[str] = None
 
     @property
     def compiled(self) -> bool:
@@ -79,14 +85,20 @@ class Mutant:
 
     @property
     def tests(self) -> Tuple[str, ...]:
-        """Its layer's test files, the kernels' own first for a C kernel."""
+        """Its layer's test files, the kernels' own first for a C kernel; or its slow test."""
+        if self.slow_test:
+            return (self.slow_test,)
         if self.compiled:
             return KERNEL_TESTS + tuple(t for t in TESTS["core"] if t not in KERNEL_TESTS)
         return TESTS[self.layer]
 
 
-def _m(id: str, path: str, old: str, new: str, bug: str) -> Mutant:
-    return Mutant(id, f"horovod_dgc/{path}", old, new, bug)
+def _m(id: str, path: str, old: str, new: str, bug: str, slow_test: Optional[str] = None) -> Mutant:
+    return Mutant(id, f"horovod_dgc/{path}", old, new, bug, slow_test)
+
+
+TORCH_HOSTS_TEST = "test_torch_multiprocess.py::test_hierarchical_compresses_host_averages_between_hosts"
+TF_HOSTS_TEST = "test_tensorflow_multiprocess.py::test_hierarchical_compresses_host_averages_between_hosts"
 
 
 MUTANTS: Tuple[Mutant, ...] = (
@@ -419,6 +431,30 @@ MUTANTS: Tuple[Mutant, ...] = (
        "            if (a > threshold) {", "the block filter's collection leaves out entries equal to the threshold"),
     _m("kernel-count-at-threshold-missed", "torch/kernels/selection.c", "count += fabsf(x[p]) >= threshold;",
        "count += fabsf(x[p]) > threshold;", "the block filter's count leaves out entries equal to the threshold"),
+    # Compression between hosts, the sparse all-reduce's overflow, the DDP hook's buckets
+    _m("host-average-summed", "torch/hierarchy.py", "averages.append((hvd.allreduce_async_(tensor, op=hvd.Average,",
+       "averages.append((hvd.allreduce_async_(tensor, op=hvd.Sum,",
+       "a host's workers sum their gradients instead of averaging them", TORCH_HOSTS_TEST),
+    _m("host-leader-forwards-own-message", "torch/hierarchy.py",
+       "                received = wait(exchange.between_hosts)\n",
+       "                wait(exchange.between_hosts)\n                received = exchange.message\n",
+       "a host's leader hands its own message to its host instead of what came from the others",
+       TORCH_HOSTS_TEST),
+    _m("host-reduction-16-bit", "torch/hierarchy.py",
+       "tensor = grad.detach().to(REDUCIBLE.get(grad.dtype, grad.dtype), copy=True)",
+       "tensor = grad.detach().clone()",
+       "a bfloat16 gradient all-reduced inside the host as bfloat16, which Horovod refuses",
+       TORCH_HOSTS_TEST),
+    _m("tf-host-average-summed", "tensorflow/hierarchy.py", "hvd.Average", "hvd.Sum",
+       "TensorFlow: a host's workers sum their gradients instead of averaging them", TF_HOSTS_TEST),
+    _m("sparse-allreduce-overflow-keeps-lowest", "core/sparse_allreduce.py",
+       "return ops.sort(ops.gather(positions, ops.topk_abs(ops.gather(x, positions), capacity)))[0]",
+       "return ops.slice(positions, 0, capacity)",
+       "a region over its room keeps its lowest positions, not its largest entries"),
+    _m("ddp-results-to-first-views", "torch/ddp.py",
+       "                    for position, averaged in zip(flight.compressed, results):",
+       "                    for position, averaged in enumerate(results):",
+       "a bucket's compressed averages written over its first views, dense ones among them"),
 )
 
 
@@ -460,9 +496,10 @@ def copy_tree(destination: Path) -> None:
             shutil.copy2(source, target)
 
 
-def run_tests(tree: Path, tests: Sequence[str]) -> Tuple[Optional[str], str]:
-    """(the first failing test's id, or None when all passed; pytest's output) in ``tree``."""
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "not slow", "-q", "-x",
+def run_tests(tree: Path, tests: Sequence[str], marker: str = "not slow") -> Tuple[Optional[str], str]:
+    """(the first failing test's id, or None when all passed; pytest's output) in ``tree``,
+    of the tests that ``marker`` selects."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-m", marker, "-q", "-x",
                            "-p", "no:cacheprovider", *[f"tests/{t}" for t in tests]],
                           cwd=tree, env=worker_env(PYTHONPATH=str(tree)), capture_output=True, text=True,
                           timeout=TIMEOUT_S)
@@ -488,7 +525,7 @@ def try_mutant(mutant: Mutant, tree: Path, tests: Optional[Sequence[str]] = None
         if failed_build:
             return Verdict(mutant.id, mutant.layer, f"it does not compile: {failed_build}", None,
                            time.perf_counter() - started, stale=True)
-        caught_by, _ = run_tests(tree, tests or mutant.tests)
+        caught_by, _ = run_tests(tree, tests or mutant.tests, "slow" if mutant.slow_test else "not slow")
     finally:
         path.write_text(original)
         for so, content in built.items():

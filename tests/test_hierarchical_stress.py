@@ -9,12 +9,12 @@ def _ok(rank: int, kind: str) -> str:
 
 
 def test_a_run_with_every_ok_and_no_timeout_passed():
-    log = "\n".join(_ok(r, k) for k in ("topk stock", "scalecom own", "blocksign stock", "dgc-sar own")
-                    for r in range(4))
+    kinds = [run.replace("/", " ") for run in RUN_LIST.split(",")]
+    log = "\n".join(_ok(r, k) for k in kinds for r in range(4))
     result = classify(log, RUN_LIST)
-    assert (result.oks, result.expected_oks, result.timeouts) == (16, 16, [])
+    assert (result.oks, result.expected_oks, result.timeouts) == (4 * len(kinds), 4 * len(kinds), [])
     assert result.passed
-    assert result.last_ok.endswith("rank 3/4 dgc-sar own hierarchical ok")
+    assert result.last_ok.endswith(f"rank 3/4 {kinds[-1]} hierarchical ok")
 
 
 def test_gloo_timeouts_are_read_per_rank_and_fail_the_run():

@@ -8,6 +8,9 @@ same memories.
   the hosts' kept values.
 * scalecom, blocksign and dgc with the sparse all-reduce (every kind of collective between
   hosts): the core's in-process simulation of as many workers as hosts, fed the host averages.
+  blocksign-bf16 is blocksign on a bfloat16 model (Horovod refuses to all-reduce bfloat16, so
+  a host's average is taken in float32), against the simulation rounded to bfloat16. Not
+  topk: bfloat16 gradients tie in magnitude, and top-k may break a tie either way.
 
 Odd ranks produce their gradients in reverse order and one layer never gets a gradient, so
 tensors reach the compressor in different orders on different ranks.
@@ -26,7 +29,8 @@ DENSITY = 0.01
 KINDS = {"topk": ("topk", dict(density=DENSITY, value_dtype="float32")),
          "scalecom": ("scalecom", dict(density=DENSITY)),
          "blocksign": ("blocksign", dict(block_size=64)),
-         "dgc-sar": ("dgc", dict(aggregation="sparse_allreduce", density=DENSITY))}
+         "dgc-sar": ("dgc", dict(aggregation="sparse_allreduce", density=DENSITY)),
+         "blocksign-bf16": ("blocksign", dict(block_size=64))}
 
 
 class Net(torch.nn.Module):
@@ -39,12 +43,13 @@ class Net(torch.nn.Module):
 
 def gradients(rank: int, net: Net) -> dict:
     gen = torch.Generator().manual_seed(1000 + rank)
-    return {n: torch.randn(p.shape, generator=gen) for n, p in net.named_parameters()
+    return {n: torch.randn(p.shape, generator=gen).to(p.dtype) for n, p in net.named_parameters()
             if not n.startswith("unused")}
 
 
 def host_averages(all_grads, hosts):
-    return [{n: sum(all_grads[r][n] for r in ranks) / len(ranks) for n in all_grads[0]}
+    """Each host's average gradient, in float32."""
+    return [{n: sum(all_grads[r][n].float() for r in ranks) / len(ranks) for n in all_grads[0]}
             for ranks in hosts]
 
 
@@ -74,7 +79,8 @@ def run(kind: str, path: str, hosts) -> None:
     rank, size = hvd.rank(), hvd.size()
     method_name, options = KINDS[kind]
     torch.manual_seed(0)
-    net = Net()
+    dtype = torch.bfloat16 if kind.endswith("-bf16") else torch.float32
+    net = Net().to(dtype)
     compression = getattr(hdgc.Compression, method_name)(
         named_parameters=net.named_parameters(), hierarchical=True, **options)
     assert compression.engine.world_size == len(hosts), compression.engine.world_size
@@ -86,7 +92,7 @@ def run(kind: str, path: str, hosts) -> None:
     averaged = host_averages(all_grads, hosts)
     compressed = [n for n, p in net.named_parameters()
                   if n in all_grads[0] and compression.engine.compresses(p)]
-    if kind == "topk":
+    if method_name == "topk":
         config = compression.config
 
         def k_of(name, step):
@@ -105,8 +111,12 @@ def run(kind: str, path: str, hosts) -> None:
         optimizer.synchronize()
         for name, grad in mine.items():
             want = expected[step][name] if name in compressed else \
-                sum(g[name] for g in all_grads) / size
-            torch.testing.assert_close(params[name].grad, want, rtol=1e-5, atol=1e-6,
+                sum(g[name].float() for g in all_grads) / size
+            assert params[name].grad.dtype == dtype, (kind, name, params[name].grad.dtype)
+            # bfloat16: within one unit of its last place (7 bits), for float32 sums that
+            # differ in their last bit and round to neighbouring bfloat16 values.
+            torch.testing.assert_close(params[name].grad, want.to(dtype), atol=1e-6,
+                                       rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-5,
                                        msg=lambda m: f"{kind}/{path} {name} step {step}: {m}")
         with optimizer.skip_synchronize():
             optimizer.step()
