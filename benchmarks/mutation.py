@@ -535,8 +535,9 @@ def try_mutant(mutant: Mutant, tree: Path, tests: Optional[Sequence[str]] = None
 
 def build_kernels(tree: Path) -> Optional[str]:
     """Compile the C kernels of the copy at ``tree`` in place; the compiler's last line when
-    that fails, else None."""
-    proc = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace", "--force"],
+    that fails, else None. Only a kernel whose source is newer than its build is compiled: the
+    mutated one (all three for ``common.h``), since putting a build back leaves it the newer."""
+    proc = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
                           cwd=tree, capture_output=True, text=True, timeout=TIMEOUT_S)
     if proc.returncode == 0:
         return None
