@@ -92,6 +92,11 @@ class Mutant:
             return KERNEL_TESTS + tuple(t for t in TESTS["core"] if t not in KERNEL_TESTS)
         return TESTS[self.layer]
 
+    @property
+    def marker(self) -> str:
+        """The pytest marker expression its tests run under."""
+        return "slow" if self.slow_test else "not slow"
+
 
 def _m(id: str, path: str, old: str, new: str, bug: str, slow_test: Optional[str] = None) -> Mutant:
     return Mutant(id, f"horovod_dgc/{path}", old, new, bug, slow_test)
@@ -525,7 +530,7 @@ def try_mutant(mutant: Mutant, tree: Path, tests: Optional[Sequence[str]] = None
         if failed_build:
             return Verdict(mutant.id, mutant.layer, f"it does not compile: {failed_build}", None,
                            time.perf_counter() - started, stale=True)
-        caught_by, _ = run_tests(tree, tests or mutant.tests, "slow" if mutant.slow_test else "not slow")
+        caught_by, _ = run_tests(tree, tests or mutant.tests, mutant.marker)
     finally:
         path.write_text(original)
         for so, content in built.items():
