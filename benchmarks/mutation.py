@@ -452,6 +452,10 @@ MUTANTS: Tuple[Mutant, ...] = (
        TORCH_HOSTS_TEST),
     _m("tf-host-average-summed", "tensorflow/hierarchy.py", "hvd.Average", "hvd.Sum",
        "TensorFlow: a host's workers sum their gradients instead of averaging them", TF_HOSTS_TEST),
+    _m("tf-host-reduction-16-bit", "tensorflow/hierarchy.py",
+       "wide = tf.cast(grad, REDUCIBLE.get(grad.dtype, grad.dtype))", "wide = grad",
+       "TensorFlow: a bfloat16 gradient all-reduced inside the host as bfloat16, which Horovod "
+       "refuses", TF_HOSTS_TEST),
     _m("sparse-allreduce-overflow-keeps-lowest", "core/sparse_allreduce.py",
        "return ops.sort(ops.gather(positions, ops.topk_abs(ops.gather(x, positions), capacity)))[0]",
        "return ops.slice(positions, 0, capacity)",

@@ -149,7 +149,7 @@ def test_a_run_saved_on_2_workers_resumes_on_3_with_the_memories_redistributed(t
 
 # Slow, as its PyTorch twin, while the intermittent hang of the hierarchical jobs is open.
 @pytest.mark.slow
-@pytest.mark.parametrize("kinds", ["topk,scalecom", "dgc-sar"])
+@pytest.mark.parametrize("kinds", ["topk,scalecom", "dgc-sar,blocksign-bf16"])
 def test_hierarchical_compresses_host_averages_between_hosts(kinds):
     """2 hosts x 2 workers in tf.function: each step's gradient and the memories equal a
     naive reference (topk) or the simulation of 2 workers fed the host averages."""

@@ -7,6 +7,10 @@ gradients; every rank checks each step's averaged gradient, and its memories, ag
 * scalecom and dgc with the sparse all-reduce (broadcast, all-reduce, alltoall and
   allgather between hosts): the core's in-process simulation of as many workers as hosts,
   fed the host averages.
+* blocksign-bf16: blocksign on bfloat16 variables. A host's average is taken in float32 and
+  rounded back to bfloat16 before the method sees it, so the simulation is fed those rounded
+  averages; the gradient comes back in bfloat16, within one unit of its last place. Not
+  topk: bfloat16 gradients tie in magnitude, and top-k may break a tie either way.
 """
 import argparse
 
@@ -25,18 +29,27 @@ DENSITY = 0.01
 HOSTS = [[0, 1], [2, 3]]
 KINDS = {"topk": ("topk", dict(density=DENSITY, value_dtype="float32")),
          "scalecom": ("scalecom", dict(density=DENSITY)),
-         "dgc-sar": ("dgc", dict(aggregation="sparse_allreduce", density=DENSITY))}
+         "dgc-sar": ("dgc", dict(aggregation="sparse_allreduce", density=DENSITY)),
+         "blocksign-bf16": ("blocksign", dict(block_size=64))}
 SHAPES = {"first/kernel": (64, 300), "second/kernel": (64, 300)}
 
 
-def gradients(rank: int, step: int) -> dict:
+def as_dtype(values: np.ndarray, dtype: tf.DType) -> np.ndarray:
+    """``values`` rounded to ``dtype`` (round to nearest even, as TensorFlow's cast), in float32."""
+    return tf.cast(tf.cast(values, dtype), tf.float32).numpy()
+
+
+def gradients(rank: int, step: int, dtype: tf.DType = tf.float32) -> dict:
+    """Rank ``rank``'s gradients of step ``step``, exactly representable in ``dtype``."""
     rs = np.random.RandomState(1000 + 10 * rank + step)
-    return {n: rs.standard_normal(shape).astype(np.float32) for n, shape in SHAPES.items()}
+    return {n: as_dtype(rs.standard_normal(shape).astype(np.float32), dtype) for n, shape in SHAPES.items()}
 
 
-def host_averages(step: int):
-    everyone = [gradients(r, step) for r in range(4)]
-    return [{n: sum(everyone[r][n] for r in ranks) / len(ranks) for n in SHAPES} for ranks in HOSTS]
+def host_averages(step: int, dtype: tf.DType = tf.float32):
+    """Each host's average in float32, rounded to ``dtype`` as the in-host all-reduce's is."""
+    everyone = [gradients(r, step, dtype) for r in range(4)]
+    return [{n: as_dtype(sum(everyone[r][n] for r in ranks) / len(ranks), dtype) for n in SHAPES}
+            for ranks in HOSTS]
 
 
 class NaiveTopK:
@@ -86,7 +99,8 @@ class Simulation:
 def run(kind: str) -> None:
     rank = hvd.rank()
     host = rank // 2
-    model_vars = [tf.Variable(tf.zeros(shape), name=name) for name, shape in SHAPES.items()]
+    dtype = tf.bfloat16 if kind.endswith("-bf16") else tf.float32
+    model_vars = [tf.Variable(tf.zeros(shape, dtype), name=name) for name, shape in SHAPES.items()]
     method_name, options = KINDS[kind]
     compression = getattr(hdgc.Compression, method_name)(hierarchical=True, **options)
 
@@ -99,11 +113,15 @@ def run(kind: str) -> None:
 
     reference = NaiveTopK(compression.config) if kind == "topk" else Simulation(compression.method)
     for step in range(STEPS):
-        got = dict(zip(SHAPES, step_fn({n: tf.constant(g) for n, g in gradients(rank, step).items()})))
-        averages = host_averages(step)
+        mine = {n: tf.constant(g, dtype) for n, g in gradients(rank, step, dtype).items()}
+        got = dict(zip(SHAPES, step_fn(mine)))
+        averages = host_averages(step, dtype)
         for name, shape in SHAPES.items():
-            want = reference.step(name, step, averages).reshape(shape)
-            np.testing.assert_allclose(got[name].numpy(), want, rtol=1e-5, atol=1e-6,
+            assert got[name].dtype == dtype, (kind, name, got[name].dtype)
+            want = as_dtype(reference.step(name, step, averages).reshape(shape), dtype)
+            # bfloat16: float32 sums that differ in their last bit may round to neighbours.
+            np.testing.assert_allclose(tf.cast(got[name], tf.float32).numpy(), want, atol=1e-6,
+                                       rtol=2 ** -7 if dtype == tf.bfloat16 else 1e-5,
                                        err_msg=f"rank {rank} {kind} {name} step {step}")
     assert compression.engine.world_size == len(HOSTS), compression.engine.world_size
     for name in SHAPES:
