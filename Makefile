@@ -105,7 +105,7 @@ cluster-negotiation: setup
 ## rendezvous + 4 worker containers, unshaped and at 100 Mbit/s, checks and removes everything.
 ## COMPOSE=v1|v2 picks the compose command; KILL_WORKER=R kills worker R mid-run (must fail).
 compose-test: setup
-	$(PYTHON) -m benchmarks.docker.compose_test $(if $(COMPOSE),--compose $(COMPOSE)) \
+	$(PYTHON) -m benchmarks.compose.compose_test $(if $(COMPOSE),--compose $(COMPOSE)) \
 		$(if $(KILL_WORKER),--kill-worker $(KILL_WORKER))
 
 ## The intermittent hang of hierarchical=True (README, "Open problem"): its PyTorch test job again

@@ -5,7 +5,7 @@
 * ``benchmarks.convergence``: dense against every method on 4 workers (``make
   bench-convergence``);
 * ``benchmarks.cluster``: training steps on a cluster of network-namespace hosts with shaped
-  links (``make cluster-bench``), and ``benchmarks/docker/`` the same on Docker Compose.
+  links (``make cluster-bench``), and ``docker/`` the same on Docker Compose (``benchmarks/compose/`` runs it: ``make compose-test``).
 """
 
 import os

@@ -1,4 +1,4 @@
-"""The logic of ``make compose-test`` (benchmarks/docker/compose_test.py) that needs no Docker:
+"""The logic of ``make compose-test`` (benchmarks/compose/compose_test.py) that needs no Docker:
 reading ``docker inspect``, deciding when a run has finished or failed (a killed worker), the
 FORWARD-policy verdict, the Debian mirror, the checks on the workers' records and the table.
 The run itself needs root, a daemon and minutes: ``make compose-test``."""
@@ -14,8 +14,8 @@ import uuid
 
 import pytest
 
-from benchmarks.docker import compose_test as ct
-from benchmarks.docker.compose_test import ComposeTestError, ContainerState
+from benchmarks.compose import compose_test as ct
+from benchmarks.compose.compose_test import ComposeTestError, ContainerState
 
 from conftest import ROOT
 
@@ -134,7 +134,7 @@ def test_a_drop_forward_policy_is_found_and_named_in_a_namespace_of_its_own():
     """The real iptables and sysctl, read inside a network namespace whose FORWARD policy is
     set there (the host's firewall is not touched)."""
     namespace = f"hdgc-fw-{uuid.uuid4().hex[:8]}"
-    check = [sys.executable, "-c", "from benchmarks.docker import compose_test as ct; "
+    check = [sys.executable, "-c", "from benchmarks.compose import compose_test as ct; "
                                    "ct.check_forward_policy()"]
 
     def in_namespace(*cmd: str) -> subprocess.CompletedProcess:

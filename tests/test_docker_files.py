@@ -14,12 +14,12 @@ import uuid
 import pytest
 import yaml
 
-from benchmarks.docker import compose_test
+from benchmarks.compose import compose_test
 from horovod_dgc.cluster import settings
 
 from conftest import ROOT
 
-DOCKER = ROOT / "benchmarks" / "docker"
+DOCKER = ROOT / "docker"
 LAUNCHER = ["python", "-m", "horovod_dgc.cluster"]
 
 
@@ -75,8 +75,8 @@ def test_the_image_gets_what_the_workers_run(compose):
         words = line.split()
         if words[:1] == ["COPY"] and not any(w.startswith("--") for w in words):
             copied += [w.rstrip("/") for w in words[1:-1]]
-    needed = ["benchmarks/cluster/step.py", "benchmarks/docker/train_check.py",
-              "benchmarks/docker/shape_link.sh", "examples/_resnet.py"]
+    needed = ["benchmarks/cluster/step.py", "benchmarks/compose/train_check.py",
+              "docker/shape_link.sh", "examples/_resnet.py"]
     for path in needed:
         assert any(path == c or path.startswith(c + "/") for c in copied), f"{path} not copied"
     spec = compose_test.Run("unshaped", "")

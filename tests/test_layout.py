@@ -119,5 +119,27 @@ def test_adapters_leave_methods_and_header_words_to_the_core():
 def test_benchmarks_live_in_their_wing_and_scripts_only_set_up():
     assert sorted(p.name for p in (ROOT / "scripts").iterdir()) == ["constraints.txt", "setup_env.sh"]
     assert not [p.name for p in (ROOT / "examples").glob("bench*")]
-    for name in ("compress.py", "convergence.py", "cluster/run.py", "docker/docker-compose.yml"):
+    for name in ("compress.py", "convergence.py", "cluster/run.py", "compose/compose_test.py"):
         assert (ROOT / "benchmarks" / name).is_file(), name
+
+
+# The top level the project was specified with, plus its documentation, measurements and set-up.
+TOP_LEVEL = {"setup.py", "horovod_dgc", "tests", "examples", "docker", "Makefile", "README.md",
+             "docs", "benchmarks", "scripts"}
+
+
+def test_the_top_level_is_the_specified_one():
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    if tracked.returncode != 0:  # not a checkout (an unpacked archive): what is there
+        names = {p.name for p in ROOT.iterdir() if not p.name.startswith(".")}
+    else:
+        names = {line.split("/")[0] for line in tracked.stdout.splitlines()}
+        names = {n for n in names if not n.startswith(".")}
+    assert names - {"pytest.ini"} == TOP_LEVEL, sorted(names ^ TOP_LEVEL)
+
+
+def test_the_docker_recipe_is_at_the_top_and_its_harness_among_the_benchmarks():
+    for name in ("Dockerfile", "docker-compose.yml", "shape_link.sh", "install_image.sh"):
+        assert (ROOT / "docker" / name).is_file(), name
+    assert not (ROOT / "docker" / "__init__.py").exists()  # would shadow the docker package
+    assert not (ROOT / "benchmarks" / "docker").exists()

@@ -2,7 +2,7 @@
 
 Run by every worker of a cluster, one or more per host (``python -m horovod_dgc.cluster
 worker -- python benchmarks/cluster/step.py``; ``python -m benchmarks.cluster.run`` does it
-on network namespaces, ``benchmarks/docker/docker-compose.yml`` on containers)::
+on network namespaces, ``docker/docker-compose.yml`` on containers)::
 
     python benchmarks/cluster/step.py [--methods dense,dgc,...] [--model resnet50|tiny]
         [--batch-size 32] [--image-size 32] [--warmup-steps 2] [--steps 5]

@@ -1,6 +1,6 @@
 """``make compose-test``: the Docker Compose cluster, run for real.
 
-    python -m benchmarks.docker.compose_test [--compose auto|v1|v2] [--steps 3]
+    python -m benchmarks.compose.compose_test [--compose auto|v1|v2] [--steps 3]
         [--warmup-steps 1] [--kill-worker RANK [--kill-after-s 5]]
 
 As root, it
@@ -15,10 +15,10 @@ As root, it
    imported with ``docker import`` (no image is ever pulled);
 4. builds the image with BuildKit from the wheels this machine has: the CPU torch wheel, the
    Horovod wheel ``make setup`` compiled and cached, and their dependencies at the exact
-   versions of ``.venv`` (``benchmarks/docker/wheels/``), so only the project's C kernel is
+   versions of ``.venv`` (``docker/wheels/``), so only the project's C kernel is
    compiled;
 5. runs the Compose file twice, unshaped and with ``LINK_RATE=100mbit``: a rendezvous and 4
-   workers, each training dense then dgc (``benchmarks/docker/train_check.py``);
+   workers, each training dense then dgc (``benchmarks/compose/train_check.py``);
 6. checks every worker's records (every worker finished, the parameters are identical across
    workers, dgc's interface bytes per worker per step at least 100x fewer than dense's), prints
    a table and removes every container, network and volume it created, on success, failure,
@@ -58,7 +58,7 @@ from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 from ..interrupts import interrupt_on_signals
 
 ROOT = Path(__file__).resolve().parents[2]
-HERE = ROOT / "benchmarks" / "docker"
+HERE = ROOT / "docker"
 DOCKERFILE = HERE / "Dockerfile"
 COMPOSE_FILE = HERE / "docker-compose.yml"
 WHEELS = HERE / "wheels"
@@ -461,7 +461,7 @@ def compose_command(kind: str) -> List[str]:
 
 def worker_command(run_spec: Run, args: argparse.Namespace) -> List[str]:
     return ["python", "-m", "horovod_dgc.cluster", "worker", "--",
-            "python", "-m", "benchmarks.docker.train_check", "--methods", ",".join(METHODS),
+            "python", "-m", "benchmarks.compose.train_check", "--methods", ",".join(METHODS),
             "--link", run_spec.label, "--out", f"/results/{run_spec.label}",
             "--warmup-steps", str(args.warmup_steps), "--steps", str(args.steps)]
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs the cluster image's software, one stage of benchmarks/docker/Dockerfile per call:
+# Installs the cluster image's software, one stage of docker/Dockerfile per call:
 #
 #   install_image.sh runtime     Debian packages every container needs: Python 3.11 with venv
 #                                (unless the base image has it), Open MPI's libraries (the
@@ -10,7 +10,7 @@
 #   install_image.sh project     the project's wheel, built from /src into /dist
 #
 # Only the Debian packages the base image lacks are installed (apt-get then needs the network).
-# /tmp/wheels (benchmarks/docker/wheels/ in the build context) may hold a torch wheel, a
+# /tmp/wheels (docker/wheels/ in the build context) may hold a torch wheel, a
 # Horovod wheel and their dependencies, and constraints.txt (exact versions); without a Horovod
 # wheel, Horovod is compiled here with PyTorch and Gloo only (about 3 minutes on 2 cores).
 # WHEELS_ONLY=1: pip reads /tmp/wheels and no index, so the stage needs no network at all (to

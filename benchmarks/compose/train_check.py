@@ -1,8 +1,8 @@
 """A short training on every worker of the Compose cluster, for ``make compose-test``.
 
-Run on each container through the launcher (``benchmarks/docker/compose_test.py`` does it)::
+Run on each container through the launcher (``benchmarks/compose/compose_test.py`` does it)::
 
-    python -m horovod_dgc.cluster worker -- python -m benchmarks.docker.train_check \
+    python -m horovod_dgc.cluster worker -- python -m benchmarks.compose.train_check \
         --methods dense,dgc --link 100mbit --out /results/100mbit
 
 For each method in turn it trains the model of ``benchmarks/cluster/step.py`` (ResNet-50 by
