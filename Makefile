@@ -7,7 +7,7 @@ DEVICE ?= cpu
 # gpu-check's interpreter: one whose PyTorch has CUDA (Horovod is not needed).
 GPU_PYTHON ?= python3
 
-.PHONY: setup test test-slow mutation-check demo imagenet-demo bench-compress bench-model-step gpu-check bench-trace-tf bench-convergence bench-regions bench-scalecom-leader cluster-bench cluster-scaling cluster-negotiation traffic-model compose-test horovod-examples stress-hierarchical clean-venv
+.PHONY: setup test test-slow docs mutation-check demo imagenet-demo bench-compress bench-model-step gpu-check bench-trace-tf bench-convergence bench-regions bench-scalecom-leader cluster-bench cluster-scaling cluster-negotiation traffic-model compose-test horovod-examples stress-hierarchical clean-venv
 
 setup:
 	@bash scripts/setup_env.sh
@@ -15,6 +15,12 @@ setup:
 ## The default test run (what CI runs): unit and multi-process tests, no slow benchmarks.
 test: setup
 	$(PYTHON) -m pytest -m "not slow" -q
+
+## The documentation site (Sphinx, MyST, furo) into build/docs/html, warnings as errors; make test
+## builds it too and checks its internal links (tests/test_docs.py).
+docs: setup
+	$(VENV)/bin/sphinx-build -W --keep-going -q -b html docs build/docs/html
+	@echo "docs: build/docs/html/index.html"
 
 ## Convergence runs and other long checks.
 test-slow: setup
@@ -108,7 +114,7 @@ compose-test: setup
 	$(PYTHON) -m benchmarks.compose.compose_test $(if $(COMPOSE),--compose $(COMPOSE)) \
 		$(if $(KILL_WORKER),--kill-worker $(KILL_WORKER))
 
-## The intermittent hang of hierarchical=True (README, "Open problem"): its PyTorch test job again
+## The intermittent hang of hierarchical=True (docs/guide/many-hosts.md): its PyTorch test job again
 ## and again, each line stamped, the stacks of a run that hangs dumped (py-spy, when installed).
 ## RUNS=20; NO_BYTECODE=1 compiles every module from source in every worker.
 stress-hierarchical: setup

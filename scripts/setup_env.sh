@@ -4,7 +4,8 @@
 # What it does, in order:
 #   1. system packages (OpenMPI, a C++ compiler, iproute2, the Fashion-MNIST data set) via
 #      apt-get when missing (needs root);
-#   2. .venv with Python 3.11 and the pinned packages of scripts/constraints.txt;
+#   2. .venv with Python 3.11 and the pinned packages of scripts/constraints.txt (and of
+#      docs/requirements.txt, the documentation site's);
 #   3. Horovod compiled from PyPI's source archive with PyTorch + TensorFlow + Gloo + MPI,
 #      the wheel cached in $HOROVOD_DGC_CACHE (default ~/.cache/horovod_dgc) keyed by the
 #      Horovod, Python, torch and TensorFlow versions, so later set-ups take seconds.
@@ -17,6 +18,8 @@ PYTHON=${PYTHON:-python3.11}
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${HOROVOD_DGC_VENV:-$ROOT/.venv}
 CONSTRAINTS=$ROOT/scripts/constraints.txt
+# The documentation site's packages (make docs, and its build in make test), pinned.
+DOCS_REQUIREMENTS=$ROOT/docs/requirements.txt
 CACHE=${HOROVOD_DGC_CACHE:-$HOME/.cache/horovod_dgc}
 STAMP=$VENV/.horovod_dgc-setup
 read -r -a SYSTEM_PACKAGES <<<"${HOROVOD_DGC_SYSTEM_PACKAGES:-libopenmpi-dev openmpi-bin g++ iproute2 dataset-fashion-mnist}"
@@ -27,7 +30,8 @@ die() { printf 'setup: ERROR: %s\n' "$*" >&2; exit 1; }
 pinned() { sed -n "s/^$1==//p" "$CONSTRAINTS"; }
 
 setup_fingerprint() {
-    cat "$CONSTRAINTS" "$ROOT/setup.py" "${BASH_SOURCE[0]}" "$ROOT"/horovod_dgc/torch/kernels/*.[ch] \
+    cat "$CONSTRAINTS" "$DOCS_REQUIREMENTS" "$ROOT/setup.py" "${BASH_SOURCE[0]}" \
+        "$ROOT"/horovod_dgc/torch/kernels/*.[ch] \
         | sha256sum | cut -c1-16
 }
 
@@ -169,7 +173,7 @@ main() {
     # own requirements (its wheel is installed without dependencies).
     install_uv
     uv_install -e "$ROOT[torch,tensorflow,test,examples]" cmake wheel setuptools cloudpickle psutil \
-        pyyaml packaging
+        pyyaml packaging -r "$DOCS_REQUIREMENTS"
     ensure_horovod
     compile_bytecode
     echo "$fingerprint" >"$STAMP"
