@@ -1,4 +1,4 @@
-"""The intermittent hang of ``hierarchical=True`` (README, "Open problem"), made easy to catch.
+"""The intermittent hang of ``hierarchical=True`` (docs/guide/many-hosts.md), made easy to catch.
 
 Runs the PyTorch test job of 2 hosts x 2 workers (``tests/workers/hierarchy_torch.py``, the
 two run lists of its test alternating) again and again. Every output line is stamped with the
