@@ -26,7 +26,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from benchmarks import ROOT, worker_env
 from horovod_dgc.core.methods import METHODS
@@ -92,9 +92,16 @@ def parse_args(argv: Sequence[str] = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run_logged(command: List[str], env: Dict[str, str], log, timeout_s: float, show: bool) -> int:
+def show_line(line: str) -> None:
+    """``--show``'s echo of one of rank 0's lines."""
+    print("   " + line, end="", flush=True)
+
+
+def run_logged(command: List[str], env: Dict[str, str], log, timeout_s: float, show: bool,
+               echo: Callable[[str], None] = show_line) -> int:
     """Run ``command`` with its output in ``log``; with ``show``, rank 0's standard output
-    lines also go to ours without ``horovodrun``'s prefix. Returns the exit status."""
+    lines also go to ``echo`` (by default to ours) without ``horovodrun``'s prefix. Returns
+    the exit status."""
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                             cwd=ROOT, text=True)
     watchdog = threading.Timer(timeout_s, proc.kill)
@@ -104,20 +111,30 @@ def run_logged(command: List[str], env: Dict[str, str], log, timeout_s: float, s
             log.write(line)
             log.flush()  # a slow run's progress shows in its log
             if show and line.startswith(RANK0_PREFIX):
-                print("   " + line[len(RANK0_PREFIX):], end="", flush=True)
+                echo(line[len(RANK0_PREFIX):])
         return proc.wait()
     finally:
         watchdog.cancel()
+
+
+def example_flags(args: argparse.Namespace, run: Run, metrics: Path) -> List[str]:
+    """The example's command-line flags for ``run``, its metrics written to ``metrics``."""
+    return [*(f"--{key}={value}" for key, value in run.flags.items()),
+            "--epochs", str(args.epochs), "--train-images", str(args.train_images),
+            "--seed", str(args.seed), "--json", str(metrics)]
+
+
+def horovodrun(np: int, command: List[str]) -> List[str]:
+    """``command`` on ``np`` local Gloo ranks under this environment's ``horovodrun``."""
+    return [str(Path(sys.executable).parent / "horovodrun"), "-np", str(np),
+            "-H", f"localhost:{np}", "--gloo", *command]
 
 
 def launch(args: argparse.Namespace, run: Run) -> Dict:
     """One training run; its metrics with the wall time of the whole launch added."""
     metrics, log = args.out / f"{run.name}.json", args.out / f"{run.name}.log"
     flags = [f"--{key}={value}" for key, value in run.flags.items()]
-    command = [str(Path(sys.executable).parent / "horovodrun"), "-np", str(args.np),
-               "-H", f"localhost:{args.np}", "--gloo", sys.executable, str(EXAMPLE), *flags,
-               "--epochs", str(args.epochs), "--train-images", str(args.train_images),
-               "--seed", str(args.seed), "--json", str(metrics)]
+    command = horovodrun(args.np, [sys.executable, str(EXAMPLE), *example_flags(args, run, metrics)])
     env = worker_env()
     started = time.perf_counter()
     if args.show:

@@ -72,14 +72,17 @@ class ClusterJob:
         command: the worker command, e.g. ``[sys.executable, "benchmarks/cluster/step.py"]``.
         log_dir: where ``rendezvous.log`` and ``rank<r>.log`` go.
         timeout_s: wall-clock limit of the whole job.
-        echo_rank0: also copy rank 0's output to this process's stdout.
+        echo_rank0: also copy rank 0's output to this process's stdout (or to ``echo_to``).
         env: extra environment variables for the workers (e.g. ``HOROVOD_CYCLE_TIME``).
         workers_per_host: ranks ``h * workers_per_host`` onwards run on host ``h``.
+        echo_to: where ``echo_rank0`` copies rank 0's lines (anything with ``write`` and
+            ``flush``; default: this process's stdout).
     """
 
     def __init__(self, cluster: NetnsCluster, command: Sequence[str], log_dir: Path,
                  timeout_s: float, echo_rank0: bool = True,
-                 env: Optional[Mapping[str, str]] = None, workers_per_host: int = 1):
+                 env: Optional[Mapping[str, str]] = None, workers_per_host: int = 1,
+                 echo_to: Optional[IO[str]] = None):
         if not command:
             raise ValueError("no worker command")
         if not timeout_s > 0:
@@ -88,7 +91,7 @@ class ClusterJob:
             raise ValueError(f"workers_per_host must be >= 1, got {workers_per_host}")
         self.workers_per_host = workers_per_host
         self.cluster, self.command, self.log_dir = cluster, list(command), Path(log_dir)
-        self.timeout_s, self.echo_rank0 = timeout_s, echo_rank0
+        self.timeout_s, self.echo_rank0, self.echo_to = timeout_s, echo_rank0, echo_to
         self.worker_env = dict(env or {})
         self._processes: List[_Process] = []
         self._threads: List[threading.Thread] = []
@@ -106,7 +109,8 @@ class ClusterJob:
             popen = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
             log = open(log_path, "w")
-            thread = threading.Thread(target=_copy_lines, args=(popen.stdout, log, sys.stdout),
+            thread = threading.Thread(target=_copy_lines,
+                                      args=(popen.stdout, log, self.echo_to or sys.stdout),
                                       daemon=True)
             thread.start()
             self._threads.append(thread)
