@@ -16,6 +16,7 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
     "sphinx.ext.mathjax",
+    "sphinx-mathjax-offline",  # MathJax from the package, not a CDN: the pages read offline
     "configfields",
 ]
 
@@ -29,10 +30,10 @@ myst_enable_extensions = ["dollarmath", "amsmath", "deflist", "colon_fence"]
 myst_heading_anchors = 3
 myst_dmath_double_inline = True
 
-# MathJax is loaded from a CDN by default; the pages still build and read without it.
 html_theme = "furo"
 html_title = "horovod_dgc"
-html_static_path = []
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]
 html_show_sourcelink = False
 html_copy_source = False
 

@@ -141,7 +141,7 @@ def field_table(cls, where: str) -> List[str]:
                            f"docs/_ext/configfields.py", location=where)
         rows.append((field.name, type_name(field), default_text(field), unit, text))
     out = ["", ".. list-table:: Fields (inherited ones included)", "   :header-rows: 1",
-           "   :widths: 14 12 10 14 50", "   :class: config-fields", "",
+           "   :widths: 20 14 10 13 43", "   :class: config-fields", "",
            "   * - field", "     - type", "     - default", "     - unit", "     - meaning"]
     for name, kind, default, unit, text in rows:
         out += [f"   * - ``{name}``", f"     - ``{kind}``", f"     - ``{default}``",
