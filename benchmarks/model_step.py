@@ -1,119 +1,135 @@
-"""The engine's CPU time per rank per step on a whole model's tensors: the fixed cost per
-tensor that a single large gradient (``make bench-compress``) does not show.
+"""What compression costs per rank per step on a whole model's tensors, against one tensor of
+the same total size: the fixed cost per tensor that a single large gradient (``make
+bench-compress``) does not show.
 
-Each method takes ResNet-50's 161 gradient tensors through the fused path's order, with
-``--world`` ranks emulated in this process (``benchmarks.host_syncs``: every tensor
-compressed, the collectives emulated), on the CPU with the C kernels, one thread. Every rank
-decodes each step's messages twice, in alternating order: each tensor's on their own, as the
-stock path does, and each bucket's (about 25 MB of gradient, as ``DistributedOptimizer``
-cuts them) in one call, as our fused optimizer does; ScaleCom and blocksign finish each
-tensor on its own either way. Gradients are fresh ``randn`` draws every step; after the
-first ``--warmup`` steps (not timed) each step's candidate bound fits the next, as in training
-(docs/benchmarks.md, "Candidates collected in the pass"). Rounds alternate between methods
-and the median is reported::
+Each method takes ResNet-50's 161 gradient tensors through three layouts, with ``--world``
+ranks emulated in this process (the collectives emulated: ``benchmarks.host_syncs``), on the
+CPU, one thread:
 
-    python -m benchmarks.model_step [--methods dgc scalecom ...] [--world 2] [--rounds 7]
-                                    [--composed-messages]
+* **per tensor**: every tensor compressed and decoded on its own, as the stock
+  ``hvd.DistributedOptimizer`` hands them over;
+* **fused**: the buckets our ``DistributedOptimizer`` cuts (reverse order, about 25 MB of
+  gradient each), each compressed as one (``Engine.compress_bucket``) where the method is
+  ``bucketed`` and decoded in one call;
+* **one tensor**: a single flat tensor of the same 25,557,032 entries.
 
-``--composed-messages`` adds, for each method, engines whose messages are encoded and decoded
-by the core's composition of torch operations instead of the C kernels that write and read a
-whole message at once (``TorchOps.encode_message``, ``decode_sums``, ``decode_positions``),
-alternating with the others in the same process: what those kernels save.
+For each it prints the CPU milliseconds of compress and decode per rank per step (medians,
+layouts interleaved in every round), and, from separate steps with the choices TorchOps makes
+on a GPU (fixed sizes, no C kernels), the ATen operations dispatched per rank per step (what
+a GPU would launch, views included) and the host reads (what would wait for it)::
+
+    python -m benchmarks.model_step [--methods dgc topk ...] [--world 2] [--rounds 5]
 """
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.host_syncs import compress_all, decode_all, decode_buckets, resnet50
+from benchmarks.host_syncs import HostReadCounter, compress_all, decode_all, decode_buckets, resnet50
+from horovod_dgc.core.collectives import cut_buckets
 from horovod_dgc.core.methods import BY_NAME, METHODS
 from horovod_dgc.torch.engine import Engine
-from horovod_dgc.torch.ops import TorchOps
 from horovod_dgc.torch.optimizer import DEFAULT_BUCKET_CAP_MB
 
-COLUMNS = ("compress_s", "decode_s", "bucket_decode_s")
+LAYOUTS = ("per tensor", "fused", "one tensor")
 
 
-class ComposedMessages(TorchOps):
-    """The engine's operations without the whole-message kernels: the composition encodes
-    and decodes."""
+class OpCounter(TorchDispatchMode):
+    """Counts the ATen operations dispatched while it is active."""
 
-    def encode_message(self, *args):
-        return None
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
 
-    def decode_sums(self, *args):
-        return None
-
-    def decode_positions(self, *args):
-        return None
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 class Run:
-    """One method's engines and gradients, stepped on demand."""
+    """One method's engines on one layout, stepped on demand."""
 
-    def __init__(self, method: str, shapes: Sequence[tuple], world: int, seed: int = 0,
-                 composed: bool = False) -> None:
+    def __init__(self, method: str, shapes: Sequence[Tuple[int, ...]], layout: str, world: int) -> None:
         self.engines = [Engine(BY_NAME[method].build(), world_size=world, rank=r) for r in range(world)]
-        if composed:
-            for engine in self.engines:
-                engine.ops = ComposedMessages(defer_checks=True)
-        self.shapes = shapes
-        self.names = [f"t{i}" for i in range(len(shapes))]
-        self.gen = torch.Generator().manual_seed(seed)
-        self.steps = 0
+        self.layout = layout
+        self.shapes = [(sum(math.prod(s) for s in shapes),)] if layout == "one tensor" else list(shapes)
+        self.names = [f"t{i}" for i in range(len(self.shapes))]
+        self.gen = torch.Generator().manual_seed(0)
+        sizes = [4 * math.prod(s) for s in self.shapes]
+        order = list(reversed(range(len(self.shapes))))  # the fused optimizer's: backward's
+        self.buckets = [[order[i] for i in bucket]
+                        for bucket in cut_buckets([sizes[i] for i in order], DEFAULT_BUCKET_CAP_MB * 2 ** 20)]
 
-    def step(self) -> Dict[str, float]:
-        """Seconds per rank of this step's compress, its decode tensor by tensor, and its
-        decode bucket by bucket (the same for tensors that are not sent as sparse messages)."""
-        world = len(self.engines)
-        grads = [[torch.randn(s, generator=self.gen) for s in self.shapes] for _ in range(world)]
-        started = time.perf_counter()
+    def gradients(self) -> List[List[torch.Tensor]]:
+        """Fresh gradients of every rank (``[rank][tensor]``)."""
+        return [[torch.randn(s, generator=self.gen) for s in self.shapes] for _ in self.engines]
+
+    def step(self, grads: List[List[torch.Tensor]]) -> None:
+        """One step of every rank: compress, the emulated exchange, decode."""
+        if self.layout == "fused" and self.engines[0].method.bucketed:
+            self._bucketed_step(grads)
+            return
         outputs = compress_all(self.engines, self.names, grads)
-        seconds = {"compress_s": (time.perf_counter() - started) / world}
-        sparse = [i for i, per_rank in enumerate(outputs) if per_rank[0][0] == "sparse"]
-        others = sorted(set(range(len(outputs))) - set(sparse))
+        if self.layout == "fused" and self.engines[0].method.family == "sparse":
+            for bucket in self.buckets:
+                decode_buckets(self.engines, [outputs[i] for i in bucket], [self.shapes[i] for i in bucket],
+                               float("inf"))
+        else:
+            decode_all(self.engines, self.names, self.shapes, outputs)
 
-        def pick(items, chosen):
-            return [items[i] for i in chosen]
-
-        started = time.perf_counter()
-        decode_all(self.engines, pick(self.names, others), pick(self.shapes, others), pick(outputs, others))
-        either = (time.perf_counter() - started) / world
-        decodes = {"decode_s": lambda: decode_all(self.engines, pick(self.names, sparse),
-                                                  pick(self.shapes, sparse), pick(outputs, sparse)),
-                   "bucket_decode_s": lambda: decode_buckets(self.engines, pick(outputs, sparse),
-                                                             pick(self.shapes, sparse),
-                                                             DEFAULT_BUCKET_CAP_MB * 2 ** 20)}
-        self.steps += 1
-        for key in sorted(decodes, reverse=self.steps % 2 == 1):  # each first every other step
-            started = time.perf_counter()
-            decodes[key]()
-            seconds[key] = either + (time.perf_counter() - started) / world
-        return seconds
+    def _bucketed_step(self, grads: List[List[torch.Tensor]]) -> None:
+        for members in self.buckets:
+            sent = []
+            for engine, rank_grads in zip(self.engines, grads):
+                bucket = engine.bucket(f"b{members[0]}", [(self.names[i], rank_grads[i]) for i in members])
+                sent.append(engine.compress_bucket(bucket, [rank_grads[i] for i in members], [None] * len(members)))
+            gathered = torch.cat([o.message for o in sent])
+            for engine, outgoing in zip(self.engines, sent):
+                engine.decompress(gathered, [outgoing])
 
 
-COMPOSED = ", composed messages"
+def timed(run: Run, world: int) -> float:
+    """Seconds per rank of one step."""
+    grads = run.gradients()
+    started = time.perf_counter()
+    run.step(grads)
+    return (time.perf_counter() - started) / world
 
 
-def measure(methods: Sequence[str], world: int, warmup: int, rounds: int,
-            steps: int, composed: bool = False) -> Dict[str, Dict[str, float]]:
+def counted(run: Run, world: int) -> Tuple[float, float]:
+    """(ATen operations, host reads) per rank of one step with a GPU's choices."""
+    grads = run.gradients()
+    with HostReadCounter() as reads, OpCounter() as ops:
+        run.step(grads)
+    return ops.count / world, reads.total / world
+
+
+def measure(methods: Sequence[str], world: int, warmup: int, rounds: int) -> Dict[str, Dict[str, Dict[str, float]]]:
     shapes = [tuple(p.shape) for p in resnet50().parameters()]
-    runs = {m: Run(m, shapes, world) for m in methods}
-    if composed:
-        runs.update({m + COMPOSED: Run(m, shapes, world, composed=True) for m in methods})
-    for run in runs.values():
-        for _ in range(warmup):
-            run.step()
-    timed: Dict[str, List[Dict[str, float]]] = {m: [] for m in runs}
-    for _ in range(rounds):
-        for method, run in runs.items():
-            timed[method] += [run.step() for _ in range(steps)]
-    return {m: {key: statistics.median(t[key] for t in timed[m]) for key in COLUMNS}
-            for m in sorted(runs, key=lambda m: (methods.index(m.removesuffix(COMPOSED)), m))}
+    results: Dict[str, Dict[str, Dict[str, float]]] = {}
+    for method in methods:
+        runs = {layout: Run(method, shapes, layout, world) for layout in LAYOUTS}
+        for run in runs.values():
+            for _ in range(warmup):
+                run.step(run.gradients())
+        times: Dict[str, List[float]] = {layout: [] for layout in LAYOUTS}
+        for r in range(rounds):
+            for layout in (LAYOUTS if r % 2 == 0 else tuple(reversed(LAYOUTS))):
+                times[layout].append(timed(runs[layout], world))
+        results[method] = {}
+        for layout, run in runs.items():
+            counting = Run(method, shapes, layout, world)
+            counting.step(counting.gradients())  # the first makes the plans' tables and layouts
+            aten, reads = counted(counting, world)
+            results[method][layout] = {"ms": statistics.median(times[layout]) * 1e3, "ops": aten,
+                                       "reads": reads}
+    return results
 
 
 def parse_args(argv: Sequence[str] = None) -> argparse.Namespace:
@@ -121,27 +137,24 @@ def parse_args(argv: Sequence[str] = None) -> argparse.Namespace:
     p.add_argument("--methods", nargs="+", default=[spec.name for spec in METHODS],
                    choices=[spec.name for spec in METHODS])
     p.add_argument("--world", type=int, default=2, help="ranks emulated in this process")
-    p.add_argument("--warmup", type=int, default=20, help="untimed steps per method")
-    p.add_argument("--rounds", type=int, default=7, help="rounds over the methods")
-    p.add_argument("--steps", type=int, default=2, help="timed steps per method per round")
-    p.add_argument("--composed-messages", action="store_true",
-                   help="also each method without the whole-message kernels, alternating")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per layout")
+    p.add_argument("--rounds", type=int, default=5, help="timed steps per layout, interleaved")
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    results = measure(args.methods, args.world, args.warmup, args.rounds, args.steps,
-                      args.composed_messages)
-    print(f"ResNet-50's 161 tensors, {args.world} ranks emulated, one thread, torch {torch.__version__}; "
-          f"medians of {args.rounds * args.steps} steps per method\n")
-    print("| method | compress ms per rank | decode, tensor by tensor | decode, bucket by bucket | "
-          "compress and bucket decode |")
-    print("|---|---:|---:|---:|---:|")
-    for method, r in results.items():
-        print(f"| {method} | {r['compress_s'] * 1e3:.1f} | {r['decode_s'] * 1e3:.1f} | "
-              f"{r['bucket_decode_s'] * 1e3:.1f} | {(r['compress_s'] + r['bucket_decode_s']) * 1e3:.1f} |")
+    results = measure(args.methods, args.world, args.warmup, args.rounds)
+    print(f"ResNet-50's 161 tensors (25,557,032 entries), {args.world} ranks emulated, one thread, "
+          f"torch {torch.__version__}; compress + decode per rank per step, median of {args.rounds}\n")
+    print("| method | layout | CPU ms | x one tensor | ATen ops (GPU's choices) | host reads |")
+    print("|---|---|---:|---:|---:|---:|")
+    for method, layouts in results.items():
+        flat = layouts["one tensor"]["ms"]
+        for layout, r in layouts.items():
+            print(f"| {method} | {layout} | {r['ms']:.1f} | {r['ms'] / flat:.2f} | {r['ops']:.0f} | "
+                  f"{r['reads']:.0f} |")
 
 
 if __name__ == "__main__":

@@ -271,3 +271,25 @@ def test_dgc_selection_fallback_bound_lets_k_entries_through_on_one_spike_per_bl
     monkeypatch.setattr(selection, "sampled_threshold", lambda *a, **kw: float(x.abs().max()) * 2.0)
     got = select_sampled(ops, x, k, 0.01, 0, max_retries=1, retry_factor=0.999)
     assert got.tolist() == sorted(naive_topk_set(x, k))
+
+
+@pytest.mark.parametrize("selection_ops", [TorchOps(), WaitingOps()], ids=["own-choice", "as-on-a-gpu"])
+@pytest.mark.parametrize("n,density", [(777, 0.05), (5000, 0.01), (20_011, 0.001), (50_000, 0.003)])
+def test_ties_at_the_kth_largest_go_to_the_lowest_positions(selection_ops, n, density):
+    """Small integers: most magnitudes tie, and the k-th largest is shared by many entries.
+    Every path (the full top-k, the sampled selection with or without candidates, the
+    blocks a GPU selects by) takes the lowest tied positions, as the naive sort does, so
+    that a tensor's top-k is one set on the stock path, in a bucket and on every device."""
+    gen = torch.Generator().manual_seed(n)
+    x = torch.round(torch.randn(n, generator=gen) * 2)
+    k = top_count(density, n)
+    want = sorted(naive_topk_set(x, k))
+    got = select_sampled(selection_ops, x, k, 0.01, 3, 4, 0.8)
+    assert got.tolist() == want
+    assert select_exact(selection_ops, x, k).tolist() == want
+    bound = float(x.abs().max()) * 0.99 if n > 1000 else None
+    if bound is not None:
+        positions = torch.nonzero(x.abs() >= bound).reshape(-1)
+        candidates = Candidates(positions, x.abs()[positions], positions.numel(), bound)
+        if positions.numel() >= k:
+            assert select_sampled(selection_ops, x, k, 0.01, 3, 4, 0.8, candidates=candidates).tolist() == want

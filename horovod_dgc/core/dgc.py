@@ -10,12 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
+from .bucket import Plan
 from .config import GatheredConfig
 from .memory import Accumulated, MomentumCorrectionMemory
-from .method import CompressCall
+from .method import CompressCall, State
 from .ops import Scalar, Tensor, TensorOps
 from .selection import MAX_RETRIES, RETRY_FACTOR, SAMPLE_RATIO, sampling_offset, select_sampled
-from .sparse import SparseMethod
+from .sparse import BucketCall, SparseMethod
 from .validation import (optional_positive, require_fraction, require_momentum, require_non_negative,
                          require_open_fraction, require_positive_int)
 
@@ -102,3 +103,39 @@ class DGC(SparseMethod):
         return select_sampled(ops, x, k, cfg.sample_ratio, sampling_offset(call.step, call.tensor_id),
                               cfg.max_retries, cfg.retry_factor,
                               accumulated.block_max, accumulated.candidates)
+
+    # -- a whole bucket at once: the same steps, per segment where they differ ----------------
+    @property
+    def bucketed(self) -> bool:
+        """Clipping bounds each tensor's own norm, which a bucket's pass does not take: a
+        config with ``clip_norm`` compresses tensor by tensor."""
+        return self.config.clip_norm is None
+
+    def prepare_bucket(self, ops: TensorOps, grad: Tensor, call: BucketCall) -> Tuple[Tensor, Scalar]:
+        """:meth:`prepare` of every segment: the loss scale undone and each segment's weight
+        decay added (one factor for the bucket when they are all alike)."""
+        segments = call.bucket.segments
+        decays = call.weight_decays or (self.config.weight_decay,) * len(segments)
+        if not any(decays):
+            return grad, call.unscale
+        if call.param is None:
+            raise ValueError(f"weight_decay needs the parameters of bucket {call.bucket.label!r}")
+        if len(set(decays)) == 1:
+            return ops.add(grad, call.param, call.unscale, decays[0]), 1.0
+        per_entry = ops.repeat_each(ops.constant(list(decays), "float32", like=grad),
+                                    ops.constant([s.span for s in segments], "int64", like=grad),
+                                    call.bucket.numel)
+        return ops.add(grad, ops.multiply(call.param, ops.cast(per_entry, ops.dtype(call.param))),
+                       call.unscale), 1.0
+
+    def update_bucket(self, ops: TensorOps, state: State, positions: Tensor, sent: Tensor,
+                      plan: Plan) -> State:
+        """Every sent velocity entry removed; the momentum masked in the large segments only
+        (see :meth:`memory_for`)."""
+        state = self._small_memory.update(ops, state, positions, sent)
+        segments = plan.bucket.segments
+        if all(s.small for s in segments):
+            return state
+        large = positions if not any(s.small for s in segments) else ops.gather(
+            positions, plan.tables(ops, positions).large_picks)
+        return {**state, "momentum": ops.scatter_zero(state["momentum"], large)}

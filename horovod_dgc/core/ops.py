@@ -98,7 +98,7 @@ class TensorOps(ABC):
     def add(self, x: Tensor, y: Tensor, alpha: Scalar = 1.0, beta: Scalar = 1.0,
             out: Optional[Tensor] = None) -> Tensor:
         """``x * alpha + y * beta`` as a new tensor (no argument is overwritten), in the wider
-        of the two dtypes; rounded as :meth:`scale_add` rounds it. ``out``: a tensor shaped
+        of the two dtypes (``y`` may be a Python number, added to every element); rounded as :meth:`scale_add` rounds it. ``out``: a tensor shaped
         and typed like ``x``, overlapping neither input, whose storage may hold the result
         (a framework without in-place writes ignores it)."""
 
@@ -174,6 +174,11 @@ class TensorOps(ABC):
     @abstractmethod
     def repeat_blocks(self, values: Tensor, block: int, n: int) -> Tensor:
         """``values[i // block]`` for ``i`` in ``range(n)``: one value per block, expanded."""
+
+    @abstractmethod
+    def repeat_each(self, values: Tensor, counts: Tensor, n: int) -> Tensor:
+        """``values[i]`` repeated ``counts[i]`` times, in order (``counts``: int64, summing to
+        ``n``, known when the graph is built): one value per segment of a bucket, expanded."""
 
     @abstractmethod
     def gather_blocks(self, x: Tensor, blocks: Tensor, block: int) -> Tensor:
@@ -469,7 +474,8 @@ class TensorOps(ABC):
 
     @abstractmethod
     def sort(self, x: Tensor) -> Tuple[Tensor, Tensor]:
-        """(``x`` ascending, the int64 positions it came from)."""
+        """(``x`` ascending, the int64 positions it came from); stable: equal entries keep
+        their order."""
 
     @abstractmethod
     def arange(self, n: Scalar, like: Tensor) -> Tensor:

@@ -101,14 +101,37 @@ def predict_bound(ops: TensorOps, threshold: Scalar, k: int,
                      threshold * FIRST_MARGIN)
 
 
+def magnitude_bits(ops: TensorOps, x: Tensor) -> Tensor:
+    """``|x|`` as the int64 bit patterns of its float32 values: non-negative floats order as
+    their bits, so these compare exactly as the float32 magnitudes do."""
+    magnitudes = ops.cast(ops.abs(x), "float32")
+    return ops.cast(ops.from_bytes(ops.to_bytes(magnitudes), "int32"), "int64")
+
+
+_POSITION_SPAN = 2 ** 32
+
+
+def ranked_keys(ops: TensorOps, x: Tensor, positions: Tensor) -> Tensor:
+    """Non-negative int64 keys that order entries by magnitude and, among equal magnitudes,
+    put the lower position first: ``bits(|x|) * 2**32 + (2**32 - 1 - position)``."""
+    return ops.add(ops.add(magnitude_bits(ops, x), positions, _POSITION_SPAN, -1), _POSITION_SPAN - 1)
+
+
+def top_lowest_first(ops: TensorOps, x: Tensor, positions: Tensor, k: int) -> Tensor:
+    """Positions (ascending) of the k entries of largest magnitude among ``x`` at
+    ``positions``, ties at the k-th largest magnitude going to the lowest positions: the one
+    top-k every path of every method agrees on."""
+    return ops.sort(ops.gather(positions, ops.topk_abs(ranked_keys(ops, x, positions), k)))[0]
+
+
 def largest_of(ops: TensorOps, positions: Tensor, magnitudes: Tensor, k: int) -> Tensor:
     """Positions (ascending) of the k largest ``magnitudes`` among candidates listed in
-    ascending ``positions`` (at least k of them)."""
+    ascending ``positions`` (at least k of them), ties going to the lowest positions."""
     # The candidates reaching the k-th largest magnitude keep their ascending order; only a tie
     # at that magnitude (more than k reach it) needs a top-k and a sort.
     chosen = ops.nonzero(ops.greater_equal(magnitudes, ops.kth_largest(magnitudes, k)))
     return ops.cond(ops.equal(ops.size(chosen), k), lambda: ops.gather(positions, chosen),
-                    lambda: ops.sort(ops.gather(positions, ops.topk_abs(magnitudes, k)))[0])
+                    lambda: top_lowest_first(ops, magnitudes, positions, k))
 
 
 # Knuth's multiplicative hash spreads successive steps over the sampling offsets.
@@ -121,8 +144,8 @@ def sampling_offset(step: Any, tensor: int) -> Any:
 
 
 def select_exact(ops: TensorOps, x: Tensor, k: int) -> Tensor:
-    """The k entries of largest magnitude, by a full exact top-k."""
-    return ops.sort(ops.topk_abs(x, k))[0]
+    """The k entries of largest magnitude (ties to the lowest positions), by a full top-k."""
+    return top_lowest_first(ops, x, ops.arange(ops.numel(x), like=x), k)
 
 
 class _BlockFilter:
@@ -196,8 +219,9 @@ def select_by_blocks(ops: TensorOps, x: Tensor, k: int, block_max: Optional[Tens
     The k whole blocks of :func:`filter_block` entries with the largest maxima, and the short
     last block, hold a top-k of ``x``: an entry above the k-th largest ``|x|`` lies in a block
     whose maximum is above it, and fewer than k blocks have one; the blocks at that value
-    each hold an entry equal to it. An exact top-k over those entries is then a top-k of
-    ``x`` (ties broken either way). ``block_max``: as for :func:`select_sampled`.
+    each hold an entry equal to it, and taking the lowest of those blocks keeps the lowest
+    tied entries. An exact top-k over those entries (ties to the lowest positions) is then
+    :func:`select_exact`'s. ``block_max``: as for :func:`select_sampled`.
     """
     n = ops.numel(x)
     if k >= n:
@@ -208,15 +232,15 @@ def select_by_blocks(ops: TensorOps, x: Tensor, k: int, block_max: Optional[Tens
         return select_exact(ops, x, k)
     maxima = ops.block_abs_max(x, block) if block_max is None else block_max
     picks = min(k, whole)
-    blocks = ops.topk_abs(ops.slice(maxima, 0, whole), picks)  # maxima are >= 0
+    # Among equal maxima the lowest blocks, so that ties go to the lowest positions.
+    blocks = top_lowest_first(ops, ops.slice(maxima, 0, whole), ops.arange(whole, like=maxima), picks)
     rows = ops.gather_blocks(ops.slice(x, 0, whole * block), blocks, block)
-    tail = ops.slice(x, whole * block, n - whole * block)
-    chosen = ops.topk_abs(ops.concat([rows, tail]), k)  # indices into rows, then tail
-    row_count = picks * block
-    row = ops.floordiv(ops.clamp(chosen, row_count - 1), block)
-    in_rows = ops.gather(blocks, row) * block + (chosen - row * block)
-    in_tail = chosen - row_count + whole * block
-    return ops.sort(ops.where(ops.greater_equal(chosen, row_count), in_tail, in_rows))[0]
+    tail = n - whole * block
+    slots = ops.arange(picks * block, like=blocks)
+    within = ops.add(slots, ops.floordiv(slots, block), 1, -block)  # slot % block
+    positions = ops.concat([ops.add(ops.repeat_blocks(blocks, block, picks * block), within, block, 1),
+                            ops.add(ops.arange(tail, like=blocks), whole * block)])
+    return top_lowest_first(ops, ops.concat([rows, ops.slice(x, whole * block, tail)]), positions, k)
 
 
 def select_sampled(ops: TensorOps, x: Tensor, k: int, sample_ratio: float, offset: int,

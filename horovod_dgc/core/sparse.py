@@ -7,6 +7,11 @@ selector (which entries to send, :mod:`.selection`). This module runs them on on
                 -> memory.update(what receivers will decode) -> message bytes
     decompress: N messages (one per rank, from an allgather) -> checked headers
                 -> (1/N) * sum_r scatter_add(indices_r, values_r)
+
+:meth:`SparseMethod.compress_bucket` runs the same stages once for a whole bucket of tensors
+(:mod:`.bucket`), for the methods that select each tensor's exact top-k (``bucketed``): one
+memory pass over the flat buffer, every segment's top-k at once, one message; its decode is
+:meth:`~SparseMethod.decompress` of that one message.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, List, Optional, Sequence, Tuple
 
 from . import wire
+from .bucket import Bucket, Plan, select_segments
 from .collectives import ALLGATHER
 from .config import SparseConfig
 from .memory import Accumulated
@@ -36,6 +42,43 @@ class Compressed:
     count: Scalar
     layout: wire.MessageLayout
     next_bound: Optional[Scalar] = None
+
+
+@dataclass(frozen=True)
+class BucketCall:
+    """What one compress of a bucket knows besides its flat gradient (``CompressCall``'s
+    fields, per segment where they differ between tensors).
+
+    Attributes:
+        bucket: the bucket.
+        rank, world_size: this worker and the number of workers.
+        step: the step of every member tensor (they are compressed together).
+        densities: each segment's density in force (after warm-up; a small segment's own).
+        param: the parameters as a flat buffer laid out as the bucket (zero padding), needed
+            only for weight decay.
+        loss_scale: the factor the gradients were multiplied by (see ``CompressCall``).
+        weight_decays: each segment's weight decay, when they differ from the config's; None:
+            the config's for every segment.
+        spare: memories nothing needs any more, by name, whose storage the new ones may take.
+    """
+
+    bucket: Bucket
+    rank: int
+    world_size: int
+    step: Any
+    densities: Tuple[float, ...]
+    param: Optional[Tensor] = None
+    loss_scale: Any = 1.0
+    weight_decays: Optional[Tuple[float, ...]] = None
+    spare: Optional[State] = None
+
+    @property
+    def unscale(self) -> Any:
+        return 1.0 / self.loss_scale
+
+    @property
+    def plan(self) -> Plan:
+        return Plan.at(self.bucket, self.densities)
 
 
 class SparseMethod(Method):
@@ -92,6 +135,67 @@ class SparseMethod(Method):
     def exchanges(self, numel: int, grad_dtype: str, density: float,
                   world_size: int) -> Tuple[Tuple[str, int], ...]:
         return ((ALLGATHER, self.layout("", numel, grad_dtype, density).nbytes),)
+
+    # -- a whole bucket at once ------------------------------------------------------------
+    @property
+    def bucketed(self) -> bool:
+        """Whether :meth:`compress_bucket` takes this method's tensors: those that select each
+        tensor's exact top-k (``collects_candidates``), with values in a format that has no
+        scale per message (int8's one scale would be the bucket's, not each tensor's)."""
+        return self.collects_candidates and self.config.value_dtype != "int8"
+
+    def bucket_layout(self, bucket: Bucket, plan: Plan) -> wire.MessageLayout:
+        """The message of a bucket: one header, ``plan.total`` positions in the bucket's flat
+        numbering, then their values."""
+        return wire.interned(wire.MessageLayout(
+            name=bucket.key, method_id=self.method_id, numel=bucket.numel, capacity=plan.total,
+            value_format=wire.value_format(bucket.dtype, self.config.value_dtype)))
+
+    def prepare_bucket(self, ops: TensorOps, grad: Tensor, call: BucketCall) -> Tuple[Tensor, Scalar]:
+        """:meth:`prepare` of every segment at once."""
+        return grad, call.unscale
+
+    def bucket_memory(self) -> Any:
+        """The memory whose pass runs over a bucket's flat buffer (elementwise, so one pass
+        serves every segment); :meth:`update_bucket` applies what differs per segment."""
+        return self.memory
+
+    def update_bucket(self, ops: TensorOps, state: State, positions: Tensor, sent: Tensor,
+                      plan: Plan) -> State:
+        """The memories after sending ``sent`` at ``positions`` (``plan``'s segments in order)."""
+        return self.memory.update(ops, state, positions, sent)
+
+    def compress_bucket(self, ops: TensorOps, state: State, grad: Tensor, call: BucketCall) -> Compressed:
+        """The message of a bucket's flat gradient (laid out as ``call.bucket``, zero padding),
+        and the memories after sending it: every segment's k entries of largest magnitude, as
+        :meth:`compress` sends each of them, in one message. ``state``: the memories as flat
+        buffers of the bucket's layout."""
+        if not self.bucketed:
+            raise TypeError(f"{type(self).__name__} does not select each tensor's exact top-k "
+                            f"and compresses tensor by tensor")
+        plan = call.plan
+        layout = self.bucket_layout(call.bucket, plan)
+        accumulated = self.bucket_memory().accumulate(ops, state, *self.prepare_bucket(ops, grad, call),
+                                                      spare=call.spare)
+
+        def send(flags: Any = 0):
+            x = accumulated.x
+            positions = select_segments(ops, x, plan)
+            header = layout.header(call.rank, call.step, plan.total, flags)
+            selected = ops.gather(x, positions)
+            message, decoded = layout.encode(ops, header, positions, plan.total, selected)
+            sent = ops.cast(ops.slice(decoded, 0, plan.total), ops.dtype(x))
+            return self.update_bucket(ops, accumulated.state, positions, sent, plan), message, plan.total
+
+        def skip():
+            header = layout.header(call.rank, call.step, 0, wire.FLAG_NONFINITE)
+            return state, layout.empty(ops, header, like=grad), 0
+
+        if ops.defers_checks(grad):
+            new_state, message, count = send(flag(ops, accumulated.finite))
+        else:
+            new_state, message, count = ops.cond(accumulated.finite, send, skip)
+        return Compressed(message=message, state=new_state, count=count, layout=layout)
 
     # -- the two halves ---------------------------------------------------------------------
     def accumulate(self, ops: TensorOps, state: State, grad: Tensor,

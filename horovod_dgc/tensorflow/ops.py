@@ -298,6 +298,8 @@ class TFOps(TensorOps):
 
     def add(self, x: tf.Tensor, y: tf.Tensor, alpha: Scalar = 1.0, beta: Scalar = 1.0,
             out: Optional[tf.Tensor] = None) -> tf.Tensor:
+        if isinstance(y, _PYTHON_NUMBERS):
+            y = _tensor(y, x.dtype)
         x, y = _promoted(x, y)
         return self.scale_add(x, alpha, y, beta)
 
@@ -384,6 +386,9 @@ class TFOps(TensorOps):
 
     def repeat_blocks(self, values: tf.Tensor, block: int, n: int) -> tf.Tensor:
         return _head(tf.repeat(values, block), n)
+
+    def repeat_each(self, values: tf.Tensor, counts: tf.Tensor, n: int) -> tf.Tensor:
+        return tf.reshape(tf.repeat(values, counts), [n])
 
     def gather_blocks(self, x: tf.Tensor, blocks: tf.Tensor, block: int) -> tf.Tensor:
         n = self.numel(x)

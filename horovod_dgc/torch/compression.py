@@ -376,10 +376,12 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
 
 @dataclass
 class SparseExchange:
-    """A sparse exchange in flight: the allgather and the messages it carries."""
+    """A sparse exchange in flight: the allgather, the messages it carries, and for each
+    averaged gradient the place of its entry (None: the entries' order)."""
 
     handle: Any
     outgoing: List[OutgoingMessage]
+    places: Optional[List[int]] = None
 
     @property
     def step(self) -> int:
@@ -388,16 +390,42 @@ class SparseExchange:
 
 class SparseCompressor(MethodCompressor):
     """The sparse family (DGC, Top-k, Gaussian-k): one allgather of every tensor's (index,
-    value) message, named after the parameter or the bucket."""
+    value) message, named after the parameter or the bucket. Several tensors of a method
+    that is ``bucketed`` travel as one message per dtype (``Engine.compress_bucket``)."""
 
     def _launch(self, label: str, entries: Sequence[Entry]) -> SparseExchange:
-        outgoing = [self.engine.compress(name, grad, param) for name, grad, param in entries]
+        places = None
+        if self.method.bucketed and len(entries) > 1:
+            outgoing, places = self._compress_buckets(label, entries)
+        else:
+            outgoing = [self.engine.compress(name, grad, param) for name, grad, param in entries]
         transport = self.transport
         message = join(self.engine.ops, ALLGATHER, [o.message for o in outgoing], transport.size())
-        return SparseExchange(transport.launch(ALLGATHER, message, label), outgoing)
+        return SparseExchange(transport.launch(ALLGATHER, message, label), outgoing, places)
+
+    def _compress_buckets(self, label: str, entries: Sequence[Entry]) -> Tuple[List[OutgoingMessage], List[int]]:
+        """One bucket per dtype of ``entries`` (in the order of their first tensors), and
+        the place of each of their tensors among the entries."""
+        by_dtype: Dict[torch.dtype, List[int]] = {}
+        for i, (_, grad, _) in enumerate(entries):
+            by_dtype.setdefault(grad.dtype, []).append(i)
+        engine, outgoing, places = self.engine, [], []
+        for dtype, members in by_dtype.items():
+            name = label if len(by_dtype) == 1 else f"{label}.{str(dtype).replace('torch.', '')}"
+            bucket = engine.bucket(name, [entries[i][:2] for i in members])
+            outgoing.append(engine.compress_bucket(bucket, [entries[i][1] for i in members],
+                                                   [entries[i][2] for i in members]))
+            places += members
+        return outgoing, places
 
     def _finish(self, exchange: SparseExchange) -> List[torch.Tensor]:
-        return self.engine.decompress(self.transport.wait(exchange.handle), exchange.outgoing)
+        averaged = self.engine.decompress(self.transport.wait(exchange.handle), exchange.outgoing)
+        if exchange.places is None:
+            return averaged
+        ordered: List[Optional[torch.Tensor]] = [None] * len(averaged)
+        for place, tensor in zip(exchange.places, averaged):
+            ordered[place] = tensor
+        return ordered
 
 
 @dataclass

@@ -12,6 +12,11 @@ every memory of every rank is exactly what it was before the step; else all are 
 GPU the step's checks and finiteness flags are read once, when its last tensor comes back
 (``TorchOps(defer_checks=True)``): one wait per step instead of several per tensor.
 
+**Buckets.** :meth:`Engine.compress_bucket` compresses several tensors as one
+(:mod:`horovod_dgc.core.bucket`): their gradients copied into one flat buffer, one memory
+per bucket (kept flat; :meth:`Engine.state_dict` saves it tensor by tensor, as the
+per-tensor path does, so a checkpoint loads into either), one message.
+
 **Loss scaling.** With a mixed-precision loss scaler attached (:meth:`Engine.use_loss_scale`),
 gradients are divided by the scale before they reach the memories, and the averaged gradients
 are multiplied by it again, so that the scaler's ``unscale_`` finds what it expects.
@@ -26,10 +31,11 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set,
 
 import torch
 
+from ..core.bucket import Bucket
 from ..core.collectives import ALLGATHER, ALLREDUCE, network_bytes
 from ..core.method import CompressCall, Method
 from ..core.nonfinite import NonFiniteGradientError
-from ..core.sparse import Compressed
+from ..core.sparse import BucketCall, Compressed
 from ..core.state import check_loadable, state_frame
 from ..core.stats import CompressionStats, StatsRecorder
 from ..core.twostage import StageHandover
@@ -51,6 +57,9 @@ class OutgoingMessage:
     loss_scale: float = 1.0
     # The flat gradient the message was built from, when the average may be written over it.
     destination: Optional[torch.Tensor] = None
+    # A bucket's message: the bucket, and its members' shapes (``shape`` is the flat buffer's).
+    bucket: Optional[Bucket] = None
+    shapes: Tuple[torch.Size, ...] = ()
 
 
 @dataclass
@@ -89,6 +98,9 @@ class Engine:
         self._steps: Dict[str, int] = {}
         self._lock = threading.Lock()
         self._stats = StatsRecorder()
+        # Each bucket by the key its memories are kept under, and the zero pads of its layout.
+        self._buckets: Dict[str, Bucket] = {}
+        self._pads: Dict[Tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
         self._loss_scale: Callable[[], float] = lambda: 1.0
         self._weight_decays: Dict[str, float] = {}
 
@@ -207,6 +219,8 @@ class Engine:
     def _end_step(self, finite: bool) -> None:
         for name, staged in self._staged.items():
             kept = self._states.get(name)
+            if finite and name in self._buckets:
+                self._restore_unapplied(self._buckets[name], kept, staged)
             keep = finite and name not in self._unapplied
             if kept is not None and _disjoint(kept, staged):
                 self._spares[name] = kept if keep else staged
@@ -214,6 +228,14 @@ class Engine:
                 self._states[name] = staged
         self._staged.clear()
         self._unapplied.clear()
+
+    def _restore_unapplied(self, bucket: Bucket, kept: Optional[dict], staged: dict) -> None:
+        """The segments of a bucket whose results nobody applies keep their memories."""
+        for segment in bucket.segments:
+            if segment.name in self._unapplied:
+                for key, memory in staged.items():
+                    part = memory[segment.offset:segment.end]
+                    part.copy_(kept[key][segment.offset:segment.end]) if kept else part.zero_()
 
     def abandon_step(self) -> None:
         """Drop the memories of a step that will not finish (an elastic reset)."""
@@ -241,6 +263,91 @@ class Engine:
                      selection_time_s=elapsed)
         return OutgoingMessage(name, result.message, result.layout, step, grad.shape, grad.dtype,
                                scale, flat if _consumed(flat, result) else None)
+
+    def bucket(self, label: str, entries: Sequence[Tuple[str, torch.Tensor]]) -> Bucket:
+        """The bucket of these (name, gradient) pairs under ``label`` (one dtype), made once."""
+        dtypes = {grad.dtype for _, grad in entries}
+        if len(dtypes) != 1:
+            raise ValueError(f"bucket {label!r} holds gradients of several dtypes: {sorted(map(str, dtypes))}")
+        bucket = Bucket.of(label, [(name, grad.numel(), self.config.is_small(tuple(grad.shape)))
+                                   for name, grad in entries], dtype_name(dtypes.pop()))
+        with self._lock:
+            return self._buckets.setdefault(bucket.key, bucket)
+
+    def compress_bucket(self, bucket: Bucket, grads: Sequence[torch.Tensor],
+                        params: Sequence[Optional[torch.Tensor]]) -> OutgoingMessage:
+        """One sparse message for the tensors of ``bucket`` (their gradients in its order)."""
+        started = time.perf_counter()
+        steps = {self._next_step(name) for name in bucket.names}
+        if len(steps) != 1:
+            raise RuntimeError(f"the tensors of bucket {bucket.label!r} are at different steps "
+                               f"({sorted(steps)}): a bucket's tensors are always compressed together")
+        step, scale = steps.pop(), self._loss_scale()
+        flat = self._flatten(bucket, grads)
+        config = self.config
+        decays = (tuple(self._weight_decays.get(n, getattr(config, "weight_decay", 0.0)) for n in bucket.names)
+                  if self._weight_decays else None)
+        needs_param = any(decays or ()) or getattr(config, "weight_decay", 0.0) > 0
+        with self._lock:
+            spare = self._spares.pop(bucket.key, None)
+        call = BucketCall(bucket=bucket, rank=self.rank, world_size=self.world_size, step=step,
+                          densities=tuple(config.density_for(step, self.epoch, s.small) for s in bucket.segments),
+                          param=(self._flatten(bucket, [p.detach() for p in params])
+                                 if needs_param and all(p is not None for p in params) else None),
+                          loss_scale=scale, weight_decays=decays, spare=spare)
+        result = self.method.compress_bucket(self.ops, self._bucket_state(bucket, flat), flat, call)
+        self._stage(bucket.key, result.state)
+        numel = sum(s.numel for s in bucket.segments)
+        self._record(step, ALLGATHER, result.layout.nbytes, None, dense_bytes=numel * flat.element_size(),
+                     elements_sent=int(result.count), elements_compressed=numel,
+                     selection_time_s=time.perf_counter() - started)
+        return OutgoingMessage(bucket.key, result.message, result.layout, step, flat.shape, grads[0].dtype,
+                               scale, flat if _consumed(flat, result) else None, bucket,
+                               tuple(g.shape for g in grads))
+
+    def _flatten(self, bucket: Bucket, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The tensors in one new flat buffer laid out as ``bucket`` (zero padding)."""
+        parts = []
+        for segment, tensor in zip(bucket.segments, tensors):
+            parts.append(tensor.reshape(-1))
+            if segment.span > segment.numel:
+                parts.append(self._pad(segment.span - segment.numel, tensor))
+        return torch.cat(parts)
+
+    def _pad(self, n: int, like: torch.Tensor) -> torch.Tensor:
+        key = (n, like.dtype, like.device)
+        if key not in self._pads:
+            self._pads[key] = torch.zeros(n, dtype=like.dtype, device=like.device)
+        return self._pads[key]
+
+    def _bucket_state(self, bucket: Bucket, flat: torch.Tensor) -> dict:
+        """A bucket's memories, flat: kept ones; else assembled once from its tensors' own
+        (loaded from a checkpoint, or kept by buckets of another membership, as DDP's after
+        it rebuilds them), zeros for a tensor that has none."""
+        with self._lock:
+            if bucket.key in self._states:
+                return self._states[bucket.key]
+            self._split_buckets_holding(bucket.names)
+            fresh = self.method.init_state(self.ops, flat, True, self.world_size)
+            loaded = [self._states.pop(name, None) for name in bucket.names]
+            if any(loaded):
+                for key, memory in fresh.items():
+                    for segment, part in zip(bucket.segments, loaded):
+                        if part is not None:
+                            memory[segment.offset:segment.end].copy_(part[key])
+            self._states[bucket.key] = fresh
+            return fresh
+
+    def _split_buckets_holding(self, names: Sequence[str]) -> None:
+        """Every kept bucket memory holding one of ``names`` becomes its tensors' own memories
+        (copies). Caller holds the lock."""
+        wanted = set(names)
+        for key in [k for k, b in self._buckets.items() if k in self._states and wanted & set(b.names)]:
+            memories = self._states.pop(key)
+            self._spares.pop(key, None)
+            for segment in self._buckets[key].segments:
+                self._states[segment.name] = {k: v[segment.offset:segment.end].clone()
+                                              for k, v in memories.items()}
 
     def dense(self, name: str, grad: torch.Tensor, param: Optional[torch.Tensor]) -> DenseUpdate:
         """What to all-reduce for a tensor that does not compress (a new tensor, float32 for
@@ -318,10 +425,11 @@ class Engine:
         self._record(step, ALLREDUCE, nbytes, None)
 
     def _record(self, step: int, kind: str, nbytes: int, grad: Optional[torch.Tensor],
-                **counts) -> None:
+                dense_bytes: int = 0, **counts) -> None:
         """Count ``nbytes`` handed to collective ``kind`` (and on the network), for the
-        gradient ``grad`` (None: more bytes of a gradient counted already)."""
-        dense = 0 if grad is None else grad.numel() * grad.element_size()
+        gradient ``grad`` (None: more bytes of a gradient counted already, or of gradients
+        whose ``dense_bytes`` are given)."""
+        dense = dense_bytes if grad is None else grad.numel() * grad.element_size()
         self._stats.record(step=step, bytes_sent=nbytes, dense_bytes=dense,
                            network_bytes=network_bytes(kind, nbytes, self.world_size),
                            dense_network_bytes=network_bytes(ALLREDUCE, dense, self.world_size),
@@ -329,7 +437,8 @@ class Engine:
 
     def decompress(self, gathered: torch.Tensor, outgoing: Sequence[OutgoingMessage]) -> List[torch.Tensor]:
         """Averaged dense gradients of ``outgoing`` from the allgather of every rank's
-        messages (concatenated in the same order on every rank)."""
+        messages (concatenated in the same order on every rank): one per message, a bucket's
+        message giving one per member tensor, in its order."""
         layouts = [o.layout for o in outgoing]
         dtypes = [dtype_name(o.dtype) for o in outgoing]
         steps = {o.step for o in outgoing}
@@ -344,17 +453,41 @@ class Engine:
             self._conclude(names, False)
             raise
         self._conclude(names, finite)
-        return [_rescaled(flat, o.loss_scale).reshape(o.shape) for flat, o in zip(flats, outgoing)]
+        averaged = []
+        for flat, o in zip(flats, outgoing):
+            flat = _rescaled(flat, o.loss_scale)
+            if o.bucket is None:
+                averaged.append(flat.reshape(o.shape))
+            else:
+                averaged += [flat[s.offset:s.end].view(shape) for s, shape in zip(o.bucket.segments, o.shapes)]
+        return averaged
+
+    def memories(self, name: str) -> Dict[str, torch.Tensor]:
+        """Tensor ``name``'s memories as kept now (flat; views of its bucket's, where a
+        bucket keeps them), by memory name; KeyError for a tensor with none yet."""
+        with self._lock:
+            if name in self._states:
+                return dict(self._states[name])
+            for key, bucket in self._buckets.items():
+                segment = next((s for s in bucket.segments if s.name == name), None)
+                if segment is not None and key in self._states:
+                    return {k: v[segment.offset:segment.end] for k, v in self._states[key].items()}
+        raise KeyError(name)
 
     # -- checkpointing --------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """This rank's part: memories, step counters and epoch, tagged with the method, its
         config and the world they belong to (checked by :meth:`load_state_dict`)."""
         with self._lock:
+            states = {}
+            for key, memories in self._states.items():
+                bucket = self._buckets.get(key)
+                segments = [(key, slice(None))] if bucket is None else [
+                    (s.name, slice(s.offset, s.end)) for s in bucket.segments]
+                for name, part in segments:
+                    states[name] = {k: v[part].clone() for k, v in memories.items()}
             return state_frame(self.method, world_size=self.world_size, rank=self.rank,
-                               epoch=self.epoch, steps=self._steps,
-                               states={n: {k: v.clone() for k, v in s.items()}
-                                       for n, s in self._states.items()})
+                               epoch=self.epoch, steps=self._steps, states=states)
 
     def load_state_dict(self, state: dict, numels: Dict[str, int]) -> None:
         """Restore this rank's part saved by :meth:`state_dict`.

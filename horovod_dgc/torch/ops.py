@@ -214,6 +214,9 @@ class TorchOps(TensorOps):
             return values[:1].expand(n)
         return values.repeat_interleave(block)[:n]
 
+    def repeat_each(self, values: torch.Tensor, counts: torch.Tensor, n: int) -> torch.Tensor:
+        return values.repeat_interleave(counts, output_size=n)
+
     def gather_blocks(self, x: torch.Tensor, blocks: torch.Tensor, block: int) -> torch.Tensor:
         whole = x.numel() // block
         if whole * block == x.numel():
@@ -476,7 +479,7 @@ class TorchOps(TensorOps):
         return (bits.reshape(-1, width).to(torch.int64) << shifts).sum(1)
 
     def sort(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        values, order = torch.sort(x)
+        values, order = torch.sort(x, stable=True)
         return values, order
 
     def arange(self, n: Scalar, like: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 
 def sent_values(compression, name: str, grad: torch.Tensor) -> torch.Tensor:
     """What this rank sent for ``name``: the gradient minus what its memory kept."""
-    state = compression.engine._states[name]
+    state = compression.engine.memories(name)
     kept = state["velocity"] if "velocity" in state else state["residual"]
     return grad - kept.reshape(grad.shape)
 

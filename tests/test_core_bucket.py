@@ -1,0 +1,267 @@
+"""A bucket of tensors compressed as one (horovod_dgc.core.bucket, SparseMethod.compress_bucket,
+Engine.compress_bucket): each segment's selection against a sort of that segment alone, and
+whole steps of several ranks against the per-tensor path, bit for bit."""
+import random
+
+import pytest
+import torch
+
+from horovod_dgc.core.bucket import ALIGN, Bucket, Plan, Segment, select_segments
+from horovod_dgc.core.methods import BY_NAME
+from horovod_dgc.core.wire import MessageError
+from horovod_dgc.torch.engine import Engine
+from horovod_dgc.torch.ops import TorchOps
+
+from conftest import WaitingOps
+
+# Edge sizes: one element, a block's and ALIGN's edges, tensors larger and smaller than
+# EXACT_BELOW_NUMEL (the per-tensor path's switch to a full top-k).
+SIZES = (1, 2, 7, 8, 9, ALIGN - 1, ALIGN, ALIGN + 1, 100, 1000, 4095, 4096, 5000, 20000)
+
+
+def naive_top(values: torch.Tensor, k: int):
+    """Positions of the k largest magnitudes, ties to the lowest positions, by a Python sort
+    (ascending positions)."""
+    listed = values.tolist()
+    return sorted(sorted(range(len(listed)), key=lambda i: (-abs(listed[i]), i))[:k])
+
+
+def random_bucket(rng: random.Random, dtype: str = "float32"):
+    numels = [rng.choice(SIZES) for _ in range(rng.randint(1, 9))]
+    return Bucket.of("b", [(f"t{i}", n, n < 4096) for i, n in enumerate(numels)], dtype)
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "tied"])
+@pytest.mark.parametrize("ops", [TorchOps(), WaitingOps()], ids=["own-choice", "as-on-a-gpu"])
+def test_each_segment_sends_its_own_largest(ops, ties):
+    """Against a sort of each segment alone; with ``ties`` the values are small integers, so
+    most magnitudes tie and the k-th largest is shared by many entries."""
+    rng = random.Random(0)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        bucket = random_bucket(rng)
+        densities = [rng.choice([0.001, 0.01, 0.05, 0.3, 1.0]) for _ in bucket.segments]
+        plan = Plan.at(bucket, densities)
+        x = torch.zeros(bucket.numel)
+        for s in bucket.segments:
+            x[s.offset:s.end] = torch.randn(s.numel, generator=gen)
+            if ties:
+                x[s.offset:s.end] = torch.round(x[s.offset:s.end] * 2)
+        got = select_segments(ops, x, plan).tolist()
+        want = []
+        for s, k in zip(bucket.segments, plan.ks):
+            assert k == min(s.numel, max(1, -(-round(densities[bucket.segments.index(s)] * s.numel, 6) // 1)))
+            want += [s.offset + i for i in naive_top(x[s.offset:s.end], k)]
+        assert got == want, (bucket, plan.ks)
+
+
+def test_a_segment_of_zeros_sends_zeros_of_its_own():
+    """Ties at zero: the k entries come from the segment's own positions, never its padding."""
+    bucket = Bucket.of("b", [("a", 3, True), ("b", 5000, False)], "float32")
+    plan = Plan.at(bucket, [1.0, 0.01])
+    x = torch.zeros(bucket.numel)
+    x[bucket.segments[1].offset:bucket.segments[1].end] = torch.randn(5000)
+    for ops in (TorchOps(), WaitingOps()):
+        got = select_segments(ops, x, plan).tolist()
+        assert got[:3] == [0, 1, 2]
+        assert all(bucket.segments[1].offset <= p < bucket.segments[1].end for p in got[3:])
+
+
+def test_a_bucket_refuses_what_is_not_a_layout():
+    with pytest.raises(ValueError, match="no tensors"):
+        Bucket("b", (), "float32")
+    with pytest.raises(ValueError, match="twice"):
+        Bucket.of("b", [("a", 3, True), ("a", 3, True)], "float32")
+    with pytest.raises(ValueError, match="expected a non-empty one at 64"):
+        Bucket("b", (Segment("a", 3, 0), Segment("c", 3, 3)), "float32")
+    with pytest.raises(ValueError, match="expected a non-empty one at 0"):
+        Bucket("b", (Segment("a", 0, 0),), "float32")
+
+
+SHAPES = [(64, 3, 3, 3), (64,), (1,), (256, 64, 1, 1), (1000,), (10, 2048), (3, 5)]
+
+
+def run_steps(method: str, world: int, steps: int, dtype=torch.float32, nan_at=None, **options):
+    """``steps`` steps of ``world`` ranks, tensor by tensor and as one bucket, on the same
+    gradients: (per-tensor averages, bucketed averages, both engines) per step."""
+    per = [Engine(BY_NAME[method].build(**options), world, r) for r in range(world)]
+    bucketed = [Engine(BY_NAME[method].build(**options), world, r) for r in range(world)]
+    names = [f"t{i}" for i in range(len(SHAPES))]
+    gen = torch.Generator().manual_seed(1)
+    params = [torch.randn(s, generator=gen).to(dtype) for s in SHAPES]
+    results = []
+    for t in range(steps):
+        grads = [[torch.randn(s, generator=gen).to(dtype) for s in SHAPES] for _ in range(world)]
+        if nan_at == t:
+            grads[1][3][0, 0] = float("nan")
+        outs = [[e.compress(n, g.clone(), p) for n, g, p in zip(names, gs, params)] for e, gs in zip(per, grads)]
+        gathered = torch.cat([o.message for rank in outs for o in rank])
+        per_avg = [e.decompress(gathered, outs[r]) for r, e in enumerate(per)]
+        sent = []
+        for e, gs in zip(bucketed, grads):
+            bucket = e.bucket("layer", list(zip(names, gs)))
+            sent.append(e.compress_bucket(bucket, [g.clone() for g in gs], params))
+        gathered = torch.cat([o.message for o in sent])
+        results.append((per_avg, [e.decompress(gathered, [sent[r]]) for r, e in enumerate(bucketed)]))
+    return results, per, bucketed
+
+
+def states(engine):
+    return engine.state_dict()["states"]
+
+
+@pytest.mark.parametrize("method,options", [
+    ("dgc", {}), ("topk", {}), ("dgc", {"nesterov": True, "weight_decay": 1e-4}),
+    ("dgc", {"warmup_epochs": 1, "steps_per_epoch": 2}), ("topk", {"value_dtype": "float32"}),
+    ("dgc", {"small_density": None, "min_numel": 1, "density": 0.02}),
+])
+def test_bucketed_steps_equal_the_per_tensor_steps(method, options):
+    results, per, bucketed = run_steps(method, world=3, steps=5, **options)
+    for per_avg, bucket_avg in results:
+        for rank_a, rank_b in zip(per_avg, bucket_avg):
+            for a, b in zip(rank_a, rank_b):
+                assert a.shape == b.shape and torch.equal(a, b)
+    for e, f in zip(per, bucketed):
+        mine, theirs = states(e), states(f)
+        assert sorted(mine) == sorted(theirs)
+        for name in mine:
+            for key in mine[name]:
+                assert torch.equal(mine[name][key], theirs[name][key]), (name, key)
+
+
+def test_per_tensor_weight_decays_and_a_loss_scale_in_one_bucket():
+    per, bucketed = [], []
+    names = [f"t{i}" for i in range(len(SHAPES))]
+    decays = {n: (0.0 if i % 2 else 5e-4) for i, n in enumerate(names)}
+    for engines in (per, bucketed):
+        for r in range(2):
+            e = Engine(BY_NAME["dgc"].build(), 2, r)
+            e.set_weight_decays(decays)
+            e.use_loss_scale(lambda: 1024.0)
+            engines.append(e)
+    gen = torch.Generator().manual_seed(2)
+    params = [torch.randn(s, generator=gen) for s in SHAPES]
+    for t in range(4):
+        grads = [[1024.0 * torch.randn(s, generator=gen) for s in SHAPES] for _ in range(2)]
+        outs = [[e.compress(n, g.clone(), p) for n, g, p in zip(names, gs, params)] for e, gs in zip(per, grads)]
+        gathered = torch.cat([o.message for rank in outs for o in rank])
+        want = [e.decompress(gathered, outs[r]) for r, e in enumerate(per)]
+        sent = [e.compress_bucket(e.bucket("b", list(zip(names, gs))), [g.clone() for g in gs], params)
+                for e, gs in zip(bucketed, grads)]
+        gathered = torch.cat([o.message for o in sent])
+        got = [e.decompress(gathered, [sent[r]]) for r, e in enumerate(bucketed)]
+        for rank_a, rank_b in zip(want, got):
+            for a, b in zip(rank_a, rank_b):
+                torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+
+
+def test_a_bfloat16_bucket_keeps_float32_memories_and_sends_a_top_k_of_each_tensor():
+    """bfloat16 magnitudes tie, so the check is a sort's: in every tensor no entry left
+    behind is larger than the smallest sent, and k were sent."""
+    engine = Engine(BY_NAME["topk"].build(), 1, 0)
+    names = [f"t{i}" for i in range(len(SHAPES))]
+    gen = torch.Generator().manual_seed(4)
+    grads = [torch.randn(s, generator=gen).to(torch.bfloat16) for s in SHAPES]
+    bucket = engine.bucket("b", list(zip(names, grads)))
+    out = engine.compress_bucket(bucket, [g.clone() for g in grads], [None] * len(grads))
+    plan = Plan.at(bucket, [engine.config.density_for(0, 0.0, s.small) for s in bucket.segments])
+    for g, sent, k in zip(grads, engine.decompress(out.message, [out]), plan.ks):
+        assert sent.dtype == torch.bfloat16
+        mask = sent != 0
+        assert int(mask.sum()) == k
+        assert torch.equal(sent[mask], g[mask])
+        if not mask.all():
+            assert g[mask].abs().min() >= g[~mask].abs().max()
+    assert all(m.dtype == torch.float32 for s in states(engine).values() for m in s.values())
+
+
+def test_a_step_not_finite_on_one_rank_is_dropped_by_every_rank():
+    results, _, bucketed = run_steps("dgc", world=3, steps=3, nan_at=2)
+    _, _, two_steps = run_steps("dgc", world=3, steps=2)
+    for per_avg, bucket_avg in results[2:]:
+        for rank in bucket_avg:
+            assert any(torch.isnan(t).any() for t in rank)
+    for e, f in zip(bucketed, two_steps):
+        mine, theirs = states(e), states(f)
+        for name in mine:
+            for key in mine[name]:
+                assert torch.equal(mine[name][key], theirs[name][key])
+
+
+def test_topk_conserves_every_gradient_across_a_bucket():
+    """What was sent plus the residual is every gradient, segment by segment (float64 sums)."""
+    engine = Engine(BY_NAME["topk"].build(), 1, 0)
+    names = [f"t{i}" for i in range(len(SHAPES))]
+    gen = torch.Generator().manual_seed(3)
+    sent_total = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
+    grad_total = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
+    for t in range(30):
+        grads = [torch.randn(s, generator=gen) for s in SHAPES]
+        out = engine.compress_bucket(engine.bucket("b", list(zip(names, grads))), [g.clone() for g in grads],
+                                     [None] * len(grads))
+        for total, g, got in zip(grad_total, grads, engine.decompress(out.message, [out])):
+            total += g
+        for total, got in zip(sent_total, engine.decompress(out.message, [out])):
+            total += got
+    for name, s, g in zip(names, sent_total, grad_total):
+        residual = states(engine)[name]["residual"].double().reshape(g.shape)
+        torch.testing.assert_close(s + residual, g, rtol=0, atol=1e-4)
+
+
+def test_another_membership_on_one_rank_is_named():
+    names = ["a", "b"]
+    engines = [Engine(BY_NAME["dgc"].build(), 2, r) for r in range(2)]
+    grads = [torch.randn(5000), torch.randn(300)]
+    own = engines[0].compress_bucket(engines[0].bucket("b0", list(zip(names, grads))), grads, [None, None])
+    other = engines[1].compress_bucket(engines[1].bucket("b0", list(zip(["a", "c"], grads))), grads,
+                                       [None, None])
+    with pytest.raises(MessageError, match=r"rank 1 .*tensor 'b0#"):
+        engines[0].decompress(torch.cat([own.message, other.message]), [own])
+
+
+def test_a_bucket_checkpoint_loads_tensor_by_tensor_and_back():
+    """The saved state of a bucket is per tensor: a per-tensor engine takes it and continues
+    as the bucketed one does, and a bucketed engine takes a per-tensor one."""
+    _, per, bucketed = run_steps("dgc", world=1, steps=3)
+    names = [f"t{i}" for i in range(len(SHAPES))]
+    numels = {n: torch.Size(s).numel() for n, s in zip(names, SHAPES)}
+    crossed_per = Engine(BY_NAME["dgc"].build(), 1, 0)
+    crossed_per.load_state_dict(bucketed[0].state_dict(), numels)
+    crossed_bucket = Engine(BY_NAME["dgc"].build(), 1, 0)
+    crossed_bucket.load_state_dict(per[0].state_dict(), numels)
+    grads = [torch.randn(s) for s in SHAPES]
+    outs = [crossed_per.compress(n, g.clone(), None) for n, g in zip(names, grads)]
+    want = crossed_per.decompress(torch.cat([o.message for o in outs]), outs)
+    out = crossed_bucket.compress_bucket(crossed_bucket.bucket("layer", list(zip(names, grads))),
+                                         [g.clone() for g in grads], [None] * len(grads))
+    for a, b in zip(want, crossed_bucket.decompress(out.message, [out])):
+        assert torch.equal(a, b)
+
+
+def test_what_a_bucket_does_not_take_compresses_tensor_by_tensor():
+    """int8 values carry one scale a message, clipping bounds each tensor's norm, Gaussian-k's
+    threshold is not a top-k: none of them is bucketed (a bucket would change what they send)."""
+    assert not BY_NAME["topk"].build(value_dtype="int8").bucketed
+    assert not BY_NAME["dgc"].build(clip_norm=1.0).bucketed
+    assert not BY_NAME["gaussiank"].build().bucketed
+    assert BY_NAME["dgc"].build().bucketed and BY_NAME["topk"].build().bucketed
+    engine = Engine(BY_NAME["gaussiank"].build(), 1, 0)
+    grads = [torch.randn(5000)]
+    with pytest.raises(TypeError, match="tensor by tensor"):
+        engine.compress_bucket(engine.bucket("b", [("a", grads[0])]), grads, [None])
+
+
+def test_buckets_of_another_membership_take_their_tensors_memories_along():
+    """DDP rebuilds its buckets after the first step: the tensors' memories move with them."""
+    names = [f"t{i}" for i in range(len(SHAPES))]
+    gen = torch.Generator().manual_seed(5)
+    per, regrouped = Engine(BY_NAME["dgc"].build(), 1, 0), Engine(BY_NAME["dgc"].build(), 1, 0)
+    for t, groups in enumerate([[names], [names[:2], names[2:5], names[5:]], [names[3:], names[:3]]]):
+        grads = dict(zip(names, (torch.randn(s, generator=gen) for s in SHAPES)))
+        outs = [per.compress(n, grads[n].clone(), None) for n in names]
+        want = dict(zip(names, per.decompress(torch.cat([o.message for o in outs]), outs)))
+        for group in groups:
+            out = regrouped.compress_bucket(regrouped.bucket("bucket0", [(n, grads[n]) for n in group]),
+                                            [grads[n].clone() for n in group], [None] * len(group))
+            for n, got in zip(group, regrouped.decompress(out.message, [out])):
+                assert torch.equal(got, want[n]), (t, n)
