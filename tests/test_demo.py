@@ -2,11 +2,16 @@
 accuracy on hand-written curves, the parsing of the example's epoch lines, where the runs
 go without root, and the closing lines' figures and verdicts."""
 import random
+import sys
+from pathlib import Path
 
 import pytest
 
 from benchmarks import demo
 from benchmarks.convergence import Run
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from pytorch_fashion_mnist import parse_args as parse_example_args  # noqa: E402
 
 # Lines as examples/pytorch_fashion_mnist.py prints them (dense, then dgc during warm-up).
 DENSE_LINE = ("epoch 3/6: loss 0.4312, test accuracy 0.8421 after 61.7 s of training, density 1, "
@@ -122,12 +127,22 @@ def test_summary_figures_and_verdicts():
     assert held and "not judged" in "\n".join(lines) and "FAIL" not in "\n".join(lines)
 
 
-def test_both_runs_share_every_flag_but_the_compression():
-    args = demo.parse_args([])
-    dense, dgc = demo.runs(args)
-    assert dense.flags["compression"] == "dense" and dgc.flags["compression"] == "dgc"
-    for key in ("batch-size", "lr"):
-        assert dense.flags[key] == dgc.flags[key]
+def test_both_runs_share_data_batches_and_learning_rate_and_each_gets_its_epochs(tmp_path):
+    """The flags the demo gives the example, read by the example's own parser."""
+    args = demo.parse_args(["--epochs", "5", "--dgc-epochs", "7", "--train-images", "1234",
+                            "--lr", "0.08"])
+    dense_run, dgc_run = demo.runs(args)
+    dense = parse_example_args(demo.flags_of(args, dense_run, tmp_path / "dense.json"))
+    dgc = parse_example_args(demo.flags_of(args, dgc_run, tmp_path / "dgc.json"))
+    assert (dense.compression, dense.epochs, dgc.compression, dgc.epochs) == ("dense", 5, "dgc", 7)
+    for key in ("train_images", "batch_size", "lr", "seed", "path", "momentum", "optimizer"):
+        assert getattr(dense, key) == getattr(dgc, key), key
+    assert (dense.train_images, dense.lr) == (1234, 0.08)
+    assert dgc.json == tmp_path / "dgc.json"
+    # --dgc-epochs 0: both train as long.
+    args = demo.parse_args(["--epochs", "4", "--dgc-epochs", "0"])
+    assert [parse_example_args(demo.flags_of(args, run, tmp_path / "m.json")).epochs
+            for run in demo.runs(args)] == [4, 4]
 
 
 def test_the_demo_refuses_an_unshaped_link():
