@@ -6,11 +6,11 @@ Each method takes ResNet-50's 161 gradient tensors through three layouts, with `
 ranks emulated in this process (the collectives emulated: ``benchmarks.host_syncs``), on the
 CPU, one thread:
 
-* **per tensor**: every tensor compressed and decoded on its own, as the stock
-  ``hvd.DistributedOptimizer`` hands them over;
-* **fused**: the buckets our ``DistributedOptimizer`` cuts (reverse order, about 25 MB of
-  gradient each), each compressed as one (``Engine.compress_bucket``) where the method is
-  ``bucketed`` and decoded in one call;
+* **per tensor**: every tensor compressed and decoded on its own (what Gaussian-k, ScaleCom
+  and blocksign do on the stock path);
+* **buckets**: buckets of about 25 MB of gradient in reverse order, as both Horovod paths
+  cut them, each compressed as one (``Engine.compress_bucket``) where the method is
+  ``bucketed`` (dgc, topk), else tensor by tensor and decoded in one call per bucket;
 * **one tensor**: a single flat tensor of the same 25,557,032 entries.
 
 For each it prints the CPU milliseconds of compress and decode per rank per step (medians,
@@ -32,12 +32,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.host_syncs import HostReadCounter, compress_all, decode_all, decode_buckets, resnet50
-from horovod_dgc.core.collectives import cut_buckets
+from horovod_dgc.core.collectives import DEFAULT_BUCKET_CAP_MB, cut_buckets
 from horovod_dgc.core.methods import BY_NAME, METHODS
 from horovod_dgc.torch.engine import Engine
-from horovod_dgc.torch.optimizer import DEFAULT_BUCKET_CAP_MB
 
-LAYOUTS = ("per tensor", "fused", "one tensor")
+LAYOUTS = ("per tensor", "buckets", "one tensor")
 
 
 class OpCounter(TorchDispatchMode):
@@ -62,7 +61,7 @@ class Run:
         self.names = [f"t{i}" for i in range(len(self.shapes))]
         self.gen = torch.Generator().manual_seed(0)
         sizes = [4 * math.prod(s) for s in self.shapes]
-        order = list(reversed(range(len(self.shapes))))  # the fused optimizer's: backward's
+        order = list(reversed(range(len(self.shapes))))  # both Horovod paths': backward's
         self.buckets = [[order[i] for i in bucket]
                         for bucket in cut_buckets([sizes[i] for i in order], DEFAULT_BUCKET_CAP_MB * 2 ** 20)]
 
@@ -72,11 +71,11 @@ class Run:
 
     def step(self, grads: List[List[torch.Tensor]]) -> None:
         """One step of every rank: compress, the emulated exchange, decode."""
-        if self.layout == "fused" and self.engines[0].method.bucketed:
+        if self.layout == "buckets" and self.engines[0].method.bucketed:
             self._bucketed_step(grads)
             return
         outputs = compress_all(self.engines, self.names, grads)
-        if self.layout == "fused" and self.engines[0].method.family == "sparse":
+        if self.layout == "buckets" and self.engines[0].method.family == "sparse":
             for bucket in self.buckets:
                 decode_buckets(self.engines, [outputs[i] for i in bucket], [self.shapes[i] for i in bucket],
                                float("inf"))
@@ -84,13 +83,18 @@ class Run:
             decode_all(self.engines, self.names, self.shapes, outputs)
 
     def _bucketed_step(self, grads: List[List[torch.Tensor]]) -> None:
+        """Every bucket compressed, then every bucket decoded, as a training step runs them
+        (a step's checks are then read once, when its last bucket comes back)."""
+        sent = []
         for members in self.buckets:
-            sent = []
+            sent.append([])
             for engine, rank_grads in zip(self.engines, grads):
                 bucket = engine.bucket(f"b{members[0]}", [(self.names[i], rank_grads[i]) for i in members])
-                sent.append(engine.compress_bucket(bucket, [rank_grads[i] for i in members], [None] * len(members)))
-            gathered = torch.cat([o.message for o in sent])
-            for engine, outgoing in zip(self.engines, sent):
+                sent[-1].append(engine.compress_bucket(bucket, [rank_grads[i] for i in members],
+                                                       [None] * len(members)))
+        for per_rank in sent:
+            gathered = torch.cat([o.message for o in per_rank])
+            for engine, outgoing in zip(self.engines, per_rank):
                 engine.decompress(gathered, [outgoing])
 
 

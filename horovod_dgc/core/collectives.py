@@ -20,6 +20,10 @@ ALLGATHER = "allgather"  # everyone receives all messages, concatenated in rank 
 KINDS = (BROADCAST, ALLREDUCE, ALLTOALL, ALLGATHER)
 
 
+# Megabytes of dense gradient per bucket, on every path that buckets (DDP's default too).
+DEFAULT_BUCKET_CAP_MB = 25.0
+
+
 def cut_buckets(sizes_bytes: Sequence[int], cap_bytes: float) -> List[List[int]]:
     """The indices of consecutive items of ``sizes_bytes``, cut into buckets of about
     ``cap_bytes``: a bucket closes before the item that would take it past the cap, and an

@@ -126,6 +126,12 @@ class Method(ABC):
         """The class the method table lists this method under (saved with its state)."""
         return type(self).__name__
 
+    @property
+    def bucketed(self) -> bool:
+        """Whether several tensors compress as one bucket (``SparseMethod.compress_bucket``);
+        else each is compressed on its own."""
+        return False
+
     def with_config(self, config: CompressionConfig) -> "Method":
         """The same method with other settings."""
         return type(self)(config)

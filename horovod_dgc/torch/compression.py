@@ -37,7 +37,7 @@ except ImportError as error:  # the DDP hook needs no Horovod; the Horovod paths
     HorovodCompression, HorovodCompressor, HOROVOD_MISSING = None, object, error
 
 from ..core.callers import caller_frames, calling_object, values_among_callers
-from ..core.collectives import ALLGATHER, Transport, join, split
+from ..core.collectives import ALLGATHER, DEFAULT_BUCKET_CAP_MB, Transport, join, split
 from ..core.config import keeping_yours
 from ..core.controls import CompressorControls
 from ..core.hosts import Hosts
@@ -46,6 +46,7 @@ from ..core.methods import METHODS, MethodSpec, spec_of
 from ..core.one_worker import refuse_or_warn
 from ..core.twostage import StageHandover
 from .engine import DenseUpdate, Engine, OutgoingMessage
+from .queue import Queued, StockQueue
 
 if TYPE_CHECKING:  # imported by the hierarchical path only: it needs Horovod
     from .hierarchy import HostReductions
@@ -90,6 +91,7 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
         self._averages_delivered = False
         self._transport: Optional[Transport] = None
         self._host_reductions: Optional[HostReductions] = None
+        self._queue: Optional[StockQueue] = None
         if named_parameters is not None:
             self.bind(named_parameters)
 
@@ -227,9 +229,26 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
         if not self.engine.compresses(tensor):
             update = self.engine.dense(name, tensor, param)
             return update.tensor, update
-        exchange = self.launch(name, [(name, tensor, param)])
+        queue = self._stock_queue()
+        if queue is not None and queue.takes(name):
+            exchange = queue.add(name, tensor, param)
+        else:
+            exchange = self.launch(name, [(name, tensor, param)])
         # float32 whatever the gradient's dtype: Horovod all-reduces no bfloat16.
         return tensor.new_zeros(1, dtype=torch.float32), exchange
+
+    def _stock_queue(self) -> Optional[StockQueue]:
+        """The stock path's buckets (:mod:`.queue`), for a method whose tensors compress as
+        one (``bucketed``) outside the hierarchical mode: the compressed parameters in
+        registration order reversed, about ``DEFAULT_BUCKET_CAP_MB`` of gradient each."""
+        if self._queue is None and self.method.bucketed and not self.hierarchical:
+            with self._lock:
+                params = [(n, p) for n, p in self._parameters().items() if p.requires_grad
+                          and not Engine.passes_through(p) and self.engine.compresses(p)]
+            params.reverse()
+            self._queue = StockQueue([n for n, _ in params], [p.numel() * p.element_size() for _, p in params],
+                                     DEFAULT_BUCKET_CAP_MB * 2 ** 20, self.launch, self.finish)
+        return self._queue
 
     def decompress(self, tensor: torch.Tensor, ctx) -> torch.Tensor:
         self.check_grad_scaler_use()
@@ -242,6 +261,10 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
             return ctx.tensor
         if isinstance(ctx, DenseUpdate):
             return self.engine.dense_received(ctx, tensor)
+        if isinstance(ctx, Queued):
+            averaged = self._queue.result(ctx)
+            self.engine.record_placeholder(ctx.bucket.exchange.step, tensor.element_size())
+            return averaged
         averaged = self.finish(ctx)[0]
         self.engine.record_placeholder(ctx.step, tensor.element_size())
         return averaged
@@ -310,6 +333,8 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
         if self.hierarchical:
             self._host_reductions.forget()
             self.transport.forget()
+        if self._queue is not None:
+            self._queue.forget()
         self.engine.abandon_step()
         self._forget_the_exchanged()
 
@@ -558,7 +583,9 @@ def _names_from_optimizer(compressor: MethodCompressor) -> List[Tuple[str, torch
                          f"the parameters through the hvd.DistributedOptimizer it is given to; "
                          f"used on its own it needs them: {factory}"
                          f"(named_parameters=model.named_parameters(), ...)")
-    return sorted((name, p) for p, name in holders[0]._parameter_names.items())
+    # In the optimizer's order (registration order), which the stock path's buckets follow.
+    names = holders[0]._parameter_names
+    return [(names[p], p) for group in holders[0].param_groups for p in group["params"] if p in names]
 
 
 def check_optimizer_compatible(optimizer: torch.optim.Optimizer, config, op) -> None:

@@ -26,13 +26,12 @@ import horovod.torch as hvd
 import torch
 
 from ..core.callers import caller_frames
-from ..core.collectives import cut_buckets
+from ..core.collectives import DEFAULT_BUCKET_CAP_MB, cut_buckets
 from ..core.methods import spec_of
 from .collectives import PREFIX, wait
 from .compression import Compression, MethodCompressor, check_optimizer_compatible, check_plain_optimizer
 from .engine import DenseUpdate, Engine
 
-DEFAULT_BUCKET_CAP_MB = 25.0
 _MOVED_AT_CONSTRUCTION = ("keep it 0 after construction, when this DistributedOptimizer moved the "
                           "SGD's momentum and weight decay into the compressor")
 # The key under which the optimizer's state_dict() carries this rank's compressor part.
