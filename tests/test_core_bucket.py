@@ -102,7 +102,9 @@ def run_steps(method: str, world: int, steps: int, dtype=torch.float32, nan_at=N
             bucket = e.bucket("layer", list(zip(names, gs)))
             sent.append(e.compress_bucket(bucket, [g.clone() for g in gs], params))
         gathered = torch.cat([o.message for o in sent])
-        results.append((per_avg, [e.decompress(gathered, [sent[r]]) for r, e in enumerate(bucketed)]))
+        # Clones: a bucket's averages are views of its buffer, valid until its next compress.
+        results.append((per_avg, [[t.clone() for t in e.decompress(gathered, [sent[r]])]
+                                  for r, e in enumerate(bucketed)]))
     return results, per, bucketed
 
 
@@ -199,10 +201,9 @@ def test_topk_conserves_every_gradient_across_a_bucket():
         grads = [torch.randn(s, generator=gen) for s in SHAPES]
         out = engine.compress_bucket(engine.bucket("b", list(zip(names, grads))), [g.clone() for g in grads],
                                      [None] * len(grads))
-        for total, g, got in zip(grad_total, grads, engine.decompress(out.message, [out])):
+        for total, sent, g, got in zip(grad_total, sent_total, grads, engine.decompress(out.message, [out])):
             total += g
-        for total, got in zip(sent_total, engine.decompress(out.message, [out])):
-            total += got
+            sent += got
     for name, s, g in zip(names, sent_total, grad_total):
         residual = states(engine)[name]["residual"].double().reshape(g.shape)
         torch.testing.assert_close(s + residual, g, rtol=0, atol=1e-4)

@@ -262,7 +262,8 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
         if isinstance(ctx, DenseUpdate):
             return self.engine.dense_received(ctx, tensor)
         if isinstance(ctx, Queued):
-            averaged = self._queue.result(ctx)
+            # Horovod installs it as p.grad: a copy, since the bucket's buffer is reused.
+            averaged = self._queue.result(ctx).clone()
             self.engine.record_placeholder(ctx.bucket.exchange.step, tensor.element_size())
             return averaged
         averaged = self.finish(ctx)[0]

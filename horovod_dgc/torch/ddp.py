@@ -250,8 +250,7 @@ class DDPCompressionState:
             for flight in self._in_flight:
                 if flight.exchange is not None:
                     results = self.compression.finish(flight.exchange)
-                    for position, averaged in zip(flight.compressed, results):
-                        flight.views[position].copy_(averaged)
+                    torch._foreach_copy_([flight.views[position] for position in flight.compressed], results)
                 for position, handle, update in flight.dense:
                     averaged = transport.wait(handle)
                     if update is not None:

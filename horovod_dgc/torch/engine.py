@@ -98,9 +98,11 @@ class Engine:
         self._steps: Dict[str, int] = {}
         self._lock = threading.Lock()
         self._stats = StatsRecorder()
-        # Each bucket by the key its memories are kept under, and the zero pads of its layout.
+        # Each bucket by the key its memories are kept under, and by its label and members.
         self._buckets: Dict[str, Bucket] = {}
-        self._pads: Dict[Tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+        self._bucket_of: Dict[Tuple[str, Tuple[str, ...]], Bucket] = {}
+        # Each bucket's flat buffers (its gradients, its parameters) and their members' views.
+        self._flats: Dict[Tuple[str, str], Tuple[torch.Tensor, List[torch.Tensor]]] = {}
         self._loss_scale: Callable[[], float] = lambda: 1.0
         self._weight_decays: Dict[str, float] = {}
 
@@ -266,13 +268,19 @@ class Engine:
 
     def bucket(self, label: str, entries: Sequence[Tuple[str, torch.Tensor]]) -> Bucket:
         """The bucket of these (name, gradient) pairs under ``label`` (one dtype), made once."""
+        known = self._bucket_of.get((label, tuple(name for name, _ in entries)))
+        if known is not None and all(g.dtype == entries[0][1].dtype for _, g in entries) and [
+                s.numel for s in known.segments] == [g.numel() for _, g in entries]:
+            return known
         dtypes = {grad.dtype for _, grad in entries}
         if len(dtypes) != 1:
             raise ValueError(f"bucket {label!r} holds gradients of several dtypes: {sorted(map(str, dtypes))}")
         bucket = Bucket.of(label, [(name, grad.numel(), self.config.is_small(tuple(grad.shape)))
                                    for name, grad in entries], dtype_name(dtypes.pop()))
         with self._lock:
-            return self._buckets.setdefault(bucket.key, bucket)
+            bucket = self._buckets.setdefault(bucket.key, bucket)
+            self._bucket_of[(label, bucket.names)] = bucket
+            return bucket
 
     def compress_bucket(self, bucket: Bucket, grads: Sequence[torch.Tensor],
                         params: Sequence[Optional[torch.Tensor]]) -> OutgoingMessage:
@@ -283,7 +291,7 @@ class Engine:
             raise RuntimeError(f"the tensors of bucket {bucket.label!r} are at different steps "
                                f"({sorted(steps)}): a bucket's tensors are always compressed together")
         step, scale = steps.pop(), self._loss_scale()
-        flat = self._flatten(bucket, grads)
+        flat = self._flatten(bucket, grads, "gradients")
         config = self.config
         decays = (tuple(self._weight_decays.get(n, getattr(config, "weight_decay", 0.0)) for n in bucket.names)
                   if self._weight_decays else None)
@@ -292,7 +300,7 @@ class Engine:
             spare = self._spares.pop(bucket.key, None)
         call = BucketCall(bucket=bucket, rank=self.rank, world_size=self.world_size, step=step,
                           densities=tuple(config.density_for(step, self.epoch, s.small) for s in bucket.segments),
-                          param=(self._flatten(bucket, [p.detach() for p in params])
+                          param=(self._flatten(bucket, [p.detach() for p in params], "parameters")
                                  if needs_param and all(p is not None for p in params) else None),
                           loss_scale=scale, weight_decays=decays, spare=spare)
         result = self.method.compress_bucket(self.ops, self._bucket_state(bucket, flat), flat, call)
@@ -305,20 +313,25 @@ class Engine:
                                scale, flat if _consumed(flat, result) else None, bucket,
                                tuple(g.shape for g in grads))
 
-    def _flatten(self, bucket: Bucket, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The tensors in one new flat buffer laid out as ``bucket`` (zero padding)."""
-        parts = []
-        for segment, tensor in zip(bucket.segments, tensors):
-            parts.append(tensor.reshape(-1))
-            if segment.span > segment.numel:
-                parts.append(self._pad(segment.span - segment.numel, tensor))
-        return torch.cat(parts)
+    def _flatten(self, bucket: Bucket, tensors: Sequence[torch.Tensor], role: str) -> torch.Tensor:
+        """The tensors copied into the bucket's flat buffer for ``role`` (made once, zero
+        padding; one copy for the whole list). The average written over the gradients'
+        buffer is handed back as its views, valid until the bucket's next compress."""
+        flat, views = self._flat_buffer(bucket, tensors, role)
+        torch._foreach_copy_(views, list(tensors))
+        return flat
 
-    def _pad(self, n: int, like: torch.Tensor) -> torch.Tensor:
-        key = (n, like.dtype, like.device)
-        if key not in self._pads:
-            self._pads[key] = torch.zeros(n, dtype=like.dtype, device=like.device)
-        return self._pads[key]
+    def _flat_buffer(self, bucket: Bucket, tensors: Sequence[torch.Tensor],
+                     role: str) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        """A bucket's flat buffer for ``role`` and its members' views shaped like ``tensors``."""
+        key, like = (bucket.key, role), tensors[0]
+        made = self._flats.get(key)
+        if (made is None or made[0].dtype != like.dtype or made[0].device != like.device
+                or any(v.shape != t.shape for v, t in zip(made[1], tensors))):
+            flat = torch.zeros(bucket.numel, dtype=like.dtype, device=like.device)
+            made = self._flats[key] = (flat, [flat[s.offset:s.end].view(t.shape)
+                                              for s, t in zip(bucket.segments, tensors)])
+        return made
 
     def _bucket_state(self, bucket: Bucket, flat: torch.Tensor) -> dict:
         """A bucket's memories, flat: kept ones; else assembled once from its tensors' own
@@ -459,8 +472,15 @@ class Engine:
             if o.bucket is None:
                 averaged.append(flat.reshape(o.shape))
             else:
-                averaged += [flat[s.offset:s.end].view(shape) for s, shape in zip(o.bucket.segments, o.shapes)]
+                averaged += self._segments(o, flat)
         return averaged
+
+    def _segments(self, sent: OutgoingMessage, flat: torch.Tensor) -> List[torch.Tensor]:
+        """A bucket's averages, one per member, shaped like it: views of ``flat``."""
+        own = self._flats.get((sent.bucket.key, "gradients"))
+        if own is not None and own[0] is flat:
+            return list(own[1])
+        return [flat[s.offset:s.end].view(shape) for s, shape in zip(sent.bucket.segments, sent.shapes)]
 
     def memories(self, name: str) -> Dict[str, torch.Tensor]:
         """Tensor ``name``'s memories as kept now (flat; views of its bucket's, where a

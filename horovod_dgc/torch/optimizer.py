@@ -181,8 +181,7 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         """Write every bucket's averaged gradients to ``.grad``."""
         for bucket in sorted(self._exchanges):
             grads = self._compression.finish(self._exchanges[bucket])
-            for p, grad in zip(self._buckets[bucket], grads):
-                p.grad.copy_(grad)
+            torch._foreach_copy_([p.grad for p in self._buckets[bucket]], grads)
 
     # -- Horovod's optimizer interface -------------------------------------------------------------------
     def synchronize(self) -> None:
