@@ -30,7 +30,7 @@ def add_compression_flags(p: argparse.ArgumentParser) -> None:
     comp.add_argument("--compression", choices=METHODS, default="dgc",
                       help="dense and fp16: Horovod's own all-reduce (Compression.none and .fp16); "
                       f"{', '.join(spec.name for spec in TABLE)}: horovod_dgc's methods "
-                      "(README's table)")
+                      "(docs/guide/choosing.md)")
     comp.add_argument("--density", type=float, default=0.001,
                       help=f"final fraction of each compressed tensor sent per step "
                       f"({', '.join(SPARSE_METHODS)})")

@@ -284,7 +284,7 @@ def main(args: argparse.Namespace) -> None:
                                                  compressed_share=compressed_share, accuracy=history[-1]["accuracy"], wall_s=wall,
                                                  history=history), indent=2))
     if args.path == "ddp":
-        del forward  # the DDP model before its process group (README's "Without Horovod")
+        del forward  # the DDP model before its process group (docs/guide/ddp.md)
         gc.collect()
         dist.barrier()
         dist.destroy_process_group()

@@ -111,7 +111,7 @@ def test_ddp_grad_scaler_overflow_on_one_rank_skips_the_step_everywhere():
 
 
 def test_the_fashion_mnist_example_trains_under_torchrun_where_horovod_cannot_be_imported(tmp_path):
-    """README's DDP path for a user without Horovod: ``examples/pytorch_fashion_mnist.py
+    """The DDP guide's path (docs/guide/ddp.md) for a user without Horovod: ``examples/pytorch_fashion_mnist.py
     --path ddp`` under torchrun, every worker's import of Horovod made to fail (a
     sitecustomize on PYTHONPATH). Catches a Horovod import anywhere on that path (the example,
     ``Compression``, the hook), and a hook that does not apply the averaged gradient (the test

@@ -140,7 +140,7 @@ def test_compressors_find_the_parameter_names_of_the_stock_optimizer():
     assert out.count("misuse ok") == 2, out
 
 
-# Slow, and out of make test, while an intermittent hang is open (README, "Open problem"):
+# Slow, and out of make test, while an intermittent hang is open (docs/guide/many-hosts.md):
 # 3 runs of 28 on 2026-11-26, 1 of 158 on 2026-11-27; ranks time out in Horovod's background
 # loop on a Gloo transfer. make stress-hierarchical runs this job in a loop and dumps stacks.
 @pytest.mark.slow

@@ -267,7 +267,7 @@ class Engine:
     def _keep_if(self, finite: tf.Tensor, name: str, old: Dict[str, tf.Tensor],
                  new: Dict[str, tf.Tensor]) -> tf.Operation:
         """Keep the step's memories of tensor ``name`` only if every rank's gradient was
-        finite (per tensor in TensorFlow: see README's mixed-precision section)."""
+        finite (per tensor in TensorFlow: see docs/guide/mixed-precision.md)."""
         return tf.group([self._states[name][key].assign(tf.where(finite, new[key], old[key]))
                          for key in new])
 
