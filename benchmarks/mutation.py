@@ -507,8 +507,8 @@ MUTANTS: Tuple[Mutant, ...] = (
        "return ops.slice(positions, 0, capacity)",
        "a region over its room keeps its lowest positions, not its largest entries"),
     _m("ddp-results-to-first-views", "torch/ddp.py",
-       "                    for position, averaged in zip(flight.compressed, results):",
-       "                    for position, averaged in enumerate(results):",
+       "torch._foreach_copy_([flight.views[position] for position in flight.compressed], results)",
+       "torch._foreach_copy_(flight.views[:len(results)], results)",
        "a bucket's compressed averages written over its first views, dense ones among them"),
 )
 
