@@ -510,6 +510,18 @@ MUTANTS: Tuple[Mutant, ...] = (
        "torch._foreach_copy_([flight.views[position] for position in flight.compressed], results)",
        "torch._foreach_copy_(flight.views[:len(results)], results)",
        "a bucket's compressed averages written over its first views, dense ones among them"),
+    _m("row-set-bits-rank-across-rows", "core/ops.py",
+       "slot = self.add(self.add(ranks, self.repeat_blocks(starts, row_bits, n), 1, -1), -1)",
+       "slot = self.add(ranks, -1)",
+       "a set bit's rank counted from the first row, not its own (every rank's decode at once)"),
+    _m("decode-senders-flags-unordered", "core/wire.py",
+       "[t * senders + r for r in range(senders)\n                                                for t in range(len(layouts))]",
+       "[r * len(layouts) + t for r in range(senders)\n                                                for t in range(len(layouts))]",
+       "the flags of every rank's messages left layout after layout: a flag poisons another tensor"),
+    _m("decode-senders-blames-rank-0", "core/wire.py",
+       "layout._fail(sender, \"its positions disagree",
+       "layout._fail(0, \"its positions disagree",
+       "a corrupted message from any rank blamed on rank 0"),
 )
 
 

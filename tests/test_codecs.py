@@ -385,3 +385,57 @@ def test_a_part_of_another_dtype_than_its_layout_is_refused_naming_the_tensor():
         encode_parts(ops, layout, header, [signs, torch.ones(1, dtype=torch.float64)])
     message = encode_parts(ops, layout, header, [signs, torch.ones(1)])
     assert message.numel() == layout.nbytes
+
+
+@pytest.mark.parametrize("rows, row_bits, capacity", [(1, 40, 8), (3, 17, 5), (4, 64, 64), (2, 9, 1)])
+def test_row_set_bits_against_a_loop_over_each_row(rows, row_bits, capacity):
+    """Catches a rank counted across rows (a row's start not subtracted), a row boundary off
+    by one, and set bits past the capacity written over the next row's slots."""
+    rng = random.Random(f"rows-{rows}-{row_bits}")
+    bits = [rng.random() < rng.choice([0.1, 0.5, 0.9]) for _ in range(rows * row_bits)]
+    found, counted = TorchOps().row_set_bits(torch.tensor(bits), row_bits, capacity)
+    expected, expected_counts = [], []
+    for r in range(rows):
+        ones = [i for i, bit in enumerate(bits[r * row_bits:(r + 1) * row_bits]) if bit]
+        expected += (ones + [0] * capacity)[:capacity]
+        expected_counts.append(len(ones))
+    assert found.tolist() == expected and counted.tolist() == expected_counts
+
+
+@pytest.mark.parametrize("start, stride, length, count", [(0, 10, 10, 3), (3, 10, 4, 3), (5, 7, 2, 1),
+                                                          (8, 16, 8, 4)])
+def test_rows_are_the_slices_of_each_message_laid_end_to_end(start, stride, length, count):
+    """Both adapters' strided copy against Python slicing, the last row ending the tensor.
+    Catches a stride taken as the row length and a start applied once per row."""
+    data = list(range(start + (count - 1) * stride + length))
+    expected = [v for r in range(count) for v in data[start + r * stride:start + r * stride + length]]
+    assert TorchOps().rows(torch.tensor(data), start, stride, length, count).tolist() == expected
+    tf = pytest.importorskip("tensorflow")
+    from horovod_dgc.tensorflow.ops import TFOps
+    assert TFOps().rows(tf.constant(data), start, stride, length, count).numpy().tolist() == expected
+
+
+@pytest.mark.parametrize("corrupt", ["upper", "lower-count"])
+def test_a_composed_decode_of_every_rank_at_once_names_the_rank_whose_positions_are_wrong(corrupt):
+    """The decode of all ranks' messages of a tensor at once still names the sender: rank 2
+    of 3 sends an Elias-Fano bitvector with a bit cleared (its count then disagrees), or a
+    count lowered under a full bitvector."""
+    method = TopK(TopKConfig(density=0.01))
+    messages, layout = [], None
+    for rank in range(3):
+        grad = torch.randn(5000, generator=torch.Generator().manual_seed(rank))
+        result = method.compress(ops, method.init_state(ops, grad, True, 3), grad,
+                                 CompressCall("layer3.conv", rank, 3, 4, 0.01))
+        messages.append(result.message.clone())
+        layout = result.layout
+    assert layout.indices.name == "elias-fano"
+    bad = messages[2]
+    if corrupt == "upper":
+        start, nbytes = layout.part_spans[1]
+        bits = bad[start:start + nbytes]
+        first = int(torch.nonzero(bits)[0])
+        bits[first] = bits[first] & (bits[first] - 1)  # its lowest set bit cleared
+    else:
+        bad[4 * COUNT_WORD:4 * COUNT_WORD + 4] = torch.tensor([layout.capacity - 1], dtype=torch.int32).view(torch.uint8)
+    with pytest.raises(MessageError, match=r"rank 2 .*'layer3.conv'.*positions disagree with its count"):
+        method.decompress(CountingOps(kernel=False), torch.cat(messages), [layout], 3, 4, ["float32"])

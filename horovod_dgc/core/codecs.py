@@ -20,7 +20,7 @@ clamped to it), and ``int8``: one byte per value and one float32 scale per messa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Dict, List, Sequence, Tuple
+from typing import ClassVar, Dict, List, Optional, Sequence, Tuple
 
 from .ops import Scalar, Tensor, TensorOps
 
@@ -49,6 +49,22 @@ def past_count(ops: TensorOps, capacity: int, count: Scalar, like: Tensor) -> Te
     return ops.greater_equal(ops.arange(capacity, like=like), count)
 
 
+def slots_in_rows(ops: TensorOps, capacity: int, rows: int, like: Tensor) -> Tensor:
+    """Each slot's number inside its message, for ``rows`` messages of ``capacity`` slots
+    laid end to end."""
+    slots = ops.arange(rows * capacity, like=like)
+    return ops.add(slots, ops.floordiv(slots, capacity), 1, -capacity)
+
+
+def past_counts(ops: TensorOps, capacity: int, counts: Tensor, like: Tensor) -> Tensor:
+    """:func:`past_count` of each of ``len(counts)`` messages laid end to end."""
+    rows = ops.numel(counts)
+    limits = ops.add(ops.cast(counts, "int64"),
+                     ops.constant([r * capacity for r in range(rows)], "int64", like=like))
+    return ops.greater_equal(ops.arange(rows * capacity, like=like),
+                             ops.repeat_blocks(limits, capacity, rows * capacity))
+
+
 @dataclass(frozen=True)
 class IndexCoding:
     """One way to code the sorted positions of a message of ``capacity`` slots for a tensor
@@ -72,8 +88,20 @@ class IndexCoding:
         with ``count`` and the tensor's size)."""
         raise NotImplementedError
 
+    def decode_rows(self, ops: TensorOps, parts: Sequence[Tensor], counts: Tensor
+                    ) -> Tuple[Tensor, Scalar, Optional[Tensor]]:
+        """:meth:`decode` of ``len(counts)`` messages at once, each part holding every
+        message's entries one message after another: (their ``capacity`` positions each,
+        laid end to end; whether every message's parts agree with its count and the tensor's
+        size; for a coding whose set bits must match the count, each message's number of
+        them, else None)."""
+        raise NotImplementedError
+
     def _in_range(self, ops: TensorOps, positions: Tensor) -> Scalar:
         return ops.all_within(positions, 0, self.numel - 1)
+
+    def _counted(self, ops: TensorOps, found: Tensor, counts: Tensor) -> Scalar:
+        return ops.all_within(ops.add(found, ops.cast(counts, "int64"), 1, -1), 0, 0)
 
 
 @dataclass(frozen=True)
@@ -98,6 +126,12 @@ class RawIndices(IndexCoding):
         positions = ops.cast(parts[0], "int64")
         return ops.where(past_count(ops, self.capacity, count, positions), 0, positions), \
             self._in_range(ops, positions)
+
+    def decode_rows(self, ops: TensorOps, parts: Sequence[Tensor], counts: Tensor
+                    ) -> Tuple[Tensor, Scalar, Optional[Tensor]]:
+        positions = ops.cast(parts[0], "int64")
+        return ops.where(past_counts(ops, self.capacity, counts, positions), 0, positions), \
+            self._in_range(ops, positions), None
 
 
 @dataclass(frozen=True)
@@ -129,6 +163,19 @@ class EliasFano(IndexCoding):
         return ops.elias_fano_positions(parts[0], self.low_bits, parts[1], self.upper_bits,
                                         self.capacity, count, self.numel)
 
+    def decode_rows(self, ops: TensorOps, parts: Sequence[Tensor], counts: Tensor
+                    ) -> Tuple[Tensor, Scalar, Optional[Tensor]]:
+        l, (lower, upper), rows = self.low_bits, self.parts, ops.numel(counts)
+        upper_bits = ops.rows(ops.unpack_bits(parts[1]), 0, upper[1] * 8, self.upper_bits, rows)
+        marks, found = ops.row_set_bits(upper_bits, self.upper_bits, self.capacity)
+        high = ops.add(marks, slots_in_rows(ops, self.capacity, rows, marks), 1, -1)
+        if l:
+            fields = ops.rows(ops.unpack_bits(parts[0]), 0, lower[1] * 8, self.capacity * l, rows)
+            high = ops.add(high, ops.from_bits(fields, l), 2 ** l, 1)
+        positions = ops.where(past_counts(ops, self.capacity, counts, high), 0, high)
+        return positions, ops.where(self._counted(ops, found, counts), self._in_range(ops, positions),
+                                    False), found
+
 
 @dataclass(frozen=True)
 class Bitmap(IndexCoding):
@@ -145,6 +192,13 @@ class Bitmap(IndexCoding):
     def decode(self, ops: TensorOps, parts: Sequence[Tensor], count: Scalar) -> Tuple[Tensor, Scalar]:
         positions, n_set = ops.set_bit_positions_fitted(parts[0], self.numel, self.capacity)
         return positions, ops.equal(n_set, count)
+
+    def decode_rows(self, ops: TensorOps, parts: Sequence[Tensor], counts: Tensor
+                    ) -> Tuple[Tensor, Scalar, Optional[Tensor]]:
+        bitmaps = ops.rows(ops.unpack_bits(parts[0]), 0, self.parts[0][1] * 8, self.numel,
+                           ops.numel(counts))
+        positions, found = ops.row_set_bits(bitmaps, self.numel, self.capacity)
+        return positions, self._counted(ops, found, counts), found
 
 
 INDEX_CODINGS: Dict[int, type] = {c.code: c for c in (RawIndices, EliasFano, Bitmap)}
@@ -176,6 +230,11 @@ class ValueCoding:
     def decode(self, ops: TensorOps, parts: Sequence[Tensor], dtype: str) -> Tensor:
         """The ``capacity`` values in ``dtype``."""
         raise NotImplementedError
+
+    def decode_rows(self, ops: TensorOps, parts: Sequence[Tensor], rows: int, dtype: str) -> Tensor:
+        """:meth:`decode` of ``rows`` messages at once (each part: every message's entries,
+        one message after another)."""
+        return self.decode(ops, parts, dtype)
 
 
 @dataclass(frozen=True)
@@ -216,6 +275,10 @@ class Int8Values(ValueCoding):
 
     def decode(self, ops: TensorOps, parts: Sequence[Tensor], dtype: str) -> Tensor:
         return ops.cast(ops.scale(ops.cast(parts[0], "float32"), parts[1]), dtype)
+
+    def decode_rows(self, ops: TensorOps, parts: Sequence[Tensor], rows: int, dtype: str) -> Tensor:
+        scales = ops.repeat_blocks(parts[1], self.capacity, rows * self.capacity)
+        return ops.cast(ops.multiply(ops.cast(parts[0], "float32"), scales), dtype)
 
 
 def value_coding(fmt: str, capacity: int) -> ValueCoding:

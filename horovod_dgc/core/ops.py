@@ -86,6 +86,16 @@ class TensorOps(ABC):
         """``x[start:start + length]`` with static bounds."""
 
     # -- elementwise arithmetic and reductions ---------------------------------------------
+    def rows(self, x: Tensor, start: int, stride: int, length: int, count: int) -> Tensor:
+        """``x[start + r * stride : start + r * stride + length]`` for ``r`` in ``range(count)``,
+        concatenated: the same part of ``count`` equal messages laid end to end. A
+        composition; an adapter may copy them in one strided pass instead."""
+        return self.concat([self.slice(x, start + r * stride, length) for r in range(count)])
+
+    @abstractmethod
+    def cumsum(self, x: Tensor) -> Tensor:
+        """The inclusive running sum of an integer or boolean tensor, as int64."""
+
     @abstractmethod
     def scale_add(self, out: Tensor, alpha: Scalar, x: Tensor, beta: Scalar = 1.0) -> Tensor:
         """``out * alpha + x * beta`` (may overwrite ``out``)."""
@@ -462,6 +472,27 @@ class TensorOps(ABC):
             high = self.add(high, self.unpack_fields(lower, low_bits, capacity), 2 ** low_bits, 1)
         positions = self.where(self.greater_equal(slots, count), 0, high)
         return positions, self.where(consistent, self.all_within(positions, 0, numel - 1), False)
+
+    def row_set_bits(self, bits: Tensor, row_bits: int, capacity: int) -> Tuple[Tensor, Tensor]:
+        """For ``bits`` cut into rows of ``row_bits`` booleans: (``rows * capacity`` int64,
+        row after row, where slot i of a row holds the index inside its row of that row's
+        i-th set bit, 0 past its last one and set bits past the ``capacity``-th dropped; each
+        row's number of set bits). Fixed sizes, no count read back: the rows of N senders'
+        bitmaps decoded at once. A composition; an adapter may scan the rows instead."""
+        n = self.numel(bits)
+        count = n // row_bits
+        ranks = self.cumsum(bits)
+        ends = self.strided_sample(ranks, row_bits - 1, row_bits)
+        starts = self.concat([self.zeros(1, "int64", like=ranks), self.slice(ends, 0, count - 1)])
+        entry = self.arange(n, like=ranks)
+        row = self.floordiv(entry, row_bits)
+        slot = self.add(self.add(ranks, self.repeat_blocks(starts, row_bits, n), 1, -1), -1)
+        dump = count * capacity  # the target of every clear bit and every bit past the capacity
+        kept = self.where(self.greater_equal(slot, capacity), dump, self.add(row, slot, capacity, 1))
+        target = self.where(bits, kept, dump)
+        found = self.scatter_add(self.zeros(dump + 1, "int64", like=ranks), target,
+                                 self.add(entry, row, 1, -row_bits))
+        return self.slice(found, 0, dump), self.add(ends, starts, 1, -1)
 
     @abstractmethod
     def bits_of(self, values: Tensor, width: int) -> Tensor:

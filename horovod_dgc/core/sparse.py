@@ -294,8 +294,8 @@ def _sum_messages(ops: TensorOps, gathered: Tensor, layouts: Sequence[wire.Messa
     """``TensorOps.decode_sums`` composed: every header checked (``wire.receive``), every
     message decoded and its positions checked, then ``sums[t]`` = (1/N) * the sum over ranks
     of tensor t's messages. Returns the sums and each message's flags word."""
-    expected = [(layout, rank) for rank in range(world_size) for layout in layouts]
-    dtypes = [ops.dtype(sums[m % len(layouts)]) for m in range(len(expected))]
-    flags, messages = wire.decode_received(ops, gathered, expected, step, dtypes, traced_id=traced_id)
-    return ([ops.sum_sparse(s, messages[t::len(layouts)], 1.0 / world_size) for t, s in enumerate(sums)],
-            flags)
+    flags, decoded = wire.decode_senders(ops, gathered, layouts, world_size, step,
+                                         [ops.dtype(s) for s in sums], traced_id=traced_id)
+    # Every rank's message of a tensor as one: a single scatter, in rank order.
+    return ([ops.sum_sparse(s, [(positions, values, ops.numel(positions))], 1.0 / world_size)
+             for s, (positions, values) in zip(sums, decoded)], flags)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, TypeVar
 
 from . import codecs
-from .ops import Tensor, TensorOps
+from .ops import Scalar, Tensor, TensorOps
 
 MAGIC = 0x44474332  # "DGC" and format version 2 (coded indices and values)
 HEADER_FIELDS = ("magic", "method", "tensor id", "numel (low)", "numel (high)", "capacity",
@@ -240,6 +240,19 @@ class MessageLayout(Layout):
         return positions, ops.where(padding, 0.0, values), consistent
 
 
+    def decode_rows(self, ops: TensorOps, parts: Sequence[Tensor], counts: Tensor, dtype: str
+                    ) -> Tuple[Tensor, Tensor, Scalar, Optional[Tensor]]:
+        """:meth:`decode` of ``len(counts)`` messages at once (each part: every message's
+        entries, one message after another): (positions and values, ``capacity`` of each
+        message laid end to end; whether all agree with their counts and the tensor's size;
+        each message's set bits where the coding counts them, else None)."""
+        n = len(self.indices.parts)
+        positions, consistent, found = self.indices.decode_rows(ops, parts[:n], counts)
+        values = self.values.decode_rows(ops, parts[n:], ops.numel(counts), dtype)
+        padding = codecs.past_counts(ops, self.capacity, counts, positions)
+        return positions, ops.where(padding, 0.0, values), consistent, found
+
+
 @dataclass(frozen=True)
 class PartsLayout(Layout):
     """A message of explicitly listed parts (packed signs and scales, index lists)."""
@@ -425,6 +438,68 @@ def checked_positions(ops: TensorOps, decoded: Sequence[Tuple[Tensor, Any]],
         out.append(ops.slice(all_positions, offset, ops.numel(positions)))
         offset += ops.numel(positions)
     return out
+
+
+def decode_senders(ops: TensorOps, data: Tensor, layouts: Sequence[MessageLayout], senders: int,
+                   step: Any, dtypes: Sequence[str], receiver: Any = None, traced_id: Any = None
+                   ) -> Tuple[Tensor, List[Tuple[Tensor, Tensor]]]:
+    """:func:`decode_received` of ``data``, the messages of ``senders`` ranks for ``layouts``
+    (each rank's in layout order, rank after rank), decoded a layout at a time for all ranks
+    at once, so that the operations do not grow with the number of ranks: (each message's
+    flags word, rank after rank as :func:`receive` gives them; per layout, the positions and
+    values in ``dtypes[t]`` of every rank's message, ``capacity`` of each laid end to end,
+    padding 0). Checks and errors as :func:`receive` and :func:`checked_positions` raise them."""
+    expected = [(layout, sender) for sender in range(senders) for layout in layouts]
+    total = sum(layout.nbytes for layout, _ in expected)
+    per_sender = total // senders
+    offsets = _offsets(expected)[:len(layouts)]
+    fitted = ops.fit(data, total)
+    headers = [ops.from_bytes(ops.rows(fitted, offset, per_sender, HEADER_BYTES, senders), "int32")
+               for offset in offsets]
+    by_layout = [(layout, sender) for layout in layouts for sender in range(senders)]
+    low, high = _bounds(by_layout, step, traced_id)
+    every = ops.concat(headers)
+    valid = ops.all_within(every, ops.constant(low, "int32", like=every), ops.constant(high, "int32", like=every))
+    ranks = ops.constant([sender for _, sender in expected], "int64", like=every)
+    fitted = ops.verify(ops.where(ops.size(data) == total, valid, False),
+                        [data, ranks, step, *id_inputs(traced_id)],
+                        lambda values, at_ranks, at, *word: _diagnose(values, at_ranks, at, expected, total,
+                                                                      receiver, *word),
+                        fitted)
+    flags = ops.strided_sample(every, FLAGS_WORD, HEADER_WORDS)
+    if len(layouts) > 1:  # layout after layout here; rank after rank, as receive's
+        flags = ops.gather(flags, ops.constant([t * senders + r for r in range(senders)
+                                                for t in range(len(layouts))], "int64", like=every))
+    decoded, evidence = [], []
+    for layout, offset, words, dtype in zip(layouts, offsets, headers, dtypes):
+        counts = ops.strided_sample(words, COUNT_WORD, HEADER_WORDS)
+        parts = [ops.from_bytes(ops.rows(fitted, offset + start, per_sender, nbytes, senders), part_dtype)
+                 for (part_dtype, _), (start, nbytes) in zip(layout.parts, layout.part_spans)]
+        positions, values, consistent, found = layout.decode_rows(ops, parts, counts, dtype)
+        decoded.append((positions, values))
+        evidence.append((consistent, [positions, counts] + ([] if found is None else [found])))
+    verdicts = ops.constant([ops.where(ok, 1, 0) for ok, _ in evidence], "int32", like=every)
+
+    def explain(step_at: int, *values: Any) -> None:
+        word, values = values[:len(id_inputs(traced_id))], values[len(id_inputs(traced_id)):]
+        for layout, (_, shown) in zip(layouts, evidence):
+            found_words, values = values[:len(shown)], values[len(shown):]
+            positions, counts, found = (list(found_words) + [None])[:3]
+            for sender in range(senders):
+                slots = positions[sender * layout.capacity:(sender + 1) * layout.capacity]
+                if (found is not None and found[sender] != counts[sender]) or \
+                        not all(0 <= p < layout.numel for p in slots):
+                    layout._fail(sender, "its positions disagree with its count or lie outside the "
+                                 "tensor (a corrupted message?)", *word)
+
+    shown = [x for _, inputs in evidence for x in inputs]
+    checked = ops.verify(ops.all_within(verdicts, 1, 1), [step, *id_inputs(traced_id), *shown], explain,
+                         ops.concat([positions for positions, _ in decoded]))
+    out, start = [], 0
+    for (positions, values) in decoded:
+        out.append((ops.slice(checked, start, ops.numel(positions)), values))
+        start += ops.numel(positions)
+    return flags, out
 
 
 def decode_received(ops: TensorOps, data: Tensor, expected: Sequence[Expected], step: Any,

@@ -183,6 +183,13 @@ class TorchOps(TensorOps):
     def kth_largest(self, x: torch.Tensor, k: int) -> torch.Tensor:
         return torch.topk(x, k, sorted=False).values.min()
 
+    def rows(self, x: torch.Tensor, start: int, stride: int, length: int, count: int) -> torch.Tensor:
+        x = x.contiguous()
+        return x.as_strided((count, length), (stride, 1), x.storage_offset() + start).reshape(-1)
+
+    def cumsum(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cumsum(x, 0, dtype=torch.int64)
+
     def strided_sample(self, x: torch.Tensor, offset: int, stride: int, block: int = 1) -> torch.Tensor:
         whole = x.numel() // block
         return x[:whole * block].view(-1, block)[offset::stride].reshape(-1)
