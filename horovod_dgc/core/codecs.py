@@ -88,13 +88,13 @@ class IndexCoding:
         with ``count`` and the tensor's size)."""
         raise NotImplementedError
 
-    def decode_rows(self, ops: TensorOps, parts: Sequence[Tensor], counts: Tensor
+    def decode_rows(self, ops: TensorOps, parts: Sequence[Tensor], counts: Tensor, padding: Tensor
                     ) -> Tuple[Tensor, Scalar, Optional[Tensor]]:
         """:meth:`decode` of ``len(counts)`` messages at once, each part holding every
         message's entries one message after another: (their ``capacity`` positions each,
         laid end to end; whether every message's parts agree with its count and the tensor's
         size; for a coding whose set bits must match the count, each message's number of
-        them, else None)."""
+        them, else None). ``padding``: :func:`past_counts` of ``counts``."""
         raise NotImplementedError
 
     def _in_range(self, ops: TensorOps, positions: Tensor) -> Scalar:
@@ -127,11 +127,10 @@ class RawIndices(IndexCoding):
         return ops.where(past_count(ops, self.capacity, count, positions), 0, positions), \
             self._in_range(ops, positions)
 
-    def decode_rows(self, ops: TensorOps, parts: Sequence[Tensor], counts: Tensor
+    def decode_rows(self, ops: TensorOps, parts: Sequence[Tensor], counts: Tensor, padding: Tensor
                     ) -> Tuple[Tensor, Scalar, Optional[Tensor]]:
         positions = ops.cast(parts[0], "int64")
-        return ops.where(past_counts(ops, self.capacity, counts, positions), 0, positions), \
-            self._in_range(ops, positions), None
+        return ops.where(padding, 0, positions), self._in_range(ops, positions), None
 
 
 @dataclass(frozen=True)
@@ -163,7 +162,7 @@ class EliasFano(IndexCoding):
         return ops.elias_fano_positions(parts[0], self.low_bits, parts[1], self.upper_bits,
                                         self.capacity, count, self.numel)
 
-    def decode_rows(self, ops: TensorOps, parts: Sequence[Tensor], counts: Tensor
+    def decode_rows(self, ops: TensorOps, parts: Sequence[Tensor], counts: Tensor, padding: Tensor
                     ) -> Tuple[Tensor, Scalar, Optional[Tensor]]:
         l, (lower, upper), rows = self.low_bits, self.parts, ops.numel(counts)
         upper_bits = ops.rows(ops.unpack_bits(parts[1]), 0, upper[1] * 8, self.upper_bits, rows)
@@ -172,7 +171,7 @@ class EliasFano(IndexCoding):
         if l:
             fields = ops.rows(ops.unpack_bits(parts[0]), 0, lower[1] * 8, self.capacity * l, rows)
             high = ops.add(high, ops.from_bits(fields, l), 2 ** l, 1)
-        positions = ops.where(past_counts(ops, self.capacity, counts, high), 0, high)
+        positions = ops.where(padding, 0, high)
         return positions, ops.where(self._counted(ops, found, counts), self._in_range(ops, positions),
                                     False), found
 
@@ -193,7 +192,7 @@ class Bitmap(IndexCoding):
         positions, n_set = ops.set_bit_positions_fitted(parts[0], self.numel, self.capacity)
         return positions, ops.equal(n_set, count)
 
-    def decode_rows(self, ops: TensorOps, parts: Sequence[Tensor], counts: Tensor
+    def decode_rows(self, ops: TensorOps, parts: Sequence[Tensor], counts: Tensor, padding: Tensor
                     ) -> Tuple[Tensor, Scalar, Optional[Tensor]]:
         bitmaps = ops.rows(ops.unpack_bits(parts[0]), 0, self.parts[0][1] * 8, self.numel,
                            ops.numel(counts))
