@@ -84,9 +84,10 @@ def test_embedding_gradients_are_compressed_with_sparse_as_dense_and_named_witho
             assert out.count(f"{path} sparse_as_dense={sparse_as_dense} sparse ok") == 2, out
 
 
+@pytest.mark.slow  # 1.5 minutes a job, most of it tracing; its PyTorch twin runs in make test
 @pytest.mark.parametrize("methods", [
     "dgc,scalecom,blocksign",  # one of each exchange: allgather, broadcast + allreduce, alltoall
-    pytest.param("topk,gaussiank", marks=pytest.mark.slow)])
+    "topk,gaussiank"])
 def test_keras_gradient_accumulation_compresses_once_a_step(methods):
     """backward_passes_per_step=2 through Horovod's Keras optimizer gives the weights of one
     pass of the two gradients' sum, and steps_per_execution=4 those of one step per run
@@ -96,9 +97,10 @@ def test_keras_gradient_accumulation_compresses_once_a_step(methods):
         assert out.count(f"{method} keras accumulation ok") == 2, out
 
 
+@pytest.mark.slow  # 1.5 minutes a job, most of it tracing; its PyTorch twin runs in make test
 @pytest.mark.parametrize("methods", [
     "dgc,scalecom,blocksign",  # one of each exchange: allgather, broadcast + allreduce, alltoall
-    pytest.param("topk,gaussiank", marks=pytest.mark.slow)])
+    "topk,gaussiank"])
 def test_loss_scale_overflow_on_one_rank_is_skipped_by_every_rank_and_memories_stay_unscaled(methods):
     out = horovodrun("amp_tensorflow.py", 2, ["--methods", methods], timeout_s=900)
     for method in methods.split(","):
@@ -106,6 +108,7 @@ def test_loss_scale_overflow_on_one_rank_is_skipped_by_every_rank_and_memories_s
             assert out.count(f"{method} {policy} tf amp ok") == 2, out
 
 
+@pytest.mark.slow  # 1.5 minutes, most of it tracing; the PyTorch twin (AMP's scaler found unasked) runs in make test
 def test_keras_fit_under_a_loss_scale_optimizer_keeps_memories_unscaled_unasked():
     """tests/workers/loss_scale_keras_tensorflow.py: tf_keras model.fit, no attach_loss_scale;
     the warm-up callback moves the density sent with fit's epochs."""
