@@ -556,6 +556,24 @@ def test_under_a_loss_scale_memories_stay_unscaled_and_the_update_goes_back_scal
                                    residual, rtol=1e-5, atol=1e-6, err_msg=f"step {step}")
 
 
+def test_under_a_loss_scale_a_tensor_that_travels_dense_goes_back_scaled():
+    """A small tensor sent dense (``small_density=None``) under a changing loss scale: the
+    average comes back times the scale, as the sparse tensors' do. Catches the dense result
+    left unscaled."""
+    method = TopK(TopKConfig(density=0.01, small_density=None))
+    engine = Engine(method, [tf.TensorSpec([10], tf.float32, "bias")], world_size=1, rank=0)
+    scale = tf.Variable(1.0)
+    engine.use_loss_scale(lambda: scale)
+    rs = np.random.RandomState(3)
+    for step, current in enumerate([1024.0, 512.0, 2048.0]):
+        grad = rs.standard_normal(10).astype(np.float32)
+        scale.assign(current)
+        assert not engine.compresses(tf.TensorSpec([10], tf.float32))
+        sent = engine.dense("bias", tf.constant(grad * np.float32(current)), None)
+        got = engine.dense_received(sent, sent.tensor).numpy()  # one worker: the all-reduce is itself
+        np.testing.assert_allclose(got, grad * np.float32(current), rtol=1e-6, err_msg=f"step {step}")
+
+
 FLOAT64_METHODS = {"dgc": METHODS["dgc"], "gaussiank": METHODS["gaussiank"],
                    "dgc-sparse-allreduce": lambda: DGC(DGCConfig(density=0.01, aggregation="sparse_allreduce")),
                    **TWO_STAGE}

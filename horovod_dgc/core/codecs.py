@@ -53,12 +53,14 @@ def slots_in_rows(ops: TensorOps, capacity: int, rows: int, like: Tensor) -> Ten
     """Each slot's number inside its message, for ``rows`` messages of ``capacity`` slots
     laid end to end."""
     slots = ops.arange(rows * capacity, like=like)
-    return ops.add(slots, ops.floordiv(slots, capacity), 1, -capacity)
+    return slots if rows == 1 else ops.add(slots, ops.floordiv(slots, capacity), 1, -capacity)
 
 
 def past_counts(ops: TensorOps, capacity: int, counts: Tensor, like: Tensor) -> Tensor:
     """:func:`past_count` of each of ``len(counts)`` messages laid end to end."""
     rows = ops.numel(counts)
+    if rows == 1:
+        return past_count(ops, capacity, ops.cast(counts, "int64"), like)
     limits = ops.add(ops.cast(counts, "int64"),
                      ops.constant([r * capacity for r in range(rows)], "int64", like=like))
     return ops.greater_equal(ops.arange(rows * capacity, like=like),

@@ -93,8 +93,9 @@ class TensorOps(ABC):
         return self.concat([self.slice(x, start + r * stride, length) for r in range(count)])
 
     @abstractmethod
-    def cumsum(self, x: Tensor) -> Tensor:
-        """The inclusive running sum of an integer or boolean tensor, as int64."""
+    def row_cumsum(self, x: Tensor, row: int) -> Tensor:
+        """The inclusive running sum of each row of ``row`` entries of an integer or boolean
+        tensor (``numel`` a multiple of ``row``), restarting at every row, as int64."""
 
     @abstractmethod
     def scale_add(self, out: Tensor, alpha: Scalar, x: Tensor, beta: Scalar = 1.0) -> Tensor:
@@ -480,19 +481,16 @@ class TensorOps(ABC):
         row's number of set bits). Fixed sizes, no count read back: the rows of N senders'
         bitmaps decoded at once. A composition; an adapter may scan the rows instead."""
         n = self.numel(bits)
-        count = n // row_bits
-        ranks = self.cumsum(bits)
-        ends = self.strided_sample(ranks, row_bits - 1, row_bits)
-        starts = self.concat([self.zeros(1, "int64", like=ranks), self.slice(ends, 0, count - 1)])
+        ranks = self.row_cumsum(bits, row_bits)
+        slot = self.add(ranks, -1)
         entry = self.arange(n, like=ranks)
         row = self.floordiv(entry, row_bits)
-        slot = self.add(self.add(ranks, self.repeat_blocks(starts, row_bits, n), 1, -1), -1)
-        dump = count * capacity  # the target of every clear bit and every bit past the capacity
+        dump = (n // row_bits) * capacity  # the target of every clear bit and every bit past the capacity
         kept = self.where(self.greater_equal(slot, capacity), dump, self.add(row, slot, capacity, 1))
         target = self.where(bits, kept, dump)
         found = self.scatter_add(self.zeros(dump + 1, "int64", like=ranks), target,
                                  self.add(entry, row, 1, -row_bits))
-        return self.slice(found, 0, dump), self.add(ends, starts, 1, -1)
+        return self.slice(found, 0, dump), self.strided_sample(ranks, row_bits - 1, row_bits)
 
     @abstractmethod
     def bits_of(self, values: Tensor, width: int) -> Tensor:

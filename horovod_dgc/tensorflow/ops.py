@@ -348,12 +348,14 @@ class TFOps(TensorOps):
         return tf.reduce_min(tf.math.top_k(x, k, sorted=False).values, _axis(0))
 
     def rows(self, x: tf.Tensor, start: int, stride: int, length: int, count: int) -> tf.Tensor:
+        if count == 1:
+            return self.slice(x, start, length)
         span = min(count * stride, self.numel(x) - start)  # the last row may end the tensor
         laid = self.pad(tf.slice(x, _shape(start), _shape(span)), count * stride)
         return _flat(_rows(laid, stride)[:, :length])
 
-    def cumsum(self, x: tf.Tensor) -> tf.Tensor:
-        return tf.cumsum(tf.cast(x, tf.int64))
+    def row_cumsum(self, x: tf.Tensor, row: int) -> tf.Tensor:
+        return _flat(tf.cumsum(_rows(tf.cast(x, tf.int64), row), axis=1))
 
     def strided_sample(self, x: tf.Tensor, offset: Any, stride: int, block: int = 1) -> tf.Tensor:
         """Blocks ``offset::stride`` of ``x``. An offset known only at run time (the step

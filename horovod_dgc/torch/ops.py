@@ -184,11 +184,13 @@ class TorchOps(TensorOps):
         return torch.topk(x, k, sorted=False).values.min()
 
     def rows(self, x: torch.Tensor, start: int, stride: int, length: int, count: int) -> torch.Tensor:
+        if count == 1:
+            return x[start:start + length]
         x = x.contiguous()
         return x.as_strided((count, length), (stride, 1), x.storage_offset() + start).reshape(-1)
 
-    def cumsum(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cumsum(x, 0, dtype=torch.int64)
+    def row_cumsum(self, x: torch.Tensor, row: int) -> torch.Tensor:
+        return torch.cumsum(x.view(-1, row), 1, dtype=torch.int64).view(-1)
 
     def strided_sample(self, x: torch.Tensor, offset: int, stride: int, block: int = 1) -> torch.Tensor:
         whole = x.numel() // block
