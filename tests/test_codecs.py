@@ -17,6 +17,7 @@ from horovod_dgc.core.blocksign import BlockSign, BlockSignConfig
 from horovod_dgc.core.scalecom import ScaleCom, ScaleComConfig, leader_positions
 from horovod_dgc.core.codecs import Bitmap, EliasFano, RawIndices, index_coding, value_coding
 from horovod_dgc.core.method import CompressCall
+from horovod_dgc.core.selection import top_count
 from horovod_dgc.core.wire import (COUNT_WORD, HEADER_BYTES, HEADER_FIELDS, HEADER_WORDS, MessageLayout,
                                    PartsLayout, encode_parts)
 from horovod_dgc.torch.ops import TorchOps
@@ -439,3 +440,30 @@ def test_a_composed_decode_of_every_rank_at_once_names_the_rank_whose_positions_
         bad[4 * COUNT_WORD:4 * COUNT_WORD + 4] = torch.tensor([layout.capacity - 1], dtype=torch.int32).view(torch.uint8)
     with pytest.raises(MessageError, match=r"rank 2 .*'layer3.conv'.*positions disagree with its count"):
         method.decompress(CountingOps(kernel=False), torch.cat(messages), [layout], 3, 4, ["float32"])
+
+
+def test_a_composed_decode_of_every_rank_at_once_poisons_only_the_tensor_a_rank_flagged():
+    """Rank 1 of 2 flags its first of two tensors (a NaN gradient): that tensor's average is
+    NaN, the other's is the plain average. Catches the flags read layout after layout, which
+    poisons the other tensor."""
+    method, world = TopK(TopKConfig(density=0.01)), 2
+    messages, layouts, grads = [], [], {}
+    for rank in range(world):
+        for t in range(2):
+            grad = torch.randn(3000, generator=torch.Generator().manual_seed(10 * rank + t))
+            if rank == 1 and t == 0:
+                grad[5] = float("nan")
+            grads[rank, t] = grad
+            result = method.compress(ops, method.init_state(ops, grad, True, world), grad,
+                                     CompressCall(f"t{t}", rank, world, 2, 0.01))
+            messages.append(result.message)
+            layouts.append(result.layout)
+    outs, _ = method.decompress(CountingOps(kernel=False), torch.cat(messages), layouts[:2], world, 2,
+                                ["float32"] * 2)
+    assert outs[0].isnan().all()
+    k = top_count(0.01, 3000)
+    expected = torch.zeros(3000)
+    for rank in range(world):
+        chosen = torch.argsort(-grads[rank, 1].abs(), stable=True)[:k]
+        expected[chosen] += grads[rank, 1][chosen].to(torch.float16).float() / world
+    assert torch.equal(outs[1], expected)

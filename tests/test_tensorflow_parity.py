@@ -509,6 +509,65 @@ def test_two_stage_engine_in_tf_function_matches_the_torch_simulation(name):
     assert engine.stats().steps == STEPS
 
 
+@pytest.mark.parametrize("name", list(TWO_STAGE))
+def test_two_stage_engine_under_a_loss_scale_matches_its_unscaled_twin_times_the_scale(name):
+    """Gradients times a changing power-of-two loss scale: the update comes back times the
+    scale and the memories stay those of a twin engine given the unscaled gradients (exact:
+    a power of two scales without rounding). Catches a two-stage result left unscaled and
+    memories kept scaled."""
+    shape, scales = (311, 97), [1024.0, 512.0, 2048.0]
+    scaled, twin = (TwoStageEngine(TWO_STAGE[name](), [tf.TensorSpec(shape, tf.float32, "w")], 1, 0)
+                    for _ in range(2))
+    scale = tf.Variable(1.0)
+    scaled.use_loss_scale(lambda: scale)
+    rs = np.random.RandomState(5)
+    for t, current in enumerate(scales):
+        grad = rs.standard_normal(shape).astype(np.float32)
+        scale.assign(current)
+        got = scaled.exchange("w", tf.constant(grad * np.float32(current)), None, emulated_single_worker, "w")[0]
+        want = twin.exchange("w", tf.constant(grad), None, emulated_single_worker, "w")[0]
+        np.testing.assert_array_equal(got.numpy(), want.numpy() * np.float32(current), err_msg=f"step {t}")
+        for key, value in twin._states["w"].items():
+            np.testing.assert_array_equal(scaled._states["w"][key].numpy(), value.numpy(), err_msg=f"{key} step {t}")
+
+
+def _memories(states):
+    return {key: value.numpy().copy() for key, value in states.items()}
+
+
+def test_a_dense_tensors_memory_is_kept_through_a_non_finite_step():
+    """DGC's momentum of a small tensor sent dense: a finite step changes it, an infinite
+    gradient then comes back non-finite and leaves it as it was. Catches the dense tensor's
+    memories kept whatever the result."""
+    engine = Engine(DGC(DGCConfig(density=0.01, small_density=None)), [tf.TensorSpec([10], tf.float32, "bias")], 1, 0)
+    for grad in (np.ones(10, np.float32), np.full(10, np.inf, np.float32)):
+        before = _memories(engine._states["bias"])
+        sent = engine.dense("bias", tf.constant(grad), None)
+        got = engine.dense_received(sent, sent.tensor).numpy()
+    assert not np.isfinite(got).all()
+    assert any(np.any(v) for v in before.values()), "the finite step left no memory"
+    for key, value in before.items():
+        np.testing.assert_array_equal(engine._states["bias"][key].numpy(), value, err_msg=key)
+
+
+@pytest.mark.parametrize("name", list(TWO_STAGE))
+def test_a_two_stage_memory_is_kept_through_a_non_finite_step(name):
+    """As the dense tensor's, for ScaleCom's and blocksign's memories. Catches them kept
+    whatever the result."""
+    engine = TwoStageEngine(TWO_STAGE[name](), [tf.TensorSpec((311, 97), tf.float32, "w")], 1, 0)
+    rs = np.random.RandomState(9)
+    engine.exchange("w", tf.constant(rs.standard_normal((311, 97)).astype(np.float32)), None,
+                    emulated_single_worker, "w")
+    before = _memories(engine._states["w"])
+    grad = rs.standard_normal((311, 97)).astype(np.float32)
+    grad[7, 3] = np.nan
+    got = engine.exchange("w", tf.constant(grad), None, emulated_single_worker, "w")[0].numpy()
+    assert not np.isfinite(got).all()
+    assert any(np.any(v) for v in before.values()), "the finite step left no memory"
+    for key, value in before.items():
+        np.testing.assert_array_equal(engine._states["w"][key].numpy(), value, err_msg=key)
+
+
 def _tampered(field: str, value: int):
     """An emulated one-worker collective that rewrites a header word of the FIRST stage."""
     def collective(kind, message, name, root):
