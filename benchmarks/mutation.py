@@ -519,8 +519,8 @@ MUTANTS: Tuple[Mutant, ...] = (
        "[r * len(layouts) + t for r in range(senders)\n                                                for t in range(len(layouts))]",
        "the flags of every rank's messages left layout after layout: a flag poisons another tensor"),
     _m("decode-senders-blames-rank-0", "core/wire.py",
-       "layout._fail(sender, \"its positions disagree",
-       "layout._fail(0, \"its positions disagree",
+       "layout._fail(sender, BAD_POSITIONS",
+       "layout._fail(0, BAD_POSITIONS",
        "a corrupted message from any rank blamed on rank 0"),
 )
 

@@ -291,9 +291,10 @@ class SparseMethod(Method):
 def _sum_messages(ops: TensorOps, gathered: Tensor, layouts: Sequence[wire.MessageLayout],
                   world_size: int, step: Any, sums: List[Tensor],
                   traced_id: Any = None) -> Tuple[List[Tensor], Tensor]:
-    """``TensorOps.decode_sums`` composed: every header checked (``wire.receive``), every
-    message decoded and its positions checked, then ``sums[t]`` = (1/N) * the sum over ranks
-    of tensor t's messages. Returns the sums and each message's flags word."""
+    """``TensorOps.decode_sums`` composed: every header checked, every rank's message of a
+    tensor decoded at once and its positions checked (``wire.decode_senders``), then
+    ``sums[t]`` = (1/N) * the sum over ranks of tensor t's messages. Returns the sums and
+    each message's flags word."""
     flags, decoded = wire.decode_senders(ops, gathered, layouts, world_size, step,
                                          [ops.dtype(s) for s in sums], traced_id=traced_id)
     # Every rank's message of a tensor as one: a single scatter, in rank order.

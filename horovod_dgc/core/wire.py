@@ -239,7 +239,6 @@ class MessageLayout(Layout):
         padding = codecs.past_count(ops, self.capacity, count, positions)
         return positions, ops.where(padding, 0.0, values), consistent
 
-
     def decode_rows(self, ops: TensorOps, parts: Sequence[Tensor], counts: Tensor, dtype: str
                     ) -> Tuple[Tensor, Tensor, Scalar, Optional[Tensor]]:
         """:meth:`decode` of ``len(counts)`` messages at once (each part: every message's
@@ -415,6 +414,10 @@ def _diagnose(data: Sequence[int], senders: Sequence[int], step: int,
     raise MessageError(f"the messages are malformed{size_note or f' for tensor(s) {names}{where}'}")
 
 
+# What a receiver says of a message whose positions its header or its tensor contradicts.
+BAD_POSITIONS = "its positions disagree with its count or lie outside the tensor (a corrupted message?)"
+
+
 def checked_positions(ops: TensorOps, decoded: Sequence[Tuple[Tensor, Any]],
                       expected: Sequence[Expected], step: Any, traced_id: Any = None) -> List[Tensor]:
     """The positions of every message, once every message's positions are known to agree
@@ -428,8 +431,7 @@ def checked_positions(ops: TensorOps, decoded: Sequence[Tuple[Tensor, Any]],
     def explain(values: List[int], ranks: List[int], at: int, *word: int) -> None:
         for ok, (layout, _), rank in zip(values, expected, ranks):
             if not ok:
-                layout._fail(rank, "its positions disagree with its count or lie outside the "
-                             "tensor (a corrupted message?)", *word)
+                layout._fail(rank, BAD_POSITIONS, *word)
 
     all_positions = ops.verify(ops.all_within(verdicts, 1, 1), [verdicts, senders, step, *id_inputs(traced_id)],
                                explain, all_positions)
@@ -450,9 +452,9 @@ def decode_senders(ops: TensorOps, data: Tensor, layouts: Sequence[MessageLayout
     values in ``dtypes[t]`` of every rank's message, ``capacity`` of each laid end to end,
     padding 0). Checks and errors as :func:`receive` and :func:`checked_positions` raise them."""
     expected = [(layout, sender) for sender in range(senders) for layout in layouts]
-    total = sum(layout.nbytes for layout, _ in expected)
-    per_sender = total // senders
-    offsets = _offsets(expected)[:len(layouts)]
+    per_sender = sum(layout.nbytes for layout in layouts)
+    total = per_sender * senders
+    offsets = _offsets([(layout, 0) for layout in layouts])
     fitted = ops.fit(data, total)
     headers = [ops.from_bytes(ops.rows(fitted, offset, per_sender, HEADER_BYTES, senders), "int32")
                for offset in offsets]
@@ -489,8 +491,7 @@ def decode_senders(ops: TensorOps, data: Tensor, layouts: Sequence[MessageLayout
                 slots = positions[sender * layout.capacity:(sender + 1) * layout.capacity]
                 if (found is not None and found[sender] != counts[sender]) or \
                         not all(0 <= p < layout.numel for p in slots):
-                    layout._fail(sender, "its positions disagree with its count or lie outside the "
-                                 "tensor (a corrupted message?)", *word)
+                    layout._fail(sender, BAD_POSITIONS, *word)
 
     shown = [x for _, inputs in evidence for x in inputs]
     checked = ops.verify(ops.all_within(verdicts, 1, 1), [step, *id_inputs(traced_id), *shown], explain,
