@@ -1,12 +1,14 @@
 """A bucket of tensors compressed as one (horovod_dgc.core.bucket, SparseMethod.compress_bucket,
 Engine.compress_bucket): each segment's selection against a sort of that segment alone, and
 whole steps of several ranks against the per-tensor path, bit for bit."""
+import math
 import random
+from statistics import NormalDist
 
 import pytest
 import torch
 
-from horovod_dgc.core.bucket import ALIGN, Bucket, Plan, Segment, select_segments
+from horovod_dgc.core.bucket import ALIGN, Bucket, GaussianPlan, Plan, Segment, select_gaussian, select_segments
 from horovod_dgc.core.methods import BY_NAME
 from horovod_dgc.core.wire import MessageError
 from horovod_dgc.torch.engine import Engine
@@ -53,6 +55,67 @@ def test_each_segment_sends_its_own_largest(ops, ties):
             assert k == min(s.numel, max(1, -(-round(densities[bucket.segments.index(s)] * s.numel, 6) // 1)))
             want += [s.offset + i for i in naive_top(x[s.offset:s.end], k)]
         assert got == want, (bucket, plan.ks)
+
+
+def naive_gaussian(values, k: int):
+    """Gaussian-k of one tensor as the paper's rule reads (docs/algorithms.md#gaussiank), in
+    float64 Python: threshold |mean| + std * Phi^-1(1 - k/n / 2), at most three adjustments
+    (x0.5 below 2k/3 entries, x1.5 above 4k/3), the lowest threshold tried if the last is
+    still below 2k/3, at most ceil(4k/3) entries sent (the largest, ties to the lowest
+    positions), the whole tensor when that holds it: (positions ascending, adjustments made)."""
+    v, n = [float(a) for a in values], len(values)
+    capacity = min(n, math.ceil(4 * k / 3))
+    if capacity >= n:
+        return list(range(n)), 0
+    mean = sum(v) / n
+    t = abs(mean) + math.sqrt(max(sum(a * a for a in v) / n - mean * mean, 0.0)) * NormalDist().inv_cdf(1 - k / n / 2)
+    reached = sum(abs(a) >= t for a in v)
+    tried = [t]
+    for _ in range(3):
+        if 2 * k / 3 <= reached <= 4 * k / 3:
+            break
+        t *= 0.5 if reached < 2 * k / 3 else 1.5
+        reached = sum(abs(a) >= t for a in v)
+        tried.append(t)
+    if reached < math.ceil(2 * k / 3):
+        t = min(tried)
+    chosen = [i for i in range(n) if abs(v[i]) >= t]
+    return sorted(sorted(chosen, key=lambda i: (-abs(v[i]), i))[:capacity]), len(tried) - 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ops", [TorchOps(), WaitingOps()], ids=["own-choice", "as-on-a-gpu"])
+def test_each_segment_sends_its_own_gaussian_selection(ops, dtype):
+    """Against the rule written plainly for each segment alone, on segments of other scales
+    and means (their thresholds differ), so that a threshold or count taken across segments,
+    or one segment's k or capacity used for another, sends other entries. (The float64
+    reference's thresholds differ from float32's in their last bits; this data holds no entry
+    that close to one.)"""
+    rng = random.Random(3)
+    gen = torch.Generator().manual_seed(3)
+    adjustments, over_capacity = [], 0
+    for _ in range(30):
+        bucket = random_bucket(rng, str(dtype).replace("torch.", ""))
+        densities = [rng.choice([0.001, 0.01, 0.05, 0.3]) for _ in bucket.segments]
+        plan = Plan.at(bucket, densities)
+        x = torch.zeros(bucket.numel, dtype=dtype)
+        for s in bucket.segments:
+            # Heavy tails (normal entries of log-normal scales) push the first threshold out
+            # of range.
+            spread = torch.exp(torch.randn(s.numel, generator=gen) * rng.choice([0.0, 1.5]))
+            values = torch.randn(s.numel, generator=gen) * spread * rng.choice([1.0, 0.01])
+            x[s.offset:s.end] = (values + rng.choice([0.0, 0.3])).to(dtype)
+        gaussian = GaussianPlan.of(plan)
+        got = select_gaussian(ops, x, gaussian).tolist()
+        want = []
+        for s, k, capacity in zip(bucket.segments, plan.ks, gaussian.capacities):
+            chosen, adjusted = naive_gaussian(x[s.offset:s.end].float().tolist(), k)
+            want += [s.offset + i for i in chosen]
+            adjustments.append(adjusted)
+            over_capacity += len(chosen) == capacity < s.numel
+        assert got == want, (bucket, plan.ks)
+    # Every number of adjustments, and the capacity's cut, were taken.
+    assert set(adjustments) == {0, 1, 2, 3} and over_capacity > 5, (sorted(adjustments), over_capacity)
 
 
 def test_a_segment_of_zeros_sends_zeros_of_its_own():
@@ -116,6 +179,7 @@ def states(engine):
     ("dgc", {}), ("topk", {}), ("dgc", {"nesterov": True, "weight_decay": 1e-4}),
     ("dgc", {"warmup_epochs": 1, "steps_per_epoch": 2}), ("topk", {"value_dtype": "float32"}),
     ("dgc", {"small_density": None, "min_numel": 1, "density": 0.02}),
+    ("gaussiank", {}), ("gaussiank", {"density": 0.05, "value_dtype": "float16"}),
 ])
 def test_bucketed_steps_equal_the_per_tensor_steps(method, options):
     results, per, bucketed = run_steps(method, world=3, steps=5, **options)
@@ -240,13 +304,13 @@ def test_a_bucket_checkpoint_loads_tensor_by_tensor_and_back():
 
 
 def test_what_a_bucket_does_not_take_compresses_tensor_by_tensor():
-    """int8 values carry one scale a message, clipping bounds each tensor's norm, Gaussian-k's
-    threshold is not a top-k: none of them is bucketed (a bucket would change what they send)."""
+    """int8 values carry one scale a message and clipping bounds each tensor's norm: neither is
+    bucketed (a bucket would change what they send)."""
     assert not BY_NAME["topk"].build(value_dtype="int8").bucketed
+    assert not BY_NAME["gaussiank"].build(value_dtype="int8").bucketed
     assert not BY_NAME["dgc"].build(clip_norm=1.0).bucketed
-    assert not BY_NAME["gaussiank"].build().bucketed
-    assert BY_NAME["dgc"].build().bucketed and BY_NAME["topk"].build().bucketed
-    engine = Engine(BY_NAME["gaussiank"].build(), 1, 0)
+    assert all(BY_NAME[m].build().bucketed for m in ("dgc", "topk", "gaussiank"))
+    engine = Engine(BY_NAME["topk"].build(value_dtype="int8"), 1, 0)
     grads = [torch.randn(5000)]
     with pytest.raises(TypeError, match="tensor by tensor"):
         engine.compress_bucket(engine.bucket("b", [("a", grads[0])]), grads, [None])

@@ -666,3 +666,25 @@ def test_float64_gradients_agree_with_torch(name):
         got = tf_step(tf.constant(grad))
         assert got.dtype == tf.float64 and expected.dtype == torch.float64
         np.testing.assert_array_equal(expected.numpy(), got.numpy().reshape(shape), err_msg=f"step {t}")
+
+
+def test_a_bucket_selects_each_segment_as_alone_inside_tf_function():
+    """Both bucket selections through TFOps in a graph (where the plan's tables are made for
+    that graph) against the plain references of each segment alone."""
+    from horovod_dgc.core.bucket import Bucket, GaussianPlan, Plan, select_gaussian, select_segments
+    from test_core_bucket import naive_gaussian, naive_top
+    bucket = Bucket.of("b", [("a", 5000, False), ("b", 7, True), ("c", 20000, False), ("d", 65, True)], "float32")
+    plan = Plan.at(bucket, [0.01, 0.3, 0.001, 0.05])
+    x = np.zeros(bucket.numel, np.float32)
+    rng = np.random.default_rng(0)
+    for s in bucket.segments:
+        x[s.offset:s.end] = rng.standard_normal(s.numel) * np.exp(rng.standard_normal(s.numel))
+    top = tf.function(lambda v: select_segments(tf_ops, v, plan))(tf.constant(x)).numpy().tolist()
+    gaussian = tf.function(lambda v: select_gaussian(tf_ops, v, GaussianPlan.of(plan)))(tf.constant(x))
+    want_top, want_gaussian = [], []
+    for s, k in zip(bucket.segments, plan.ks):
+        values = torch.from_numpy(x[s.offset:s.end])
+        want_top += [s.offset + i for i in naive_top(values, k)]
+        want_gaussian += [s.offset + i for i in naive_gaussian(values.tolist(), k)[0]]
+    assert top == want_top
+    assert gaussian.numpy().tolist() == want_gaussian

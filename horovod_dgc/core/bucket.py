@@ -31,12 +31,15 @@ ascend across segments, in one index coding, then their values.
 from __future__ import annotations
 
 import functools
+import math
 import zlib
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 from .ops import Tensor, TensorOps
-from .selection import block_size, magnitude_bits, top_count
+from .selection import (GAUSSIAN_ADJUSTMENTS, GAUSSIAN_HIGH, GAUSSIAN_LOW, GAUSSIAN_LOWER_BY,
+                        GAUSSIAN_RAISE_BY, block_size, gaussian_capacity, gaussian_z, magnitude_bits,
+                        top_count)
 
 # Every segment starts at a multiple of ALIGN elements, and selection blocks divide it.
 ALIGN = 64
@@ -167,13 +170,14 @@ class Plan:
     def tables(self, ops: TensorOps, like: Tensor) -> "Tables":
         """The plan's index tables on the device of ``like``, made once per plan (a bucket
         stays on one device)."""
-        made = _TABLES.get(self)
+        key = (self, ops.constants_key(like))
+        made = _TABLES.get(key)
         if made is None:
-            made = _TABLES[self] = Tables.build(ops, self, like)
+            made = _TABLES[key] = Tables.build(ops, self, like)
         return made
 
 
-_TABLES: Dict[Plan, "Tables"] = {}
+_TABLES: Dict[Tuple[Any, Any], Any] = {}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -307,6 +311,162 @@ def select_segments(ops: TensorOps, x: Tensor, plan: Plan) -> Tensor:
         starts = ops.concat([tables.first_start, ops.searchsorted(keys, tables.segment_bounds)])
         picks = ops.add(ops.repeat_each(starts, tables.ks, plan.total), picks)
     return ops.sort(ops.gather(ops.gather(positions, kept), ops.gather(ranked, picks)))[0]
+
+
+@dataclass(frozen=True)
+class GaussianPlan:
+    """Gaussian-k on a bucket (:func:`select_gaussian`): each segment's target k and its
+    capacity (``gaussian_capacity``: the most it sends), and the selection of every
+    segment's ``capacity + 1`` largest entries (all of a segment that fits its capacity), in
+    which each threshold's count is taken.
+
+    Attributes:
+        plan: the bucket's plan at its densities (each segment's k).
+        capacities: per segment, ``gaussian_capacity(k, numel)``.
+        reach: the plan of the selection the counts are taken in.
+    """
+
+    plan: Plan
+    capacities: Tuple[int, ...]
+    reach: Plan
+
+    @classmethod
+    def of(cls, plan: Plan) -> "GaussianPlan":
+        segments = plan.bucket.segments
+        capacities = tuple(gaussian_capacity(k, s.numel) for k, s in zip(plan.ks, segments))
+        reach = _interned(Plan(plan.bucket, tuple(min(c + 1, s.numel) for c, s in zip(capacities, segments)),
+                               plan.block))
+        return _interned(cls(plan, capacities, reach))
+
+    @property
+    def total(self) -> int:
+        """Most entries the bucket sends."""
+        return sum(self.capacities)
+
+    def tables(self, ops: TensorOps, like: Tensor) -> "GaussianTables":
+        key = (self, ops.constants_key(like))
+        made = _TABLES.get(key)
+        if made is None:
+            made = _TABLES[key] = GaussianTables.build(ops, self, like)
+        return made
+
+
+@dataclass(frozen=True)
+class GaussianTables:
+    """The constant tensors of a :class:`GaussianPlan` (float32 per segment unless said).
+
+    Attributes:
+        block_segment: per block of ALIGN elements, its segment (int64).
+        numel: each segment's elements.
+        z: ``gaussian_z(k / numel)``.
+        low, high, lowest_count: the accepted counts ``2k/3`` and ``4k/3``, and
+            ``ceil(2k/3)``, the fewest a final threshold may let through.
+        whole: whether the segment is sent whole (its capacity holds it; boolean).
+        reach: the selection's entries per segment (int64, for expanding per-segment values).
+        slot_segment, slot_base: per selected entry, its segment (int64) and its sort key base.
+        kept_slot: per selected entry in a segment's ranking (largest first), whether its
+            rank is within the segment's capacity (boolean).
+    """
+
+    block_segment: Tensor
+    numel: Tensor
+    z: Tensor
+    low: Tensor
+    high: Tensor
+    lowest_count: Tensor
+    whole: Tensor
+    reach: Tensor
+    slot_segment: Tensor
+    slot_base: Tensor
+    kept_slot: Tensor
+
+    @classmethod
+    def build(cls, ops: TensorOps, plan: GaussianPlan, like: Tensor) -> "GaussianTables":
+        segments, ks = plan.plan.bucket.segments, plan.plan.ks
+        reach, slots = plan.reach.ks, range(len(segments))
+
+        def ints(values: Sequence[int]) -> Tensor:
+            return ops.constant(list(values), "int64", like=like)
+
+        def floats(values: Sequence[float]) -> Tensor:
+            return ops.constant(list(values), "float32", like=like)
+
+        return cls(block_segment=ints([s for s, seg in zip(slots, segments) for _ in range(seg.span // ALIGN)]),
+                   numel=floats([s.numel for s in segments]),
+                   z=floats([gaussian_z(k / s.numel) for k, s in zip(ks, segments)]),
+                   low=floats([GAUSSIAN_LOW * k for k in ks]), high=floats([GAUSSIAN_HIGH * k for k in ks]),
+                   lowest_count=floats([math.ceil(GAUSSIAN_LOW * k) for k in ks]),
+                   whole=ops.greater_equal(ints([int(c >= s.numel) for c, s in zip(plan.capacities, segments)]), 1),
+                   reach=ints(reach),
+                   slot_segment=ints([s for s, r in zip(slots, reach) for _ in range(r)]),
+                   slot_base=ints([(s + 1) * _SEGMENT_SHIFT for s, r in zip(slots, reach) for _ in range(r)]),
+                   kept_slot=ops.greater_equal(ints([int(j < c) for c, r in zip(plan.capacities, reach)
+                                                     for j in range(r)]), 1))
+
+
+def _segment_sums(ops: TensorOps, values: Tensor, segments: Tensor, count: int) -> Tensor:
+    """Per segment (``count`` of them), the sum of the float32 ``values`` of its entries."""
+    return ops.scatter_add(ops.zeros(count, "float32", like=values), segments, values)
+
+
+def gaussian_thresholds(ops: TensorOps, x: Tensor, plan: GaussianPlan) -> Tensor:
+    """Each segment's ``|mean| + std * z`` (float32): the magnitude a normal distribution of
+    the segment's mean and standard deviation exceeds with probability ``k / numel``."""
+    tables, count = plan.tables(ops, x), len(plan.capacities)
+    x = ops.cast(x, "float32") if ops.dtype(x) != "float32" else x
+    totals = [_segment_sums(ops, ops.cast(ops.block_sum(v, ALIGN), "float32"), tables.block_segment, count)
+              for v in (x, ops.multiply(x, x))]
+    # One value per segment: arithmetic as selection.gaussian_threshold's on its scalars.
+    mean = totals[0] / tables.numel
+    variance = ops.maximum(totals[1] / tables.numel - mean * mean, 0.0)
+    return ops.abs(mean) + ops.sqrt(variance) * tables.z
+
+
+def select_gaussian(ops: TensorOps, x: Tensor, plan: GaussianPlan) -> Tensor:
+    """Gaussian-k of every segment of ``x`` at once: positions (int64, ascending, in the
+    bucket's flat numbering) of what :func:`selection.select_gaussian` sends of each segment
+    alone, at most ``plan.total`` of them, the count depending on the data.
+
+    A segment's count at a threshold is compared only with ``2k/3``, ``4k/3`` and its
+    capacity, and every such comparison comes out the same when the count is taken among the
+    segment's ``capacity + 1`` largest entries: so one exact selection of those
+    (:func:`select_segments`) replaces every pass over the gradient that counting would
+    take, and the adjustments run on tensors of one value per segment. The entries sent are
+    the selected ones at or above the final threshold, the ``capacity + 1``-th of a segment
+    never (it is reached only when more than the capacity reach the threshold)."""
+    tables, reach = plan.tables(ops, x), plan.reach
+    count = len(plan.capacities)
+    positions = select_segments(ops, x, reach)
+    magnitudes = ops.cast(ops.abs(ops.gather(x, positions)), "float32")
+
+    def reaching(threshold: Tensor) -> Tensor:
+        return ops.greater_equal(magnitudes, ops.repeat_each(threshold, tables.reach, reach.total))
+
+    def counted(threshold: Tensor) -> Tensor:
+        return _segment_sums(ops, ops.cast(reaching(threshold), "float32"), tables.slot_segment, count)
+
+    def adjust(t: Tensor, reached: Tensor, lowest: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        above_low = ops.greater_equal(reached, tables.low)
+        within = ops.where(above_low, ops.greater_equal(tables.high, reached), False)
+        t = ops.where(within, t, ops.where(above_low, t * GAUSSIAN_RAISE_BY, t * GAUSSIAN_LOWER_BY))
+        return t, counted(t), ops.minimum(lowest, t)
+
+    t = gaussian_thresholds(ops, x, plan)
+    state = (t, counted(t), t)
+    if ops.sizes_cost_a_wait(x):
+        # A segment within its range stays as it is: the adjustments need no test of the
+        # counts on the host.
+        for _ in range(GAUSSIAN_ADJUSTMENTS):
+            state = adjust(*state)
+    else:
+        state = ops.while_loop(lambda _t, c, _l: ops.equal(ops.all_within(c, tables.low, tables.high), False),
+                               adjust, state, GAUSSIAN_ADJUSTMENTS)
+    t, reached, lowest = state
+    # Fewer than 2k/3 after every adjustment: the lowest threshold tried, as one tensor alone.
+    t = ops.where(tables.whole, 0.0, ops.where(ops.greater_equal(reached, tables.lowest_count), t, lowest))
+    _, order = ops.sort(_keys(ops, magnitude_bits(ops, magnitudes), tables.slot_base, True))
+    kept = ops.where(tables.kept_slot, ops.gather(reaching(t), order), False)
+    return ops.sort(ops.gather(ops.gather(positions, order), ops.nonzero(kept)))[0]
 
 
 def flat_views(ops: TensorOps, flat: Tensor, bucket: Bucket) -> List[Tensor]:

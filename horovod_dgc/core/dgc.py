@@ -64,6 +64,7 @@ class DGC(SparseMethod):
     method_id = 2
     filters_blocks = True
     collects_candidates = True
+    selects_buckets = True
     config: DGCConfig
 
     def __init__(self, config: DGCConfig = DGCConfig()):

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Tuple
+
+from . import bucket
+from .bucket import GaussianPlan, Plan
 from .config import GatheredConfig
 from .memory import Accumulated, ResidualMemory
-from .ops import Tensor, TensorOps
+from .ops import Scalar, Tensor, TensorOps
 from .selection import gaussian_capacity, select_gaussian
 from .method import CompressCall
 from .sparse import SparseMethod
@@ -26,6 +30,7 @@ class GaussianKConfig(GatheredConfig):
 class GaussianK(SparseMethod):
     method_id = 3
     filters_blocks = True
+    selects_buckets = True
 
     def __init__(self, config: GaussianKConfig = GaussianKConfig()):
         super().__init__(config)
@@ -39,3 +44,10 @@ class GaussianK(SparseMethod):
     def select(self, ops: TensorOps, x: Tensor, k: int, call: CompressCall,
                accumulated: Accumulated) -> Tensor:
         return select_gaussian(ops, x, k, accumulated.block_max)
+
+    def select_bucket(self, ops: TensorOps, x: Tensor, plan: Plan) -> Tuple[Tensor, Scalar]:
+        positions = bucket.select_gaussian(ops, x, GaussianPlan.of(plan))
+        return positions, ops.size(positions)
+
+    def bucket_capacity(self, plan: Plan) -> int:
+        return GaussianPlan.of(plan).total

@@ -65,8 +65,14 @@ class TensorOps(ABC):
 
     @abstractmethod
     def constant(self, values: Sequence[Any], dtype: str, like: Tensor) -> Tensor:
-        """A small 1-D tensor of ``values`` (Python ints or 0-d integer tensors) on the
-        device of ``like``."""
+        """A small 1-D tensor of ``values`` (Python numbers or 0-d tensors) on the device of
+        ``like``."""
+
+    def constants_key(self, like: Tensor) -> Any:
+        """What constant tensors made for ``like`` (:meth:`constant`) can be reused for: any
+        tensor of the same key. The framework and the device; an adapter adds what else
+        binds a tensor (a TensorFlow graph)."""
+        return type(self), getattr(like, "device", None)
 
     @abstractmethod
     def ones(self, n: int, dtype: str, like: Tensor) -> Tensor:
@@ -181,6 +187,11 @@ class TensorOps(ABC):
         """Sum of ``|x|`` over consecutive blocks of ``block`` elements (last one may be short),
         in ``x``'s dtype. Accumulate in float64: each framework sums in its own order, and a
         float64 sum rounded once to float32 agrees across frameworks where float32 sums do not."""
+
+    @abstractmethod
+    def block_sum(self, x: Tensor, block: int) -> Tensor:
+        """Sum of ``x`` over consecutive blocks of ``block`` elements (``numel(x)`` a multiple
+        of ``block``), in float32 (float64 for a float64 ``x``)."""
 
     @abstractmethod
     def repeat_blocks(self, values: Tensor, block: int, n: int) -> Tensor:

@@ -291,8 +291,13 @@ def gaussian_threshold(ops: TensorOps, x: Tensor, density: float) -> Scalar:
     n = ops.numel(x)
     mean = ops.sum(x) / n
     variance = ops.maximum(ops.dot(x, x) / n - mean * mean, 0.0)
-    z = NormalDist().inv_cdf(1.0 - density / 2.0)
-    return ops.abs(mean) + ops.sqrt(variance) * z
+    return ops.abs(mean) + ops.sqrt(variance) * gaussian_z(density)
+
+
+def gaussian_z(density: float) -> float:
+    """``Phi^-1(1 - density / 2)``: the multiple of the standard deviation beyond which a
+    normal distribution lies with probability ``density``."""
+    return NormalDist().inv_cdf(1.0 - density / 2.0)
 
 
 GAUSSIAN_ADJUSTMENTS = 3

@@ -9,9 +9,9 @@ selector (which entries to send, :mod:`.selection`). This module runs them on on
                 -> (1/N) * sum_r scatter_add(indices_r, values_r)
 
 :meth:`SparseMethod.compress_bucket` runs the same stages once for a whole bucket of tensors
-(:mod:`.bucket`), for the methods that select each tensor's exact top-k (``bucketed``): one
-memory pass over the flat buffer, every segment's top-k at once, one message; its decode is
-:meth:`~SparseMethod.decompress` of that one message.
+(:mod:`.bucket`), for the methods whose selection takes every segment at once (``bucketed``):
+one memory pass over the flat buffer, every segment's selection at once, one message; its
+decode is :meth:`~SparseMethod.decompress` of that one message.
 """
 from __future__ import annotations
 
@@ -139,16 +139,29 @@ class SparseMethod(Method):
     # -- a whole bucket at once ------------------------------------------------------------
     @property
     def bucketed(self) -> bool:
-        """Whether :meth:`compress_bucket` takes this method's tensors: those that select each
-        tensor's exact top-k (``collects_candidates``), with values in a format that has no
-        scale per message (int8's one scale would be the bucket's, not each tensor's)."""
-        return self.collects_candidates and self.config.value_dtype != "int8"
+        """Whether :meth:`compress_bucket` takes this method's tensors: those whose selection
+        runs on every segment of a bucket at once (``selects_buckets``), with values in a
+        format that has no scale per message (int8's one scale would be the bucket's, not
+        each tensor's)."""
+        return self.selects_buckets and self.config.value_dtype != "int8"
+
+    # Whether select_bucket() selects what select() would of each segment alone.
+    selects_buckets: ClassVar[bool] = False
+
+    def select_bucket(self, ops: TensorOps, x: Tensor, plan: Plan) -> Tuple[Tensor, Scalar]:
+        """(positions in the bucket's flat numbering, ascending; how many) of what every
+        segment of the flat buffer ``x`` sends: by default each segment's exact top-k."""
+        return select_segments(ops, x, plan), plan.total
+
+    def bucket_capacity(self, plan: Plan) -> int:
+        """Slots in a bucket's message: by default ``plan.total``, every segment's k."""
+        return plan.total
 
     def bucket_layout(self, bucket: Bucket, plan: Plan) -> wire.MessageLayout:
-        """The message of a bucket: one header, ``plan.total`` positions in the bucket's flat
-        numbering, then their values."""
+        """The message of a bucket: one header, up to ``bucket_capacity(plan)`` positions in
+        the bucket's flat numbering, then their values."""
         return wire.interned(wire.MessageLayout(
-            name=bucket.key, method_id=self.method_id, numel=bucket.numel, capacity=plan.total,
+            name=bucket.key, method_id=self.method_id, numel=bucket.numel, capacity=self.bucket_capacity(plan),
             value_format=wire.value_format(bucket.dtype, self.config.value_dtype)))
 
     def prepare_bucket(self, ops: TensorOps, grad: Tensor, call: BucketCall) -> Tuple[Tensor, Scalar]:
@@ -171,7 +184,7 @@ class SparseMethod(Method):
         :meth:`compress` sends each of them, in one message. ``state``: the memories as flat
         buffers of the bucket's layout."""
         if not self.bucketed:
-            raise TypeError(f"{type(self).__name__} does not select each tensor's exact top-k "
+            raise TypeError(f"{type(self).__name__} with these settings does not select in buckets "
                             f"and compresses tensor by tensor")
         plan = call.plan
         layout = self.bucket_layout(call.bucket, plan)
@@ -180,12 +193,12 @@ class SparseMethod(Method):
 
         def send(flags: Any = 0):
             x = accumulated.x
-            positions = select_segments(ops, x, plan)
-            header = layout.header(call.rank, call.step, plan.total, flags)
+            positions, count = self.select_bucket(ops, x, plan)
+            header = layout.header(call.rank, call.step, count, flags)
             selected = ops.gather(x, positions)
-            message, decoded = layout.encode(ops, header, positions, plan.total, selected)
-            sent = ops.cast(ops.slice(decoded, 0, plan.total), ops.dtype(x))
-            return self.update_bucket(ops, accumulated.state, positions, sent, plan), message, plan.total
+            message, decoded = layout.encode(ops, header, positions, count, selected)
+            sent = ops.cast(ops.slice(decoded, 0, count), ops.dtype(x))
+            return self.update_bucket(ops, accumulated.state, positions, sent, plan), message, count
 
         def skip():
             header = layout.header(call.rank, call.step, 0, wire.FLAG_NONFINITE)

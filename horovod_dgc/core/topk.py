@@ -26,6 +26,7 @@ class TopK(SparseMethod):
     method_id = 1
     filters_blocks = True
     collects_candidates = True
+    selects_buckets = True
 
     def __init__(self, config: TopKConfig = TopKConfig()):
         super().__init__(config)

@@ -238,15 +238,19 @@ class TFOps(TensorOps):
     def zeroed(self, x: tf.Tensor) -> tf.Tensor:
         return tf.zeros_like(x)
 
+    def constants_key(self, like: tf.Tensor) -> Any:
+        # A graph's constants belong to it: a table made while tracing one is not another's.
+        return type(self), like.device if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+
     def constant(self, values: Sequence[Any], dtype: str, like: tf.Tensor) -> tf.Tensor:
-        """The Python ints as one constant, each distinct other value (a tensor) converted
+        """The Python numbers as one constant, each distinct other value (a tensor) converted
         once (a header's step counter repeats in every message's bounds)."""
         target = DTYPES[dtype]
-        if all(isinstance(v, int) for v in values):
+        if all(isinstance(v, _PYTHON_NUMBERS) for v in values):
             return _constant(tuple(values), target)
-        dynamic = list({id(v): v for v in values if not isinstance(v, int)}.values())
+        dynamic = list({id(v): v for v in values if not isinstance(v, _PYTHON_NUMBERS)}.values())
         where = {id(v): len(values) + i for i, v in enumerate(dynamic)}
-        pool = _concat([_constant(tuple(v if isinstance(v, int) else 0 for v in values), target),
+        pool = _concat([_constant(tuple(v if isinstance(v, _PYTHON_NUMBERS) else 0 for v in values), target),
                         tf.stack([_tensor(v, target) for v in dynamic])])
         return _gather(pool, _constant(tuple(where.get(id(v), i) for i, v in enumerate(values)),
                                        tf.int32))
@@ -393,6 +397,9 @@ class TFOps(TensorOps):
             tail = tf.slice(magnitudes, _shape(whole * block), _shape(n - whole * block))
             sums = _concat([sums, tf.reduce_sum(tail, _axis(0), keepdims=True)])
         return tf.cast(sums, x.dtype)
+
+    def block_sum(self, x: tf.Tensor, block: int) -> tf.Tensor:
+        return tf.reduce_sum(_rows(_at_least_float32(x), block), _axis(1))
 
     def repeat_blocks(self, values: tf.Tensor, block: int, n: int) -> tf.Tensor:
         return _head(tf.repeat(values, block), n)

@@ -218,6 +218,9 @@ class TorchOps(TensorOps):
             sums = torch.cat([sums, x[whole * block:].abs().sum(dtype=torch.float64).reshape(1)])
         return sums.to(x.dtype)
 
+    def block_sum(self, x: torch.Tensor, block: int) -> torch.Tensor:
+        return x.view(-1, block).sum(dim=1, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+
     def repeat_blocks(self, values: torch.Tensor, block: int, n: int) -> torch.Tensor:
         if block >= n:
             return values[:1].expand(n)

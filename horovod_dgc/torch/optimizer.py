@@ -6,11 +6,13 @@ Same signature as ``hvd.DistributedOptimizer``. Against the stock path it adds:
   move into a compressor that keeps momentum itself (and out of the optimizer), so momentum
   is never applied twice;
 * compressed parameters form buckets fixed at construction (reverse registration order,
-  about ``bucket_cap_mb`` of dense gradient each). A bucket is a transport unit only: every
-  tensor is compressed, selected, scaled and remembered on its own, exactly as on the stock
-  path, and the bucket's messages share one collective per stage (the compressor's family
-  says how) instead of one per tensor plus a placeholder all-reduce. The tensors that travel
-  dense form buckets of their own the same way, one all-reduce per bucket and dtype;
+  about ``bucket_cap_mb`` of dense gradient each), each launched when its last gradient is
+  ready. A method that is ``bucketed`` compresses a bucket as one (one memory pass, one
+  selection, one message per dtype: :mod:`horovod_dgc.core.bucket`), sending of each tensor
+  what the stock path sends of it; the others compress tensor by tensor and the bucket's
+  messages share one collective per stage (the compressor's family says how) instead of one
+  per tensor plus a placeholder all-reduce. The tensors that travel dense form buckets of
+  their own the same way, one all-reduce per bucket and dtype;
 * ``backward_passes_per_step``: gradients accumulate locally and compress once;
 * ``sparse_as_dense``: as Horovod's, a sparse gradient is made dense (and then compressed).
 """
