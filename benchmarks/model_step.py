@@ -6,11 +6,12 @@ Each method takes ResNet-50's 161 gradient tensors through three layouts, with `
 ranks emulated in this process (the collectives emulated: ``benchmarks.host_syncs``), on the
 CPU, one thread:
 
-* **per tensor**: every tensor compressed and decoded on its own (what Gaussian-k, ScaleCom
-  and blocksign do on the stock path);
+* **per tensor**: every tensor compressed and decoded on its own (the per-tensor path, which
+  every bucket's tensors must match);
 * **buckets**: buckets of about 25 MB of gradient in reverse order, as both Horovod paths
-  cut them, each compressed as one (``Engine.compress_bucket``) where the method is
-  ``bucketed`` (dgc, topk), else tensor by tensor and decoded in one call per bucket;
+  cut them, each compressed as one (``Engine.compress_bucket``, ``Engine.first_bucket``) where
+  the method is ``bucketed`` (dgc, topk, gaussiank, scalecom), else tensor by tensor and
+  decoded in one call per bucket;
 * **one tensor**: a single flat tensor of the same 25,557,032 entries.
 
 For each it prints the CPU milliseconds of compress and decode per rank per step (medians,
@@ -26,13 +27,13 @@ import argparse
 import math
 import statistics
 import time
-from typing import Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.host_syncs import HostReadCounter, compress_all, decode_all, decode_buckets, resnet50
-from horovod_dgc.core.collectives import DEFAULT_BUCKET_CAP_MB, cut_buckets
+from horovod_dgc.core.collectives import DEFAULT_BUCKET_CAP_MB, cut_buckets, emulate
 from horovod_dgc.core.methods import BY_NAME, METHODS
 from horovod_dgc.torch.engine import Engine
 
@@ -85,17 +86,32 @@ class Run:
     def _bucketed_step(self, grads: List[List[torch.Tensor]]) -> None:
         """Every bucket compressed, then every bucket decoded, as a training step runs them
         (a step's checks are then read once, when its last bucket comes back)."""
-        sent = []
+        sent, two_stage = [], self.engines[0].method.family == "two-stage"
         for members in self.buckets:
             sent.append([])
             for engine, rank_grads in zip(self.engines, grads):
                 bucket = engine.bucket(f"b{members[0]}", [(self.names[i], rank_grads[i]) for i in members])
-                sent[-1].append(engine.compress_bucket(bucket, [rank_grads[i] for i in members],
-                                                       [None] * len(members)))
+                start = engine.first_bucket if two_stage else engine.compress_bucket
+                sent[-1].append((bucket, start(bucket, [rank_grads[i] for i in members], [None] * len(members)),
+                                 [rank_grads[i].shape for i in members]))
         for per_rank in sent:
-            gathered = torch.cat([o.message for o in per_rank])
-            for engine, outgoing in zip(self.engines, per_rank):
+            if two_stage:
+                self._two_stages(per_rank)
+                continue
+            gathered = torch.cat([o.message for _, o, _ in per_rank])
+            for engine, (_, outgoing, _) in zip(self.engines, per_rank):
                 engine.decompress(gathered, [outgoing])
+
+    def _two_stages(self, per_rank: List[Any]) -> None:
+        """A bucket's two collectives, emulated, and every rank's update."""
+        ops, method = self.engines[0].ops, self.engines[0].method
+        root = method.root(per_rank[0][1][1].call)
+        received = emulate(ops, method.FIRST, [message for _, (message, _), _ in per_rank], root)
+        seconds = [engine.second(bucket.key, r, handover)
+                   for engine, (bucket, (_, handover), _), r in zip(self.engines, per_rank, received)]
+        for engine, (bucket, (_, handover), shapes), final in zip(
+                self.engines, per_rank, emulate(ops, method.SECOND, seconds, root)):
+            engine.finish_bucket(final, handover, bucket, shapes)
 
 
 def timed(run: Run, world: int) -> float:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from horovod_dgc.core.bucket import ALIGN, Bucket, GaussianPlan, Plan, Segment, select_gaussian, select_segments
+from horovod_dgc.core.collectives import emulate
 from horovod_dgc.core.methods import BY_NAME
 from horovod_dgc.core.wire import MessageError
 from horovod_dgc.torch.engine import Engine
@@ -144,19 +145,29 @@ def test_a_bucket_refuses_what_is_not_a_layout():
 SHAPES = [(64, 3, 3, 3), (64,), (1,), (256, 64, 1, 1), (1000,), (10, 2048), (3, 5)]
 
 
-def run_steps(method: str, world: int, steps: int, dtype=torch.float32, nan_at=None, **options):
+def run_steps(method: str, world: int, steps: int, dtype=torch.float32, nan_at=None, loss_scale=None,
+              **options):
     """``steps`` steps of ``world`` ranks, tensor by tensor and as one bucket, on the same
-    gradients: (per-tensor averages, bucketed averages, both engines) per step."""
+    gradients (times ``loss_scale``, which the engines are told of): (per-tensor averages,
+    bucketed averages, both engines) per step."""
     per = [Engine(BY_NAME[method].build(**options), world, r) for r in range(world)]
     bucketed = [Engine(BY_NAME[method].build(**options), world, r) for r in range(world)]
+    for engine in per + bucketed:
+        if loss_scale is not None:
+            engine.use_loss_scale(lambda: loss_scale)
     names = [f"t{i}" for i in range(len(SHAPES))]
     gen = torch.Generator().manual_seed(1)
     params = [torch.randn(s, generator=gen).to(dtype) for s in SHAPES]
     results = []
     for t in range(steps):
-        grads = [[torch.randn(s, generator=gen).to(dtype) for s in SHAPES] for _ in range(world)]
+        grads = [[(torch.randn(s, generator=gen) * (loss_scale or 1.0)).to(dtype) for s in SHAPES]
+                 for _ in range(world)]
         if nan_at == t:
             grads[1][3][0, 0] = float("nan")
+        if per[0].method.family == "two-stage":
+            results.append((two_stage_per_tensor(per, names, grads, params),
+                            two_stage_bucket(bucketed, names, grads, params)))
+            continue
         outs = [[e.compress(n, g.clone(), p) for n, g, p in zip(names, gs, params)] for e, gs in zip(per, grads)]
         gathered = torch.cat([o.message for rank in outs for o in rank])
         per_avg = [e.decompress(gathered, outs[r]) for r, e in enumerate(per)]
@@ -171,8 +182,53 @@ def run_steps(method: str, world: int, steps: int, dtype=torch.float32, nan_at=N
     return results, per, bucketed
 
 
+def _two_stages(engines, firsts, second, finish):
+    """The two collectives of a two-stage method between ``engines``, in this process:
+    each rank's ``finish(rank, received, handover)`` after stage 1's ``firsts`` (message,
+    handover) per rank and ``second(rank, received, handover)``."""
+    ops, method = engines[0].ops, engines[0].method
+    root = method.root(firsts[0][1].call)
+    received = emulate(ops, method.FIRST, [m for m, _ in firsts], root)
+    seconds = [second(r, got, h) for r, (got, (_, h)) in enumerate(zip(received, firsts))]
+    received = emulate(ops, method.SECOND, seconds, root)
+    return [finish(r, got, h) for r, (got, (_, h)) in enumerate(zip(received, firsts))]
+
+
+def two_stage_per_tensor(engines, names, grads, params):
+    """Every rank's averages of a two-stage method, tensor by tensor: ``[rank][tensor]``."""
+    by_tensor = []
+    for i, name in enumerate(names):
+        firsts = [e.first(name, gs[i].clone(), params[i]) for e, gs in zip(engines, grads)]
+        by_tensor.append(_two_stages(engines, firsts, lambda r, got, h: engines[r].second(name, got, h),
+                                     lambda r, got, h: engines[r].finish(got, h, grads[r][i].shape)))
+    return [list(rank) for rank in zip(*by_tensor)]
+
+
+def two_stage_bucket(engines, names, grads, params):
+    """Every rank's averages of a two-stage method, its tensors as one bucket."""
+    buckets = [e.bucket("layer", list(zip(names, gs))) for e, gs in zip(engines, grads)]
+    firsts = [e.first_bucket(b, [g.clone() for g in gs], params) for e, b, gs in zip(engines, buckets, grads)]
+    return _two_stages(engines, firsts, lambda r, got, h: engines[r].second(buckets[r].key, got, h),
+                       lambda r, got, h: [t.clone() for t in engines[r].finish_bucket(
+                           got, h, buckets[r], [g.shape for g in grads[r]])])
+
+
 def states(engine):
     return engine.state_dict()["states"]
+
+
+@pytest.mark.parametrize("method", ["dgc", "topk", "gaussiank", "scalecom"])
+def test_a_bucket_undoes_the_loss_scale_as_each_tensor_does(method):
+    """Gradients 1024 times too large, with the engines told so: a bucket's averages and
+    memories equal the per-tensor ones (a bucket whose memory took the gradients in the
+    loss scale's units would remember 1024 times too much)."""
+    results, per, bucketed = run_steps(method, world=2, steps=3, loss_scale=1024.0)
+    for per_avg, bucket_avg in results:
+        for rank_a, rank_b in zip(per_avg, bucket_avg):
+            assert all(torch.equal(a, b) for a, b in zip(rank_a, rank_b))
+    for e, f in zip(per, bucketed):
+        mine, theirs = states(e), states(f)
+        assert all(torch.equal(mine[n][k], theirs[n][k]) for n in mine for k in mine[n])
 
 
 @pytest.mark.parametrize("method,options", [
@@ -180,6 +236,7 @@ def states(engine):
     ("dgc", {"warmup_epochs": 1, "steps_per_epoch": 2}), ("topk", {"value_dtype": "float32"}),
     ("dgc", {"small_density": None, "min_numel": 1, "density": 0.02}),
     ("gaussiank", {}), ("gaussiank", {"density": 0.05, "value_dtype": "float16"}),
+    ("scalecom", {}), ("scalecom", {"beta": 0.3, "density": 0.05}),
 ])
 def test_bucketed_steps_equal_the_per_tensor_steps(method, options):
     results, per, bucketed = run_steps(method, world=3, steps=5, **options)
@@ -241,10 +298,13 @@ def test_a_bfloat16_bucket_keeps_float32_memories_and_sends_a_top_k_of_each_tens
     assert all(m.dtype == torch.float32 for s in states(engine).values() for m in s.values())
 
 
-def test_a_step_not_finite_on_one_rank_is_dropped_by_every_rank():
-    results, _, bucketed = run_steps("dgc", world=3, steps=3, nan_at=2)
-    _, _, two_steps = run_steps("dgc", world=3, steps=2)
-    for per_avg, bucket_avg in results[2:]:
+@pytest.mark.parametrize("method,nan_at", [("dgc", 2), ("gaussiank", 2), ("scalecom", 2), ("scalecom", 1)],
+                         ids=["dgc", "gaussiank", "scalecom", "scalecom-on-its-leader"])
+def test_a_step_not_finite_on_one_rank_is_dropped_by_every_rank(method, nan_at):
+    """Rank 1's gradient holds a NaN at step ``nan_at`` (ScaleCom's leader at step 1)."""
+    results, _, bucketed = run_steps(method, world=3, steps=nan_at + 1, nan_at=nan_at)
+    _, _, two_steps = run_steps(method, world=3, steps=nan_at)
+    for per_avg, bucket_avg in results[nan_at:]:
         for rank in bucket_avg:
             assert any(torch.isnan(t).any() for t in rank)
     for e, f in zip(bucketed, two_steps):

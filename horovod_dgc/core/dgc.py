@@ -13,10 +13,10 @@ from typing import Optional, Tuple
 from .bucket import Plan
 from .config import GatheredConfig
 from .memory import Accumulated, MomentumCorrectionMemory
-from .method import CompressCall, State
+from .method import BucketCall, CompressCall, State
 from .ops import Scalar, Tensor, TensorOps
 from .selection import MAX_RETRIES, RETRY_FACTOR, SAMPLE_RATIO, sampling_offset, select_sampled
-from .sparse import BucketCall, SparseMethod
+from .sparse import SparseMethod
 from .validation import (optional_positive, require_fraction, require_momentum, require_non_negative,
                          require_open_fraction, require_positive_int)
 

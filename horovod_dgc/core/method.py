@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, Optional, Tuple
 
+from .bucket import Bucket, Plan
 from .collectives import network_bytes
 from .config import CompressionConfig
 from .ops import Tensor, TensorOps
@@ -74,6 +75,50 @@ class CompressCall:
     def unscale(self) -> Any:
         """The factor that brings the gradient back to unscaled units."""
         return 1.0 / self.loss_scale
+
+
+@dataclass(frozen=True)
+class BucketCall:
+    """What one compress of a bucket knows besides its flat gradient (``CompressCall``'s
+    fields, per segment where they differ between tensors).
+
+    Attributes:
+        bucket: the bucket.
+        rank, world_size: this worker and the number of workers.
+        step: the step of every member tensor (they are compressed together).
+        densities: each segment's density in force (after warm-up; a small segment's own).
+        param: the parameters as a flat buffer laid out as the bucket (zero padding), needed
+            only for weight decay.
+        loss_scale: the factor the gradients were multiplied by (see ``CompressCall``).
+        weight_decays: each segment's weight decay, when they differ from the config's; None:
+            the config's for every segment.
+        spare: memories nothing needs any more, by name, whose storage the new ones may take.
+    """
+
+    bucket: Bucket
+    rank: int
+    world_size: int
+    step: Any
+    densities: Tuple[float, ...]
+    param: Optional[Tensor] = None
+    loss_scale: Any = 1.0
+    weight_decays: Optional[Tuple[float, ...]] = None
+    spare: Optional[State] = None
+
+    @property
+    def unscale(self) -> Any:
+        return 1.0 / self.loss_scale
+
+    @property
+    def plan(self) -> Plan:
+        return Plan.at(self.bucket, self.densities)
+
+    def as_call(self) -> CompressCall:
+        """The bucket as one tensor's call, named by its key (for the stages of a two-stage
+        method, which take one); its density is the share of the bucket's entries sent."""
+        numel = sum(s.numel for s in self.bucket.segments)
+        return CompressCall(name=self.bucket.key, rank=self.rank, world_size=self.world_size,
+                            step=self.step, density=self.plan.total / numel, loss_scale=self.loss_scale)
 
 
 @dataclass(frozen=True)

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Tuple
+from typing import Any, Callable, Tuple
 
 from . import wire
+from .bucket import select_segments
 from .codecs import value_coding
 from .collectives import ALLREDUCE, BROADCAST
 from .config import SparseConfig
 from .memory import Accumulated, LowPassMemory
-from .method import CompressCall, State, StateLayout, state_dtype
+from .method import BucketCall, CompressCall, State, StateLayout, state_dtype
 from .nonfinite import flag, nan_unless, settle_tensor
 from .ops import Scalar, Tensor, TensorOps
 from .selection import (MAX_RETRIES, RETRY_FACTOR, SAMPLE_RATIO, candidate_capacity, filter_block,
@@ -138,31 +139,69 @@ class ScaleCom(TwoStageMethod):
         accumulated = self.memory.accumulate(ops, state, grad, call.unscale, spare=call.spare,
                                              block=block, bound=bound if capacity else None,
                                              capacity=capacity)
-        p, state, finite = accumulated.x, accumulated.state, accumulated.finite
+        p = accumulated.x
         kept_bound = bound if bound is not None else 0.0
 
-        def leader_message() -> Tuple[Tensor, Scalar]:
-            def chosen(flags: Any = 0) -> Tuple[Tensor, Scalar]:
-                positions = self.leader_indices(ops, p, k, call, accumulated)
-                header = layout.header(call.rank, call.step, k, flags, call.traced_id)
-                next_bound = (predict_bound(ops, ops.min_abs(ops.gather(p, positions)), k,
-                                            accumulated.candidates)
-                              if bounded else kept_bound)
-                return layout.encode(ops, header, positions, k)[0], next_bound
+        def chosen() -> Tuple[Tensor, Scalar]:
+            positions = self.leader_indices(ops, p, k, call, accumulated)
+            next_bound = (predict_bound(ops, ops.min_abs(ops.gather(p, positions)), k, accumulated.candidates)
+                          if bounded else kept_bound)
+            return positions, next_bound
 
-            if ops.defers_checks(grad):
+        message, next_bound = self._first_message(ops, call, layout, accumulated.finite, grad, chosen, kept_bound)
+        handover = StageHandover(call, n, ops.dtype(grad), {"p": p, "layout": layout, "finite": accumulated.finite},
+                                 next_bound if self.collects_candidates else None)
+        return message, accumulated.state, handover
+
+    def _first_message(self, ops: TensorOps, call: CompressCall, layout: wire.MessageLayout, finite: Scalar,
+                       like: Tensor, chosen: Callable[[], Tuple[Tensor, Scalar]],
+                       kept_bound: Scalar) -> Tuple[Tensor, Scalar]:
+        """(stage 1's message, the rank's next candidate bound): on the leader the positions
+        ``chosen()`` gives (with the bound it predicts), flagged empty if its gradient is not
+        finite; zeros on every other rank, which keeps ``kept_bound``."""
+        def leader_message() -> Tuple[Tensor, Scalar]:
+            def encoded(flags: Any = 0) -> Tuple[Tensor, Scalar]:
+                positions, next_bound = chosen()
+                header = layout.header(call.rank, call.step, layout.capacity, flags, call.traced_id)
+                return layout.encode(ops, header, positions, layout.capacity)[0], next_bound
+
+            if ops.defers_checks(like):
                 # No branch on the device's flag: a leader whose gradient is not finite sends
                 # its selection flagged; its NaN values in stage 2 drop the step everywhere.
-                return chosen(flag(ops, finite))
+                return encoded(flag(ops, finite))
             header = layout.header(call.rank, call.step, 0, flag(ops, False), call.traced_id)
-            return ops.cond(finite, chosen, lambda: (layout.empty(ops, header, like=grad), 0.0))
+            return ops.cond(finite, encoded, lambda: (layout.empty(ops, header, like=like), 0.0))
 
         # ops.cond: in a TensorFlow graph the step, hence the leader, is known only at run time.
-        message, next_bound = ops.cond(call.rank == self.root(call), leader_message,
-                                       lambda: (ops.zeros(layout.nbytes, "uint8", like=grad), kept_bound))
-        handover = StageHandover(call, n, ops.dtype(grad), {"p": p, "layout": layout, "finite": finite},
-                                 next_bound if self.collects_candidates else None)
-        return message, state, handover
+        return ops.cond(call.rank == self.root(call), leader_message,
+                        lambda: (ops.zeros(layout.nbytes, "uint8", like=like), kept_bound))
+
+    # -- a whole bucket at once ------------------------------------------------------------
+    @property
+    def bucketed(self) -> bool:
+        """The exact leader selection takes every segment of a bucket at once
+        (``bucket.select_segments``: each tensor's exact top-k); the chunked one compresses
+        tensor by tensor."""
+        return self.collects_candidates
+
+    def first_bucket(self, ops: TensorOps, state: State, grad: Tensor,
+                     call: BucketCall) -> Tuple[Tensor, State, StageHandover]:
+        """:meth:`first` of a bucket's flat gradient (laid out as ``call.bucket``, zero
+        padding): the leader's positions of every segment's top-k in one message, in the
+        bucket's flat numbering. :meth:`second` and :meth:`finish` then take the bucket as one
+        tensor (``call.as_call()``), its update the flat buffer. ``state``: the memories as
+        flat buffers of the bucket's layout."""
+        plan, one = call.plan, call.as_call()
+        layout = wire.interned(wire.MessageLayout(name=call.bucket.key, method_id=self.method_id,
+                                                  numel=call.bucket.numel, capacity=plan.total,
+                                                  value_format=None))
+        accumulated = self.memory.accumulate(ops, state, grad, call.unscale, spare=call.spare)
+        p = accumulated.x
+        message, _ = self._first_message(ops, one, layout, accumulated.finite, grad,
+                                         lambda: (select_segments(ops, p, plan), 0.0), 0.0)
+        handover = StageHandover(one, call.bucket.numel, ops.dtype(grad),
+                                 {"p": p, "layout": layout, "finite": accumulated.finite})
+        return message, accumulated.state, handover
 
     def second(self, ops: TensorOps, state: State, received: Tensor,
                handover: StageHandover) -> Tuple[Tensor, State]:

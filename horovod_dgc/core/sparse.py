@@ -24,7 +24,7 @@ from .bucket import Bucket, Plan, select_segments
 from .collectives import ALLGATHER
 from .config import SparseConfig
 from .memory import Accumulated
-from .method import CompressCall, Method, State, StateLayout, state_dtype
+from .method import BucketCall, CompressCall, Method, State, StateLayout, state_dtype
 from .nonfinite import flag, nan_unless, none_flagged, received_finite
 from .ops import Scalar, Tensor, TensorOps
 from .selection import candidate_capacity, filter_block, predict_bound, top_count, uses_bounds
@@ -42,43 +42,6 @@ class Compressed:
     count: Scalar
     layout: wire.MessageLayout
     next_bound: Optional[Scalar] = None
-
-
-@dataclass(frozen=True)
-class BucketCall:
-    """What one compress of a bucket knows besides its flat gradient (``CompressCall``'s
-    fields, per segment where they differ between tensors).
-
-    Attributes:
-        bucket: the bucket.
-        rank, world_size: this worker and the number of workers.
-        step: the step of every member tensor (they are compressed together).
-        densities: each segment's density in force (after warm-up; a small segment's own).
-        param: the parameters as a flat buffer laid out as the bucket (zero padding), needed
-            only for weight decay.
-        loss_scale: the factor the gradients were multiplied by (see ``CompressCall``).
-        weight_decays: each segment's weight decay, when they differ from the config's; None:
-            the config's for every segment.
-        spare: memories nothing needs any more, by name, whose storage the new ones may take.
-    """
-
-    bucket: Bucket
-    rank: int
-    world_size: int
-    step: Any
-    densities: Tuple[float, ...]
-    param: Optional[Tensor] = None
-    loss_scale: Any = 1.0
-    weight_decays: Optional[Tuple[float, ...]] = None
-    spare: Optional[State] = None
-
-    @property
-    def unscale(self) -> Any:
-        return 1.0 / self.loss_scale
-
-    @property
-    def plan(self) -> Plan:
-        return Plan.at(self.bucket, self.densities)
 
 
 class SparseMethod(Method):

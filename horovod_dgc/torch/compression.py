@@ -36,6 +36,7 @@ try:
 except ImportError as error:  # the DDP hook needs no Horovod; the Horovod paths raise this
     HorovodCompression, HorovodCompressor, HOROVOD_MISSING = None, object, error
 
+from ..core.bucket import Bucket
 from ..core.callers import caller_frames, calling_object, values_among_callers
 from ..core.collectives import ALLGATHER, DEFAULT_BUCKET_CAP_MB, Transport, join, split
 from ..core.config import keeping_yours
@@ -290,6 +291,17 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
         self._exchanged.clear()
         self._averages_delivered = False
 
+    def _buckets(self, label: str, entries: Sequence[Entry]) -> List[Tuple[Bucket, List[int]]]:
+        """The buckets of ``entries`` for a method that is ``bucketed``: one per dtype (in the
+        order of their first tensors, named after ``label``), each with its members' places
+        among the entries."""
+        by_dtype: Dict[torch.dtype, List[int]] = {}
+        for i, (_, grad, _) in enumerate(entries):
+            by_dtype.setdefault(grad.dtype, []).append(i)
+        return [(self.engine.bucket(label if len(by_dtype) == 1 else f"{label}.{str(dtype).replace('torch.', '')}",
+                                    [entries[i][:2] for i in members]), members)
+                for dtype, members in by_dtype.items()]
+
     # -- an exchange: one tensor (stock path) or a bucket (fused path) -----------------------
     def launch(self, label: str, entries: Sequence[Entry]):
         """Start exchanging the compressed tensors ``entries`` through collectives named
@@ -430,17 +442,12 @@ class SparseCompressor(MethodCompressor):
         return SparseExchange(transport.launch(ALLGATHER, message, label), outgoing, places)
 
     def _compress_buckets(self, label: str, entries: Sequence[Entry]) -> Tuple[List[OutgoingMessage], List[int]]:
-        """One bucket per dtype of ``entries`` (in the order of their first tensors), and
-        the place of each of their tensors among the entries."""
-        by_dtype: Dict[torch.dtype, List[int]] = {}
-        for i, (_, grad, _) in enumerate(entries):
-            by_dtype.setdefault(grad.dtype, []).append(i)
-        engine, outgoing, places = self.engine, [], []
-        for dtype, members in by_dtype.items():
-            name = label if len(by_dtype) == 1 else f"{label}.{str(dtype).replace('torch.', '')}"
-            bucket = engine.bucket(name, [entries[i][:2] for i in members])
-            outgoing.append(engine.compress_bucket(bucket, [entries[i][1] for i in members],
-                                                   [entries[i][2] for i in members]))
+        """One message per bucket of :meth:`_buckets`, and the place of each of their tensors
+        among the entries."""
+        outgoing, places = [], []
+        for bucket, members in self._buckets(label, entries):
+            outgoing.append(self.engine.compress_bucket(bucket, [entries[i][1] for i in members],
+                                                        [entries[i][2] for i in members]))
             places += members
         return outgoing, places
 
@@ -456,7 +463,9 @@ class SparseCompressor(MethodCompressor):
 
 @dataclass
 class TwoStageExchange:
-    """A two-stage exchange in flight: each tensor's handover, and the two collectives."""
+    """A two-stage exchange in flight: each tensor's (or bucket's) handover, and the two
+    collectives. ``buckets``: for buckets, each one's members' shapes and places among the
+    entries (``names`` and ``shapes`` are then the buckets' keys and flat shapes)."""
 
     label: str
     names: List[str]
@@ -466,6 +475,7 @@ class TwoStageExchange:
     sizes: List[int]
     second: Optional[Any] = None
     second_sizes: List[int] = field(default_factory=list)
+    buckets: Optional[List[Tuple[Bucket, Tuple[torch.Size, ...], List[int]]]] = None
 
     @property
     def step(self) -> int:
@@ -486,17 +496,23 @@ class TwoStageCompressor(MethodCompressor):
         self._in_flight: Dict[str, TwoStageExchange] = {}
 
     def _launch(self, label: str, entries: Sequence[Entry]) -> TwoStageExchange:
-        messages, handovers = [], []
-        for name, grad, param in entries:
-            message, handover = self.engine.first(name, grad, param)
-            messages.append(message)
-            handovers.append(handover)
+        firsts, buckets = [], None
+        if self.method.bucketed and len(entries) > 1:
+            buckets = [(bucket, tuple(entries[i][1].shape for i in members), members)
+                       for bucket, members in self._buckets(label, entries)]
+            for bucket, _, members in buckets:
+                firsts.append((bucket.key, torch.Size([bucket.numel]), *self.engine.first_bucket(
+                    bucket, [entries[i][1] for i in members], [entries[i][2] for i in members])))
+        else:
+            firsts = [(name, grad.shape, *self.engine.first(name, grad, param)) for name, grad, param in entries]
         ops, method, transport = self.engine.ops, self.method, self.transport
+        messages = [message for _, _, message, _ in firsts]
+        handovers = [handover for _, _, _, handover in firsts]
         handle = transport.launch(method.FIRST, join(ops, method.FIRST, messages, transport.size()),
                                   f"1.{label}", method.root(handovers[0].call))
-        exchange = TwoStageExchange(label, [e[0] for e in entries], handovers,
-                                    [grad.shape for _, grad, _ in entries], handle,
-                                    [m.numel() for m in messages])
+        exchange = TwoStageExchange(label, [name for name, _, _, _ in firsts], handovers,
+                                    [shape for _, shape, _, _ in firsts], handle,
+                                    [m.numel() for m in messages], buckets=buckets)
         with self._lock:
             self._in_flight[label] = exchange
         return exchange
@@ -529,8 +545,14 @@ class TwoStageCompressor(MethodCompressor):
             self._in_flight.pop(exchange.label, None)
         received = split(self.engine.ops, self.method.SECOND, self.transport.wait(exchange.second),
                          exchange.second_sizes, self.transport.size(), exchange.names)
-        return [self.engine.finish(r, h, shape) for r, h, shape
-                in zip(received, exchange.handovers, exchange.shapes)]
+        if exchange.buckets is None:
+            return [self.engine.finish(r, h, shape) for r, h, shape
+                    in zip(received, exchange.handovers, exchange.shapes)]
+        ordered: List[Optional[torch.Tensor]] = [None] * sum(len(places) for _, _, places in exchange.buckets)
+        for r, h, (bucket, shapes, places) in zip(received, exchange.handovers, exchange.buckets):
+            for place, update in zip(places, self.engine.finish_bucket(r, h, bucket, shapes)):
+                ordered[place] = update
+        return ordered
 
 
 @dataclass(frozen=True)

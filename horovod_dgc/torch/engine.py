@@ -33,9 +33,9 @@ import torch
 
 from ..core.bucket import Bucket
 from ..core.collectives import ALLGATHER, ALLREDUCE, network_bytes
-from ..core.method import CompressCall, Method
+from ..core.method import BucketCall, CompressCall, Method
 from ..core.nonfinite import NonFiniteGradientError
-from ..core.sparse import BucketCall, Compressed
+from ..core.sparse import Compressed
 from ..core.state import check_loadable, state_frame
 from ..core.stats import CompressionStats, StatsRecorder
 from ..core.twostage import StageHandover
@@ -286,6 +286,45 @@ class Engine:
                         params: Sequence[Optional[torch.Tensor]]) -> OutgoingMessage:
         """One sparse message for the tensors of ``bucket`` (their gradients in its order)."""
         started = time.perf_counter()
+        call, flat = self._bucket_call(bucket, grads, params)
+        result = self.method.compress_bucket(self.ops, self._bucket_state(bucket, flat), flat, call)
+        self._stage(bucket.key, result.state)
+        self._record_bucket(call, ALLGATHER, result.layout.nbytes, flat, int(result.count), started)
+        return OutgoingMessage(bucket.key, result.message, result.layout, call.step, flat.shape, grads[0].dtype,
+                               call.loss_scale, flat if _consumed(flat, result) else None, bucket,
+                               tuple(g.shape for g in grads))
+
+    def first_bucket(self, bucket: Bucket, grads: Sequence[torch.Tensor],
+                     params: Sequence[Optional[torch.Tensor]]) -> Tuple[torch.Tensor, StageHandover]:
+        """Stage 1 of a two-stage method for the tensors of ``bucket`` as one: (message,
+        handover); :meth:`second` takes it on under the bucket's key, :meth:`finish_bucket`
+        ends it."""
+        started = time.perf_counter()
+        call, flat = self._bucket_call(bucket, grads, params)
+        message, state, handover = self.method.first_bucket(self.ops, self._bucket_state(bucket, flat), flat, call)
+        self._stage(bucket.key, state)
+        self._record_bucket(call, self.method.FIRST, message.numel() * message.element_size(), flat,
+                            call.plan.total, started)
+        return message, handover
+
+    def finish_bucket(self, received: torch.Tensor, handover: StageHandover, bucket: Bucket,
+                      shapes: Sequence[torch.Size]) -> List[torch.Tensor]:
+        """:meth:`finish` of a bucket's exchange: the averaged update of each member, shaped
+        like it (views of one flat update)."""
+        flat = self.finish(received, handover, torch.Size([bucket.numel]))
+        return [flat[s.offset:s.end].view(shape) for s, shape in zip(bucket.segments, shapes)]
+
+    def _record_bucket(self, call: BucketCall, kind: str, nbytes: int, flat: torch.Tensor, sent: int,
+                       started: float) -> None:
+        numel = sum(s.numel for s in call.bucket.segments)
+        self._record(call.step, kind, nbytes, None, dense_bytes=numel * flat.element_size(),
+                     elements_sent=sent, elements_compressed=numel,
+                     selection_time_s=time.perf_counter() - started)
+
+    def _bucket_call(self, bucket: Bucket, grads: Sequence[torch.Tensor],
+                     params: Sequence[Optional[torch.Tensor]]) -> Tuple[BucketCall, torch.Tensor]:
+        """The call of a bucket's step (every member's step counter advanced), and its
+        gradients in the bucket's flat buffer."""
         steps = {self._next_step(name) for name in bucket.names}
         if len(steps) != 1:
             raise RuntimeError(f"the tensors of bucket {bucket.label!r} are at different steps "
@@ -303,15 +342,7 @@ class Engine:
                           param=(self._flatten(bucket, [p.detach() for p in params], "parameters")
                                  if needs_param and all(p is not None for p in params) else None),
                           loss_scale=scale, weight_decays=decays, spare=spare)
-        result = self.method.compress_bucket(self.ops, self._bucket_state(bucket, flat), flat, call)
-        self._stage(bucket.key, result.state)
-        numel = sum(s.numel for s in bucket.segments)
-        self._record(step, ALLGATHER, result.layout.nbytes, None, dense_bytes=numel * flat.element_size(),
-                     elements_sent=int(result.count), elements_compressed=numel,
-                     selection_time_s=time.perf_counter() - started)
-        return OutgoingMessage(bucket.key, result.message, result.layout, step, flat.shape, grads[0].dtype,
-                               scale, flat if _consumed(flat, result) else None, bucket,
-                               tuple(g.shape for g in grads))
+        return call, flat
 
     def _flatten(self, bucket: Bucket, tensors: Sequence[torch.Tensor], role: str) -> torch.Tensor:
         """The tensors copied into the bucket's flat buffer for ``role`` (made once, zero
