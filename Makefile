@@ -7,7 +7,7 @@ DEVICE ?= cpu
 # gpu-check's interpreter: one whose PyTorch has CUDA (Horovod is not needed).
 GPU_PYTHON ?= python3
 
-.PHONY: setup test test-slow docs mutation-check demo imagenet-demo bench-compress bench-model-step gpu-check bench-trace-tf bench-convergence bench-regions bench-scalecom-leader cluster-bench cluster-scaling cluster-negotiation traffic-model compose-test horovod-examples stress-hierarchical clean-venv
+.PHONY: setup test test-slow docs mutation-check demo imagenet-demo bench-compress bench-model-step bench-optimizer-step gpu-check bench-trace-tf bench-convergence bench-regions bench-scalecom-leader cluster-bench cluster-scaling cluster-negotiation traffic-model compose-test horovod-examples stress-hierarchical clean-venv
 
 setup:
 	@bash scripts/setup_env.sh
@@ -58,6 +58,12 @@ bench-compress: setup
 ## the fixed cost per tensor that bench-compress's one large gradient does not show.
 bench-model-step: setup
 	$(PYTHON) -m benchmarks.model_step
+
+## One optimizer step of 2 workers on loopback with ResNet-50's gradients in place: Horovod's
+## dense all-reduce against dgc on the stock and fused paths (a few minutes).
+bench-optimizer-step: setup
+	TF_CPP_MIN_LOG_LEVEL=3 $(VENV)/bin/horovodrun -np 2 -H localhost:2 --gloo \
+		$(PYTHON) -m benchmarks.optimizer_step
 
 ## On a GPU machine (no .venv, no Horovod): the core and adapter tests on CUDA, bench-compress
 ## on CUDA and the host synchronisations per step; results in results/gpu/.

@@ -19,7 +19,7 @@ layouts interleaved in every round), and, from separate steps with the choices T
 on a GPU (fixed sizes, no C kernels), the ATen operations dispatched per rank per step (what
 a GPU would launch, views included) and the host reads (what would wait for it)::
 
-    python -m benchmarks.model_step [--methods dgc topk ...] [--world 2] [--rounds 5]
+    python -m benchmarks.model_step [--methods dgc topk ...] [--world 2] [--rounds 5] [--split 10]
 """
 from __future__ import annotations
 
@@ -130,8 +130,23 @@ def counted(run: Run, world: int) -> Tuple[float, float]:
     return ops.count / world, reads.total / world
 
 
-def measure(methods: Sequence[str], world: int, warmup: int, rounds: int) -> Dict[str, Dict[str, Dict[str, float]]]:
+def split_shapes(shapes: Sequence[Tuple[int, ...]], pieces: int) -> List[Tuple[int, ...]]:
+    """Each tensor cut along its first dimension into ``pieces`` of near-equal sizes (as many
+    entries in all, each piece of its tensor's rank, so as small or large as its tensor): a
+    model of ``pieces`` times the tensors and the same total size."""
+    cut = []
+    for first, *rest in shapes:
+        if first < pieces:
+            raise ValueError(f"a tensor of shape {(first, *rest)} has fewer than {pieces} rows")
+        cut += [((i + 1) * first // pieces - i * first // pieces, *rest) for i in range(pieces)]
+    return cut
+
+
+def measure(methods: Sequence[str], world: int, warmup: int, rounds: int,
+            pieces: int = 1) -> Dict[str, Dict[str, Dict[str, float]]]:
     shapes = [tuple(p.shape) for p in resnet50().parameters()]
+    if pieces > 1:
+        shapes = split_shapes(shapes, pieces)
     results: Dict[str, Dict[str, Dict[str, float]]] = {}
     for method in methods:
         runs = {layout: Run(method, shapes, layout, world) for layout in LAYOUTS}
@@ -159,14 +174,17 @@ def parse_args(argv: Sequence[str] = None) -> argparse.Namespace:
     p.add_argument("--world", type=int, default=2, help="ranks emulated in this process")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per layout")
     p.add_argument("--rounds", type=int, default=5, help="timed steps per layout, interleaved")
+    p.add_argument("--split", type=int, default=1,
+                   help="cut each tensor into this many (10: 1,610 tensors of the same total size)")
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    results = measure(args.methods, args.world, args.warmup, args.rounds)
-    print(f"ResNet-50's 161 tensors (25,557,032 entries), {args.world} ranks emulated, one thread, "
+    results = measure(args.methods, args.world, args.warmup, args.rounds, args.split)
+    model = "ResNet-50's 161 tensors" + (f", each cut into {args.split}" if args.split > 1 else "")
+    print(f"{model} (25,557,032 entries), {args.world} ranks emulated, one thread, "
           f"torch {torch.__version__}; compress + decode per rank per step, median of {args.rounds}\n")
     print("| method | layout | CPU ms | x one tensor | ATen ops (GPU's choices) | host reads |")
     print("|---|---|---:|---:|---:|---:|")

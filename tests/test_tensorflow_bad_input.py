@@ -66,6 +66,25 @@ def test_warmup_callback_needs_a_horovod_dgc_compressor_and_checks_the_optimizer
         callback.on_train_begin()
 
 
+def test_warmup_callback_moves_the_density_along_the_schedule_at_each_epoch():
+    """DGC's exponential warm-up over 4 epochs down to 0.001 (docs/algorithms.md#warm-up:
+    ``c^(e+1)``, ``c = 0.001^(1/5)``, then 0.001), read from the compressor and from each
+    epoch's logs."""
+    import horovod.tensorflow as hvd
+    hvd.init()  # one worker: the compressor's engine is built for hvd.size()
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    compressor = Compression.dgc(density=0.001, warmup_epochs=4, variables=model.trainable_variables)
+    callback = CompressionWarmup(compressor)
+    seen = []
+    for epoch in range(6):
+        callback.on_epoch_begin(epoch)
+        logs = {}
+        callback.on_epoch_end(epoch, logs)
+        seen.append((compressor.density, logs["density"]))
+    want = [0.001 ** ((e + 1) / 5) for e in range(5)] + [0.001]
+    assert [d for d, _ in seen] == pytest.approx(want) and [d for _, d in seen] == pytest.approx(want)
+
+
 # -- state_dict / load_state_dict ------------------------------------------------------------
 SHAPES = {"fc/kernel": (64, 100), "fc/bias": (100,)}
 METHODS = {"dgc": lambda: DGC(DGCConfig(density=0.01, warmup_epochs=2)),

@@ -223,7 +223,8 @@ class ScaleCom(TwoStageMethod):
         call = handover.call
         finite = settle_tensor(ops, self.config.nonfinite, ops.all_finite(received), call.name,
                                call.traced_id, call.step)
-        dense = ops.zeros(handover.numel, state_dtype(handover.dtype), like=received)
+        dense = (ops.zeros(handover.numel, state_dtype(handover.dtype), like=received)
+                 if handover.destination is None else ops.zeroed(handover.destination))
         dense = ops.scatter_add(dense, handover.data["indices"], ops.cast(received, ops.dtype(dense)))
         update = ops.cast(dense, handover.dtype)
         return nan_unless(ops, finite, update, handover.dtype), finite

@@ -28,13 +28,16 @@ from .ops import Scalar, Tensor, TensorOps
 class StageHandover:
     """What stage 1 of one tensor hands over to stage 2 and ``finish``, on one worker.
     ``next_bound``: the tensor's next ``CompressCall.candidate_bound`` for a method that
-    ``collects_candidates``, else None."""
+    ``collects_candidates``, else None. ``destination``: a flat tensor of the update's size
+    in the state dtype whose contents are no longer needed (the gradient stage 1 took), over
+    which ``finish`` may write the update, or None (an adapter sets it)."""
 
     call: CompressCall
     numel: int
     dtype: str
     data: Dict[str, Any] = field(default_factory=dict)
     next_bound: Optional[Scalar] = None
+    destination: Optional[Tensor] = None
 
 
 class TwoStageMethod(Method):

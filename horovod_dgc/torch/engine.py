@@ -302,6 +302,8 @@ class Engine:
         started = time.perf_counter()
         call, flat = self._bucket_call(bucket, grads, params)
         message, state, handover = self.method.first_bucket(self.ops, self._bucket_state(bucket, flat), flat, call)
+        if flat.dtype == torch.float32 and _disjoint({"gradient": flat}, {"message": message, **state}):
+            handover.destination = flat
         self._stage(bucket.key, state)
         self._record_bucket(call, self.method.FIRST, message.numel() * message.element_size(), flat,
                             call.plan.total, started)
@@ -312,6 +314,9 @@ class Engine:
         """:meth:`finish` of a bucket's exchange: the averaged update of each member, shaped
         like it (views of one flat update)."""
         flat = self.finish(received, handover, torch.Size([bucket.numel]))
+        own = self._flats.get((bucket.key, "gradients"))
+        if own is not None and own[0].data_ptr() == flat.data_ptr() and own[0].dtype == flat.dtype:
+            return list(own[1])  # the update was written over the gradients: their views
         return [flat[s.offset:s.end].view(shape) for s, shape in zip(bucket.segments, shapes)]
 
     def _record_bucket(self, call: BucketCall, kind: str, nbytes: int, flat: torch.Tensor, sent: int,

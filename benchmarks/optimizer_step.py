@@ -1,0 +1,97 @@
+"""What one optimizer step costs with compression against Horovod's dense all-reduce, on one
+host's loopback (``make bench-optimizer-step``): where compression cannot save network time,
+its whole cost shows.
+
+Run by every worker (``horovodrun -np 2 -H localhost:2 --gloo python -m
+benchmarks.optimizer_step``), one thread each. The parameters are ResNet-50's 161 tensors
+(25,557,032 entries); each step puts fresh ``randn`` gradients in place (no forward or
+backward pass, so every tensor reaches the optimizer at ``step()``) and times
+``optimizer.step()`` on the slowest rank, for:
+
+* ``dense``: the stock ``hvd.DistributedOptimizer``, Horovod's ``Compression.none``;
+* ``<method>-stock``: the stock ``hvd.DistributedOptimizer`` with ``compression=`` the method;
+* ``<method>-fused``: ``horovod_dgc.torch.DistributedOptimizer``.
+
+Every optimizer is plain SGD (lr 0, so the parameters stay as they are). Rounds interleave
+the optimizers (one step of each per round, the order reversed every other round); rank 0
+prints the median milliseconds per step and the ratio to ``dense`` of the same run::
+
+    python -m benchmarks.optimizer_step [--methods dgc ...] [--steps 10] [--warmup 3]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+import sys
+from typing import Callable, Dict, List, Sequence
+
+import horovod.torch as hvd
+import torch
+
+import horovod_dgc.torch as hdgc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from _resnet import resnet50  # noqa: E402
+
+
+def optimizers(methods: Sequence[str]) -> Dict[str, Callable[[], torch.optim.Optimizer]]:
+    """Each run's name and a factory of its optimizer over a model of its own."""
+    def build(wrap: Callable, compression: Callable) -> Callable[[], torch.optim.Optimizer]:
+        def made() -> torch.optim.Optimizer:
+            model = resnet50()
+            sgd = torch.optim.SGD(model.parameters(), lr=0.0)
+            return wrap(sgd, named_parameters=model.named_parameters(), compression=compression(model))
+        return made
+
+    runs = {"dense": build(hvd.DistributedOptimizer, lambda model: hvd.Compression.none)}
+    for method in methods:
+        factory = getattr(hdgc.Compression, method)
+        runs[f"{method}-stock"] = build(hvd.DistributedOptimizer,
+                                        lambda model, f=factory: f(named_parameters=model.named_parameters()))
+        runs[f"{method}-fused"] = build(hdgc.DistributedOptimizer, lambda model, f=factory: f())
+    return runs
+
+
+def timed_step(optimizer: torch.optim.Optimizer, gen: torch.Generator) -> float:
+    """Seconds of one ``step()`` on the slowest rank, gradients put in place before it."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = torch.randn(p.shape, generator=gen)
+    hvd.allreduce(torch.zeros(1), name="optimizer_step.start")  # every rank starts together
+    started = time.perf_counter()
+    optimizer.step()
+    elapsed = torch.tensor([time.perf_counter() - started])
+    return float(hvd.allreduce(elapsed, op=hvd.Max, name="optimizer_step.elapsed"))
+
+
+def main(argv: Sequence[str] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--methods", nargs="+", default=["dgc"])
+    p.add_argument("--steps", type=int, default=10, help="timed steps of each optimizer")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps of each optimizer")
+    args = p.parse_args(argv)
+    hvd.init()
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(hvd.rank())
+    runs = {name: made() for name, made in optimizers(args.methods).items()}
+    times: Dict[str, List[float]] = {name: [] for name in runs}
+    for r in range(args.warmup + args.steps):
+        for name in (list(runs) if r % 2 == 0 else list(reversed(runs))):
+            seconds = timed_step(runs[name], gen)
+            if r >= args.warmup:
+                times[name].append(seconds)
+    if hvd.rank() == 0:
+        dense = statistics.median(times["dense"])
+        print(f"ResNet-50's 161 tensors, {hvd.size()} workers on loopback, one thread each, torch "
+              f"{torch.__version__}; optimizer.step() with gradients in place, median of {args.steps}\n")
+        print("| run | ms per step | x dense |")
+        print("|---|---:|---:|")
+        for name, seconds in times.items():
+            median = statistics.median(seconds)
+            print(f"| {name} | {median * 1e3:.1f} | {median / dense:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
