@@ -1,10 +1,12 @@
 """Real Horovod jobs (Gloo): aggregation equals the dense reference, traffic is counted."""
+import sys
+import time
 
 import pytest
 
 from benchmarks.hierarchical_stress import RUN_LISTS
-from conftest import (TWO_HOSTS, check_dgc_hands_300x_fewer_bytes, check_one_worker_job, horovodrun,
-                      traffic_figures)
+from conftest import (TWO_HOSTS, WORKERS, check_dgc_hands_300x_fewer_bytes, check_one_worker_job, horovodrun,
+                      run_horovodrun, traffic_figures)
 
 
 # On 2 workers both paths are also compared step by step with each other (paths_torch.py).
@@ -152,3 +154,24 @@ def test_hierarchical_compresses_host_averages_between_hosts(runs):
     for run in runs.split(","):
         kind, path = run.split("/")
         assert out.count(f"{kind} {path} hierarchical ok") == 4, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["stock", "fused"])
+def test_a_stopped_rank_ends_the_job_with_an_error_naming_the_collective(path):
+    """Rank 1 stops (SIGSTOP) at step 2: within Gloo's timeout (5 s here) rank 0's step raises
+    a HorovodInternalError and the job exits non-zero instead of hanging. On the fused path the
+    error names the collective it waited for and the setting; on the stock path Horovod's own
+    wait for its placeholder all-reduce raises first, with Horovod's message."""
+    started = time.monotonic()
+    proc = run_horovodrun(["-np", "2", "-H", "localhost:2", "--gloo", "--gloo-timeout-seconds", "5",
+                           sys.executable, str(WORKERS / "stall_torch.py"), "--path", path], timeout_s=120)
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    line = next(line for line in proc.stdout.splitlines() if "STALLED " in line)
+    seconds = float(line.split("STALLED ", 1)[1].split()[0])
+    assert 4.0 <= seconds <= 15.0, line
+    assert "HorovodInternalError: " in line, line
+    if path == "fused":
+        assert "HorovodInternalError: rank 0 of 2: the " in line and "'horovod_dgc." in line, line
+        assert "HOROVOD_GLOO_TIMEOUT_SECONDS" in line, line
+    assert time.monotonic() - started < 100

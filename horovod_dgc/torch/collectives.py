@@ -1,14 +1,20 @@
 """Horovod collectives by kind (the kinds of core/collectives.py), named uniquely."""
 from __future__ import annotations
 
-from typing import Any
+import threading
+from typing import Any, Dict, Tuple
 
 import horovod.torch as hvd
 import torch
+from horovod.common.exceptions import HorovodInternalError
 
 from ..core.collectives import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST
 
 PREFIX = "horovod_dgc."
+
+# Each launched collective's (kind, name) by its handle, so that a failed wait names it.
+_LAUNCHED: Dict[int, Tuple[str, str]] = {}
+_LAUNCHED_LOCK = threading.Lock()
 
 
 def launch(kind: str, message: torch.Tensor, name: str, root: int = 0,
@@ -17,19 +23,35 @@ def launch(kind: str, message: torch.Tensor, name: str, root: int = 0,
     among ``process_set`` (``root``: a broadcast's sender, a global rank)."""
     name = PREFIX + name
     if kind == BROADCAST:
-        return hvd.broadcast_async(message, root_rank=root, name=name, process_set=process_set)
-    if kind == ALLREDUCE:
-        return hvd.allreduce_async(message, op=hvd.Average, name=name, process_set=process_set)
-    if kind == ALLTOALL:
-        return hvd.alltoall_async(message, name=name, process_set=process_set)
-    if kind == ALLGATHER:
-        return hvd.allgather_async(message, name=name, process_set=process_set)
-    raise ValueError(f"unknown collective {kind!r}")
+        handle = hvd.broadcast_async(message, root_rank=root, name=name, process_set=process_set)
+    elif kind == ALLREDUCE:
+        handle = hvd.allreduce_async(message, op=hvd.Average, name=name, process_set=process_set)
+    elif kind == ALLTOALL:
+        handle = hvd.alltoall_async(message, name=name, process_set=process_set)
+    elif kind == ALLGATHER:
+        handle = hvd.allgather_async(message, name=name, process_set=process_set)
+    else:
+        raise ValueError(f"unknown collective {kind!r}")
+    with _LAUNCHED_LOCK:
+        _LAUNCHED[handle] = (kind, name)
+    return handle
 
 
 def wait(handle: int) -> torch.Tensor:
-    """The result of a launched collective (alltoall's received splits dropped)."""
-    result = hvd.synchronize(handle)
+    """The result of a launched collective (alltoall's received splits dropped). If Horovod
+    shuts down while this rank waits (a peer stopped, died or was cut off, and Gloo's
+    timeout ran out), the HorovodInternalError raised names the collective and its tensors
+    (the same type: Horovod's elastic training recovers from it as before)."""
+    with _LAUNCHED_LOCK:
+        kind, name = _LAUNCHED.pop(handle, ("collective", "?"))
+    try:
+        result = hvd.synchronize(handle)
+    except HorovodInternalError as error:
+        raise HorovodInternalError(
+            f"rank {hvd.rank()} of {hvd.size()}: the {kind} {name!r} did not complete, since Horovod "
+            f"shut down: a peer stopped answering (a stalled or stopped process, a host cut off) "
+            f"for longer than Gloo's timeout (horovodrun --gloo-timeout-seconds, "
+            f"HOROVOD_GLOO_TIMEOUT_SECONDS; 30 s by default), or one died. Horovod said: {error}") from error
     return result[0] if isinstance(result, tuple) else result
 
 
