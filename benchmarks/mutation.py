@@ -255,7 +255,7 @@ MUTANTS: Tuple[Mutant, ...] = (
     _m("allreduce-bytes-half", "core/collectives.py", "return 2 * (n - 1) / n * nbytes",
        "return (n - 1) / n * nbytes", "a ring all-reduce counted as one pass"),
     _m("torch-allreduce-summed", "torch/collectives.py",
-       "return hvd.allreduce_async(message, op=hvd.Average,", "return hvd.allreduce_async(message, op=hvd.Sum,",
+       "handle = hvd.allreduce_async(message, op=hvd.Average,", "handle = hvd.allreduce_async(message, op=hvd.Sum,",
        "the all-reduce of a method's messages (ScaleCom's values) sums instead of averaging"),
     _m("tf-allreduce-summed", "tensorflow/collectives.py", "return hvd.allreduce(message, op=hvd.Average,",
        "return hvd.allreduce(message, op=hvd.Sum,",
