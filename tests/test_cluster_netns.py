@@ -123,10 +123,12 @@ class LineReader:
         return "".join(self.lines)
 
 
-def start_long_run(tmp_path: Path) -> tuple:
-    """A cluster run far longer than the test; returns once rank 0 has started benchmarking."""
+def start_long_run(tmp_path: Path, methods: str = "dense,dgc", **env: str) -> tuple:
+    """A cluster run far longer than the test (``env`` added to every worker's); returns once
+    rank 0 has started benchmarking."""
     args = bench_args(tmp_path, *TINY_RUN, "--links", "unshaped", "--steps", "100000")
-    proc = subprocess.Popen(args, cwd=ROOT, env=worker_env(), stdout=subprocess.PIPE,
+    args[args.index("--methods") + 1] = methods
+    proc = subprocess.Popen(args, cwd=ROOT, env=worker_env(**env), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     reader = LineReader(proc)
     if not reader.wait_for("cluster step: 2 workers", timeout_s=120):
@@ -158,6 +160,31 @@ def test_killing_a_worker_ends_the_run_with_a_clear_error(tmp_path, netns_unchan
     assert proc.returncode == 1, output[-3000:]
     assert "cluster-bench: ERROR: worker rank1 was killed by SIGKILL" in output, output[-3000:]
     assert time.monotonic() - killed_at < STOP_DEADLINE_S
+    assert no_process_mentions(str(tmp_path))
+
+
+def test_a_stalled_worker_ends_the_run_with_an_error_naming_the_collective(tmp_path, netns_unchanged):
+    """Host 1's worker stops without dying (SIGSTOP) during dgc's steps: within Gloo's timeout
+    (10 s here) rank 0's step raises an error naming the collective it waited for, and the run
+    ends with every process and namespace gone."""
+    gloo_timeout_s = 10
+    proc, reader, prefix = start_long_run(tmp_path, "dgc", HOROVOD_GLOO_TIMEOUT_SECONDS=str(gloo_timeout_s))
+    pids = subprocess.run(["ip", "netns", "pids", f"{prefix}-h1"], capture_output=True,
+                          text=True).stdout.split()
+    assert pids, "no process in host 1's namespace"
+    stopped_at = time.monotonic()
+    for pid in pids:
+        os.kill(int(pid), signal.SIGSTOP)
+    try:
+        proc.wait(timeout=gloo_timeout_s + STOP_DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"the run did not end within {gloo_timeout_s + STOP_DEADLINE_S} s of the stall")
+    output = reader.text()
+    assert proc.returncode == 1, output[-3000:]
+    assert "cluster-bench: ERROR: worker rank0 exited" in output, output[-3000:]
+    assert "HorovodInternalError: rank 0 of 2: the allgather 'horovod_dgc." in output, output[-3000:]
+    assert time.monotonic() - stopped_at < gloo_timeout_s + STOP_DEADLINE_S
     assert no_process_mentions(str(tmp_path))
 
 
