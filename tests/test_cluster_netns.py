@@ -143,23 +143,31 @@ def no_process_mentions(text: str) -> bool:
     return text not in out
 
 
-def test_killing_a_worker_ends_the_run_with_a_clear_error(tmp_path, netns_unchanged):
-    proc, reader, prefix = start_long_run(tmp_path)
+def signal_host_and_wait(proc: subprocess.Popen, reader: LineReader, prefix: str, signum: int,
+                         deadline_s: float) -> str:
+    """Send ``signum`` to every process in host 1's namespace; the run's output once it has
+    ended, exit status 1, within ``deadline_s``."""
     pids = subprocess.run(["ip", "netns", "pids", f"{prefix}-h1"], capture_output=True,
                           text=True).stdout.split()
     assert pids, "no process in host 1's namespace"
-    killed_at = time.monotonic()
+    sent_at = time.monotonic()
     for pid in pids:
-        os.kill(int(pid), signal.SIGKILL)
+        os.kill(int(pid), signum)
     try:
-        proc.wait(timeout=STOP_DEADLINE_S)
+        proc.wait(timeout=deadline_s)
     except subprocess.TimeoutExpired:
         proc.kill()
-        pytest.fail(f"the run did not end within {STOP_DEADLINE_S} s of the kill")
+        pytest.fail(f"the run did not end within {deadline_s} s of {signal.Signals(signum).name}")
     output = reader.text()
     assert proc.returncode == 1, output[-3000:]
+    assert time.monotonic() - sent_at < deadline_s
+    return output
+
+
+def test_killing_a_worker_ends_the_run_with_a_clear_error(tmp_path, netns_unchanged):
+    proc, reader, prefix = start_long_run(tmp_path)
+    output = signal_host_and_wait(proc, reader, prefix, signal.SIGKILL, STOP_DEADLINE_S)
     assert "cluster-bench: ERROR: worker rank1 was killed by SIGKILL" in output, output[-3000:]
-    assert time.monotonic() - killed_at < STOP_DEADLINE_S
     assert no_process_mentions(str(tmp_path))
 
 
@@ -169,22 +177,9 @@ def test_a_stalled_worker_ends_the_run_with_an_error_naming_the_collective(tmp_p
     ends with every process and namespace gone."""
     gloo_timeout_s = 10
     proc, reader, prefix = start_long_run(tmp_path, "dgc", HOROVOD_GLOO_TIMEOUT_SECONDS=str(gloo_timeout_s))
-    pids = subprocess.run(["ip", "netns", "pids", f"{prefix}-h1"], capture_output=True,
-                          text=True).stdout.split()
-    assert pids, "no process in host 1's namespace"
-    stopped_at = time.monotonic()
-    for pid in pids:
-        os.kill(int(pid), signal.SIGSTOP)
-    try:
-        proc.wait(timeout=gloo_timeout_s + STOP_DEADLINE_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail(f"the run did not end within {gloo_timeout_s + STOP_DEADLINE_S} s of the stall")
-    output = reader.text()
-    assert proc.returncode == 1, output[-3000:]
+    output = signal_host_and_wait(proc, reader, prefix, signal.SIGSTOP, gloo_timeout_s + STOP_DEADLINE_S)
     assert "cluster-bench: ERROR: worker rank0 exited" in output, output[-3000:]
     assert "HorovodInternalError: rank 0 of 2: the allgather 'horovod_dgc." in output, output[-3000:]
-    assert time.monotonic() - stopped_at < gloo_timeout_s + STOP_DEADLINE_S
     assert no_process_mentions(str(tmp_path))
 
 
