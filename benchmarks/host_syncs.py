@@ -189,17 +189,23 @@ def decode_all(engines: Sequence[Engine], names: Sequence[str], shapes: Sequence
             results = [engine.decompress(gathered, [outgoing])[0]
                        for engine, (_, outgoing) in zip(engines, per_rank)]
         else:
-            method = engines[0].method
-            root = method.root(per_rank[0][1][1].call)
-            received = emulate(engines[0].ops, method.FIRST, [m for _, (m, _) in per_rank], root)
-            seconds = [engine.second(name, r, handover)
-                       for engine, (_, (_, handover)), r in zip(engines, per_rank, received)]
-            finals = emulate(engines[0].ops, method.SECOND, seconds, root)
+            firsts = [first for _, first in per_rank]
             results = [engine.finish(final, handover, torch.Size(shape))
-                       for engine, (_, (_, handover)), final in zip(engines, per_rank, finals)]
+                       for engine, (_, handover), final in zip(engines, firsts, two_stages(engines, name, firsts))]
         for rank, result in enumerate(results):
             averages[rank].append(result)
     return averages
+
+
+def two_stages(engines: Sequence[Engine], name: str, firsts: Sequence[Tuple[torch.Tensor, Any]]) -> List[torch.Tensor]:
+    """What a two-stage method's SECOND collective delivers to each rank for ``name`` (a
+    tensor, or a bucket's key), from every rank's stage 1 (message, handover), both
+    collectives emulated."""
+    ops, method = engines[0].ops, engines[0].method
+    root = method.root(firsts[0][1].call)
+    received = emulate(ops, method.FIRST, [message for message, _ in firsts], root)
+    seconds = [engine.second(name, r, handover) for engine, (_, handover), r in zip(engines, firsts, received)]
+    return emulate(ops, method.SECOND, seconds, root)
 
 
 def decode_buckets(engines: Sequence[Engine], outputs: Sequence[Any], shapes: Sequence[Tuple[int, ...]],

@@ -32,8 +32,9 @@ from typing import Any, Dict, List, Sequence, Tuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.host_syncs import HostReadCounter, compress_all, decode_all, decode_buckets, resnet50
-from horovod_dgc.core.collectives import DEFAULT_BUCKET_CAP_MB, cut_buckets, emulate
+from benchmarks.host_syncs import (HostReadCounter, compress_all, decode_all, decode_buckets, resnet50,
+                                   two_stages)
+from horovod_dgc.core.collectives import DEFAULT_BUCKET_CAP_MB, cut_buckets
 from horovod_dgc.core.methods import BY_NAME, METHODS
 from horovod_dgc.torch.engine import Engine
 
@@ -104,13 +105,8 @@ class Run:
 
     def _two_stages(self, per_rank: List[Any]) -> None:
         """A bucket's two collectives, emulated, and every rank's update."""
-        ops, method = self.engines[0].ops, self.engines[0].method
-        root = method.root(per_rank[0][1][1].call)
-        received = emulate(ops, method.FIRST, [message for _, (message, _), _ in per_rank], root)
-        seconds = [engine.second(bucket.key, r, handover)
-                   for engine, (bucket, (_, handover), _), r in zip(self.engines, per_rank, received)]
-        for engine, (bucket, (_, handover), shapes), final in zip(
-                self.engines, per_rank, emulate(ops, method.SECOND, seconds, root)):
+        finals = two_stages(self.engines, per_rank[0][0].key, [first for _, first, _ in per_rank])
+        for engine, (bucket, (_, handover), shapes), final in zip(self.engines, per_rank, finals):
             engine.finish_bucket(final, handover, bucket, shapes)
 
 

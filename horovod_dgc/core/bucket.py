@@ -34,7 +34,7 @@ import functools
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 from .ops import Tensor, TensorOps
 from .selection import (GAUSSIAN_ADJUSTMENTS, GAUSSIAN_HIGH, GAUSSIAN_LOW, GAUSSIAN_LOWER_BY,
@@ -170,14 +170,20 @@ class Plan:
     def tables(self, ops: TensorOps, like: Tensor) -> "Tables":
         """The plan's index tables on the device of ``like``, made once per plan (a bucket
         stays on one device)."""
-        key = (self, ops.constants_key(like))
-        made = _TABLES.get(key)
-        if made is None:
-            made = _TABLES[key] = Tables.build(ops, self, like)
-        return made
+        return _tables(self, Tables.build, ops, like)
 
 
 _TABLES: Dict[Tuple[Any, Any], Any] = {}
+
+
+def _tables(plan: Any, build: Callable[[TensorOps, Any, Tensor], Any], ops: TensorOps, like: Tensor) -> Any:
+    """``build(ops, plan, like)``, made once per plan and what its constants can be shared by
+    (``TensorOps.constants_key``)."""
+    key = (plan, ops.constants_key(like))
+    made = _TABLES.get(key)
+    if made is None:
+        made = _TABLES[key] = build(ops, plan, like)
+    return made
 
 
 @functools.lru_cache(maxsize=4096)
@@ -344,11 +350,7 @@ class GaussianPlan:
         return sum(self.capacities)
 
     def tables(self, ops: TensorOps, like: Tensor) -> "GaussianTables":
-        key = (self, ops.constants_key(like))
-        made = _TABLES.get(key)
-        if made is None:
-            made = _TABLES[key] = GaussianTables.build(ops, self, like)
-        return made
+        return _tables(self, GaussianTables.build, ops, like)
 
 
 @dataclass(frozen=True)

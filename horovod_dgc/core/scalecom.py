@@ -85,8 +85,11 @@ class ScaleCom(TwoStageMethod):
 
     def index_layout(self, name: str, numel: int, density: float) -> wire.MessageLayout:
         """The leader's message: its k positions, coded (no values)."""
+        return self._positions_layout(name, numel, top_count(density, numel))
+
+    def _positions_layout(self, name: str, numel: int, capacity: int) -> wire.MessageLayout:
         return wire.interned(wire.MessageLayout(name=name, method_id=self.method_id, numel=numel,
-                                                capacity=top_count(density, numel), value_format=None))
+                                                capacity=capacity, value_format=None))
 
     def exchanges(self, numel: int, grad_dtype: str, density: float,
                   world_size: int) -> Tuple[Tuple[str, int], ...]:
@@ -192,9 +195,7 @@ class ScaleCom(TwoStageMethod):
         tensor (``call.as_call()``), its update the flat buffer. ``state``: the memories as
         flat buffers of the bucket's layout."""
         plan, one = call.plan, call.as_call()
-        layout = wire.interned(wire.MessageLayout(name=call.bucket.key, method_id=self.method_id,
-                                                  numel=call.bucket.numel, capacity=plan.total,
-                                                  value_format=None))
+        layout = self._positions_layout(call.bucket.key, call.bucket.numel, plan.total)
         accumulated = self.memory.accumulate(ops, state, grad, call.unscale, spare=call.spare)
         p = accumulated.x
         message, _ = self._first_message(ops, one, layout, accumulated.finite, grad,

@@ -453,12 +453,7 @@ class SparseCompressor(MethodCompressor):
 
     def _finish(self, exchange: SparseExchange) -> List[torch.Tensor]:
         averaged = self.engine.decompress(self.transport.wait(exchange.handle), exchange.outgoing)
-        if exchange.places is None:
-            return averaged
-        ordered: List[Optional[torch.Tensor]] = [None] * len(averaged)
-        for place, tensor in zip(exchange.places, averaged):
-            ordered[place] = tensor
-        return ordered
+        return averaged if exchange.places is None else _in_entry_order(exchange.places, averaged)
 
 
 @dataclass
@@ -548,11 +543,20 @@ class TwoStageCompressor(MethodCompressor):
         if exchange.buckets is None:
             return [self.engine.finish(r, h, shape) for r, h, shape
                     in zip(received, exchange.handovers, exchange.shapes)]
-        ordered: List[Optional[torch.Tensor]] = [None] * sum(len(places) for _, _, places in exchange.buckets)
-        for r, h, (bucket, shapes, places) in zip(received, exchange.handovers, exchange.buckets):
-            for place, update in zip(places, self.engine.finish_bucket(r, h, bucket, shapes)):
-                ordered[place] = update
-        return ordered
+        updates, places = [], []
+        for r, h, (bucket, shapes, members) in zip(received, exchange.handovers, exchange.buckets):
+            updates += self.engine.finish_bucket(r, h, bucket, shapes)
+            places += members
+        return _in_entry_order(places, updates)
+
+
+def _in_entry_order(places: Sequence[int], tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """``tensors`` (one per entry, in buckets' order) in the order of the entries they came
+    from: ``places[i]`` is the entry of ``tensors[i]``."""
+    ordered: List[Optional[torch.Tensor]] = [None] * len(tensors)
+    for place, tensor in zip(places, tensors):
+        ordered[place] = tensor
+    return ordered
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,6 @@ from ..core.bucket import Bucket
 from ..core.collectives import ALLGATHER, ALLREDUCE, network_bytes
 from ..core.method import BucketCall, CompressCall, Method
 from ..core.nonfinite import NonFiniteGradientError
-from ..core.sparse import Compressed
 from ..core.state import check_loadable, state_frame
 from ..core.stats import CompressionStats, StatsRecorder
 from ..core.twostage import StageHandover
@@ -264,7 +263,7 @@ class Engine:
                      elements_sent=int(result.count), elements_compressed=grad.numel(),
                      selection_time_s=elapsed)
         return OutgoingMessage(name, result.message, result.layout, step, grad.shape, grad.dtype,
-                               scale, flat if _consumed(flat, result) else None)
+                               scale, flat if _consumed(flat, result.message, result.state) else None)
 
     def bucket(self, label: str, entries: Sequence[Tuple[str, torch.Tensor]]) -> Bucket:
         """The bucket of these (name, gradient) pairs under ``label`` (one dtype), made once."""
@@ -291,7 +290,7 @@ class Engine:
         self._stage(bucket.key, result.state)
         self._record_bucket(call, ALLGATHER, result.layout.nbytes, flat, int(result.count), started)
         return OutgoingMessage(bucket.key, result.message, result.layout, call.step, flat.shape, grads[0].dtype,
-                               call.loss_scale, flat if _consumed(flat, result) else None, bucket,
+                               call.loss_scale, flat if _consumed(flat, result.message, result.state) else None, bucket,
                                tuple(g.shape for g in grads))
 
     def first_bucket(self, bucket: Bucket, grads: Sequence[torch.Tensor],
@@ -302,7 +301,7 @@ class Engine:
         started = time.perf_counter()
         call, flat = self._bucket_call(bucket, grads, params)
         message, state, handover = self.method.first_bucket(self.ops, self._bucket_state(bucket, flat), flat, call)
-        if flat.dtype == torch.float32 and _disjoint({"gradient": flat}, {"message": message, **state}):
+        if _consumed(flat, message, state):
             handover.destination = flat
         self._stage(bucket.key, state)
         self._record_bucket(call, self.method.FIRST, message.numel() * message.element_size(), flat,
@@ -313,11 +312,7 @@ class Engine:
                       shapes: Sequence[torch.Size]) -> List[torch.Tensor]:
         """:meth:`finish` of a bucket's exchange: the averaged update of each member, shaped
         like it (views of one flat update)."""
-        flat = self.finish(received, handover, torch.Size([bucket.numel]))
-        own = self._flats.get((bucket.key, "gradients"))
-        if own is not None and own[0].data_ptr() == flat.data_ptr() and own[0].dtype == flat.dtype:
-            return list(own[1])  # the update was written over the gradients: their views
-        return [flat[s.offset:s.end].view(shape) for s, shape in zip(bucket.segments, shapes)]
+        return self._segments(bucket, shapes, self.finish(received, handover, torch.Size([bucket.numel])))
 
     def _record_bucket(self, call: BucketCall, kind: str, nbytes: int, flat: torch.Tensor, sent: int,
                        started: float) -> None:
@@ -508,15 +503,16 @@ class Engine:
             if o.bucket is None:
                 averaged.append(flat.reshape(o.shape))
             else:
-                averaged += self._segments(o, flat)
+                averaged += self._segments(o.bucket, o.shapes, flat)
         return averaged
 
-    def _segments(self, sent: OutgoingMessage, flat: torch.Tensor) -> List[torch.Tensor]:
-        """A bucket's averages, one per member, shaped like it: views of ``flat``."""
-        own = self._flats.get((sent.bucket.key, "gradients"))
-        if own is not None and own[0] is flat:
+    def _segments(self, bucket: Bucket, shapes: Sequence[torch.Size], flat: torch.Tensor) -> List[torch.Tensor]:
+        """A bucket's averages, one per member, shaped like it: views of ``flat`` (the views
+        made once of the gradients' buffer, where the averages were written over it)."""
+        own = self._flats.get((bucket.key, "gradients"))
+        if own is not None and own[0].data_ptr() == flat.data_ptr() and own[0].shape == flat.shape:
             return list(own[1])
-        return [flat[s.offset:s.end].view(shape) for s, shape in zip(sent.bucket.segments, sent.shapes)]
+        return [flat[s.offset:s.end].view(shape) for s, shape in zip(bucket.segments, shapes)]
 
     def memories(self, name: str) -> Dict[str, torch.Tensor]:
         """Tensor ``name``'s memories as kept now (flat; views of its bucket's, where a
@@ -578,11 +574,11 @@ def _disjoint(a: dict, b: dict) -> bool:
     return all(t.untyped_storage().data_ptr() not in held for t in a.values())
 
 
-def _consumed(flat: torch.Tensor, result: Compressed) -> bool:
-    """Whether the average may be written over the gradient ``flat`` once its message is
-    built: float32 (the dtype of the sums) and held by neither the message nor a memory."""
-    return flat.dtype == torch.float32 and _disjoint(
-        {"gradient": flat}, {"message": result.message, **result.state})
+def _consumed(flat: torch.Tensor, message: torch.Tensor, state: dict) -> bool:
+    """Whether the average may be written over the gradient ``flat`` once its ``message`` is
+    built: float32 (the dtype of the sums) and held by neither the message nor a memory of
+    ``state``."""
+    return flat.dtype == torch.float32 and _disjoint({"gradient": flat}, {"message": message, **state})
 
 
 def _rescaled(update: torch.Tensor, loss_scale: float) -> torch.Tensor:
