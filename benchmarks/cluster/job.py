@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import IO, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from benchmarks import ROOT, worker_env
 
@@ -77,12 +77,18 @@ class ClusterJob:
         workers_per_host: ranks ``h * workers_per_host`` onwards run on host ``h``.
         echo_to: where ``echo_rank0`` copies rank 0's lines (anything with ``write`` and
             ``flush``; default: this process's stdout).
+        watch: called at every poll while the workers run (a fault injector reading their
+            logs); an exception it raises stops every process and propagates.
+
+    After :meth:`run`, ``failed_at`` is when the first failed worker was seen to end and
+    ``ended_at`` when every process of the job was stopped (``time.monotonic()``; None
+    before).
     """
 
     def __init__(self, cluster: NetnsCluster, command: Sequence[str], log_dir: Path,
                  timeout_s: float, echo_rank0: bool = True,
                  env: Optional[Mapping[str, str]] = None, workers_per_host: int = 1,
-                 echo_to: Optional[IO[str]] = None):
+                 echo_to: Optional[IO[str]] = None, watch: Optional[Callable[[], None]] = None):
         if not command:
             raise ValueError("no worker command")
         if not timeout_s > 0:
@@ -93,6 +99,9 @@ class ClusterJob:
         self.cluster, self.command, self.log_dir = cluster, list(command), Path(log_dir)
         self.timeout_s, self.echo_rank0, self.echo_to = timeout_s, echo_rank0, echo_to
         self.worker_env = dict(env or {})
+        self.watch = watch
+        self.failed_at: Optional[float] = None
+        self.ended_at: Optional[float] = None
         self._processes: List[_Process] = []
         self._threads: List[threading.Thread] = []
 
@@ -137,6 +146,7 @@ class ClusterJob:
             self._supervise(rendezvous, workers)
         finally:
             self._stop_all()
+            self.ended_at = time.monotonic()
 
     def _placement(self) -> List[Tuple[int, str]]:
         """(rank, namespace) of every worker."""
@@ -153,6 +163,7 @@ class ClusterJob:
                     process.ended_at = now
             failed = [p for p in workers if p.ended_at is not None and p.popen.returncode != 0]
             if failed:
+                self.failed_at = now
                 raise ClusterError(self._failure_message(failed, now - started))
             if all(p.ended_at is not None for p in workers):
                 return
@@ -164,6 +175,8 @@ class ClusterJob:
                 raise ClusterError(f"the job ran past its {self.timeout_s:g} s limit "
                                    f"({', '.join(running)} still running); stopped every worker. "
                                    f"Logs: {self.log_dir}")
+            if self.watch is not None:
+                self.watch()
             time.sleep(POLL_INTERVAL_S)
 
     @staticmethod

@@ -250,11 +250,21 @@ class NetnsCluster:
         """The bridge-side end of host ``rank``'s link."""
         return f"port{rank}"
 
-    def shape(self, link: LinkShape) -> None:
-        """Give every host's link this shape, both directions (replacing the previous one)."""
-        for rank, ns in enumerate(self.host_ns):
-            for where, dev in ((ns, HOST_IFACE), (self.bridge_ns, self.bridge_port(rank))):
+    def shape(self, link: LinkShape, hosts: Optional[Sequence[int]] = None) -> None:
+        """Give the links of ``hosts`` (default: every host) this shape, both directions
+        (replacing the previous one)."""
+        for rank in range(self.hosts) if hosts is None else hosts:
+            for where, dev in self._link_ends(rank):
                 self._shape_device(where, dev, link)
+
+    def set_link_up(self, rank: int, up: bool) -> None:
+        """Bring host ``rank``'s link down (its bridge port: the host is cut off from every
+        other, its own interface untouched) or back up."""
+        _run(["ip", "-n", self.bridge_ns, "link", "set", self.bridge_port(rank), "up" if up else "down"])
+
+    def _link_ends(self, rank: int) -> List[tuple]:
+        """(namespace, device) of both ends of host ``rank``'s link."""
+        return [(self.host_ns[rank], HOST_IFACE), (self.bridge_ns, self.bridge_port(rank))]
 
     @staticmethod
     def _shape_device(ns: str, dev: str, link: LinkShape) -> None:
