@@ -7,7 +7,7 @@ DEVICE ?= cpu
 # gpu-check's interpreter: one whose PyTorch has CUDA (Horovod is not needed).
 GPU_PYTHON ?= python3
 
-.PHONY: setup test test-slow docs mutation-check demo imagenet-demo bench-compress bench-model-step bench-optimizer-step gpu-check bench-trace-tf bench-convergence bench-regions bench-scalecom-leader cluster-bench cluster-scaling cluster-negotiation traffic-model compose-test horovod-examples stress-hierarchical clean-venv
+.PHONY: setup test test-slow docs mutation-check demo imagenet-demo bench-compress bench-model-step bench-optimizer-step gpu-check bench-trace-tf bench-convergence bench-regions bench-scalecom-leader cluster-bench cluster-scaling cluster-negotiation cluster-faults traffic-model compose-test horovod-examples stress-hierarchical clean-venv
 
 setup:
 	@bash scripts/setup_env.sh
@@ -112,6 +112,13 @@ cluster-scaling: setup
 ## minutes): results/negotiation/negotiation.md.
 cluster-negotiation: setup
 	$(PYTHON) -m benchmarks.cluster.negotiation
+
+## Faults injected into dgc training on 4 network-namespace hosts (needs root; minutes): a
+## stalled rank and a host cut off must end every rank with an error naming the collective
+## within 60 s and resume from the last complete checkpoint; a slow link only slows. A delay
+## needs the kernel's netem: SLOW_LINK=10mbit where it has none.
+cluster-faults: setup
+	$(PYTHON) -m benchmarks.cluster.faults --check $(if $(SLOW_LINK),--slow-link $(SLOW_LINK))
 
 ## The Docker Compose cluster, run for real (needs root; minutes; not part of make test): installs
 ## Debian's docker.io and docker-compose when missing, starts dockerd when none runs, builds the

@@ -171,15 +171,34 @@ def test_killing_a_worker_ends_the_run_with_a_clear_error(tmp_path, netns_unchan
     assert no_process_mentions(str(tmp_path))
 
 
-def test_a_stalled_worker_ends_the_run_with_an_error_naming_the_collective(tmp_path, netns_unchanged):
-    """Host 1's worker stops without dying (SIGSTOP) during dgc's steps: within Gloo's timeout
-    (10 s here) rank 0's step raises an error naming the collective it waited for, and the run
-    ends with every process and namespace gone."""
-    gloo_timeout_s = 10
-    proc, reader, prefix = start_long_run(tmp_path, "dgc", HOROVOD_GLOO_TIMEOUT_SECONDS=str(gloo_timeout_s))
-    output = signal_host_and_wait(proc, reader, prefix, signal.SIGSTOP, gloo_timeout_s + STOP_DEADLINE_S)
-    assert "cluster-bench: ERROR: worker rank0 exited" in output, output[-3000:]
-    assert "HorovodInternalError: rank 0 of 2: the allgather 'horovod_dgc." in output, output[-3000:]
+def test_a_stall_or_a_split_ends_every_rank_and_training_resumes(tmp_path, netns_unchanged):
+    """make cluster-faults on 4 hosts: a rank stopped without dying (SIGSTOP) and a host cut
+    off (its link down) each end the job within Gloo's timeout (5 s here) and a few seconds,
+    the error naming the collective it waited for; the last complete checkpoint loads and a
+    new run resumes from it, ending with the same parameters on every rank. A slow link (one
+    host at 10 Mbit/s) ends without an error, the parameters identical."""
+    gloo_timeout_s = 5
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.cluster.faults", "--hosts", "4",
+                           "--faults", "stall:1@3,split:2@3,slow:3", "--slow-link", "10mbit",
+                           "--steps", "6", "--checkpoint-every", "2", "--gloo-timeout-s",
+                           str(gloo_timeout_s), "--out", str(tmp_path), "--prefix", unique_prefix()],
+                          cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    outcomes = {o["fault"]: o for o in map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())}
+    assert list(outcomes) == ["stall:1@3", "split:2@3", "slow:3"]
+    for name in ("stall:1@3", "split:2@3"):
+        o = outcomes[name]
+        assert o["injected_after_step"] == 3, o
+        assert o["error"].startswith("horovod.common.exceptions.HorovodInternalError: rank "), o
+        assert " of 4: the allgather 'horovod_dgc." in o["error"], o
+        assert gloo_timeout_s <= o["error_after_s"] <= o["ended_after_s"] < gloo_timeout_s + STOP_DEADLINE_S, o
+        # The fault struck in step 4: the checkpoint of step 2 is the last one written.
+        assert (o["last_complete_checkpoint"], o["resumed_from"]) == (2, 2), o
+        assert o["checkpoints_load"] and o["parameters_identical"] and o["expected"], o
+    slow = outcomes["slow:3"]
+    assert slow["error"] is None and slow["last_complete_checkpoint"] == 6, slow
+    assert slow["parameters_identical"] and slow["expected"], slow
+    assert "| split:2@3 | 3 |" in (tmp_path / "results.md").read_text()
     assert no_process_mentions(str(tmp_path))
 
 

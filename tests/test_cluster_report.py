@@ -87,3 +87,43 @@ def test_report_files(tmp_path):
     assert "FAIL: dgc sends at least 300x fewer bytes per step than dense (reduction): 150" in report["markdown"]
     assert (tmp_path / "results.csv").read_text().splitlines()[0].startswith("link,method,optimizer")
     assert all(p.stat().st_size > 1000 for p in report["plots"])
+
+
+# -- make cluster-faults: what it parses and how it tells a complete checkpoint ------------------
+from benchmarks.cluster.fault_train import MODEL_FILE, atomic_save, last_complete, step_dir  # noqa: E402
+from benchmarks.cluster.faults import Fault, first_error_line, parse_fault  # noqa: E402
+
+
+@pytest.mark.parametrize("text,fault", [("none", Fault("none")), ("stall:1@4", Fault("stall", 1, 4)),
+                                        ("split:12@30", Fault("split", 12, 30)), ("slow:3", Fault("slow", 3))])
+def test_faults_parse(text, fault):
+    assert parse_fault(text) == fault
+    assert fault.name == text
+
+
+@pytest.mark.parametrize("text", ["stall:1", "stall@4", "split:a@4", "slow:3@2", "kill:1@2", "none:1", ""])
+def test_malformed_faults_are_refused_naming_the_forms(text):
+    with pytest.raises(ValueError, match="expected none, stall:RANK@STEP, split:HOST@STEP or slow:HOST"):
+        parse_fault(text)
+
+
+def test_a_checkpoint_counts_once_its_model_file_is_written(tmp_path):
+    for step in (3, 6, 9):
+        step_dir(tmp_path, step).mkdir()
+        atomic_save({"step": step}, step_dir(tmp_path, step) / "rank0-of-2.pt")
+    for step in (3, 6):
+        atomic_save({"step": step}, step_dir(tmp_path, step) / MODEL_FILE)
+    # Step 9's parts were written, its model not: a fault struck during the save.
+    assert last_complete(tmp_path) == 6
+    assert sorted(p.name for p in step_dir(tmp_path, 6).iterdir()) == [MODEL_FILE, "rank0-of-2.pt"]
+    assert last_complete(tmp_path / "nothing-yet") is None
+
+
+def test_the_error_shown_is_the_first_python_error_of_the_failed_rank():
+    tail = ("worker rank2 exited with status 1 after 40 s; stopped the other workers.\n"
+            "Last lines of rank2.log:\n[2]<stderr>:Traceback (most recent call last):\n"
+            "[2]<stderr>:horovod.common.exceptions.HorovodInternalError: rank 2 of 4: the allgather "
+            "'horovod_dgc.bucket.fc.bias' did not complete\n[2]<stderr>:RuntimeError: later")
+    assert first_error_line(tail) == ("horovod.common.exceptions.HorovodInternalError: rank 2 of 4: "
+                                      "the allgather 'horovod_dgc.bucket.fc.bias' did not complete")
+    assert first_error_line("no error here") is None
