@@ -17,22 +17,24 @@ HOSTS = ("localhost", "127.0.0.1", socket.gethostname())
 VICTIM = "127.0.0.1"
 
 
-def elastic_job(tmp_path, discovery: str, np: int, *options: str,
-                gloo_timeout_s: int = 10) -> subprocess.CompletedProcess:
+def elastic_job(tmp_path, discovery: str, np: int, *options: str, gloo_timeout_s: int = 10,
+                launcher: tuple = ()) -> subprocess.CompletedProcess:
     """tests/workers/elastic_torch.py under horovodrun, elastic between 2 and 3 workers;
-    ``discovery``: the lines of the host discovery script after its shebang."""
+    ``discovery``: the lines of the host discovery script after its shebang; ``launcher``:
+    more horovodrun flags."""
     script = tmp_path / "discover_hosts.sh"
     script.write_text("#!/bin/sh\n" + discovery)
     script.chmod(0o755)
     return run_horovodrun(["-np", str(np), "--min-np", "2", "--max-np", "3", "--host-discovery-script",
-                           str(script), "--gloo", "--gloo-timeout-seconds", str(gloo_timeout_s),
+                           str(script), "--gloo", "--gloo-timeout-seconds", str(gloo_timeout_s), *launcher,
                            sys.executable, str(WORKERS / "elastic_torch.py"), *options], timeout_s=300)
 
 
-def lose_a_worker(tmp_path, *options: str) -> subprocess.CompletedProcess:
+def lose_a_worker(tmp_path, *options: str, event: str = "kill", launcher: tuple = ()) -> subprocess.CompletedProcess:
     """Three workers; the one on VICTIM dies at step 12, two steps after a commit."""
-    return elastic_job(tmp_path, "".join(f"echo {h}:1\n" for h in HOSTS), 3, "--event", "kill",
-                       "--victim", VICTIM, "--marker", str(tmp_path / "victim_died"), *options)
+    return elastic_job(tmp_path, "".join(f"echo {h}:1\n" for h in HOSTS), 3, "--event", event,
+                       "--victim", VICTIM, "--marker", str(tmp_path / "victim_died"), *options,
+                       launcher=launcher)
 
 
 @pytest.mark.parametrize("method,path", [("topk", "stock"), ("topk", "fused"), ("scalecom", "fused")])
@@ -45,6 +47,20 @@ def test_worker_lost_mid_interval_rolls_back_and_conserves_gradient_mass(tmp_pat
     # The commit before the failure was at step 10: the survivors resume there, two of them.
     assert out.count("of 2 entry at step 10: identical and conserved ok") == 2, out[-6000:]
     assert out.count("of 2 final at step 24: identical and conserved ok") == 2, out[-6000:]
+
+
+def test_a_killed_host_is_dropped_and_added_again_when_it_comes_back(tmp_path):
+    """Horovod blacklists the host whose worker died; once its cooldown (1-2 s) is over the
+    discovery script still lists it, and the driver starts a new worker there, which joins
+    the two survivors at the commit of step 20 and takes its share of their memories."""
+    proc = lose_a_worker(tmp_path, "--method", "topk", "--path", "fused", event="return",
+                         launcher=("--blacklist-cooldown-range", "1", "2"))
+    out = proc.stdout
+    assert proc.returncode == 0, out[-6000:]
+    assert (tmp_path / "victim_died").read_text() == "killed at step 12"
+    assert out.count("of 2 entry at step 10: identical and conserved ok") == 2, out[-6000:]
+    assert out.count("of 3 entry at step 20: identical and conserved ok") == 3, out[-6000:]
+    assert out.count("of 3 final at step 24: identical and conserved ok") == 3, out[-6000:]
 
 
 @pytest.mark.parametrize("path", ["stock", "fused"])

@@ -8,7 +8,9 @@ average gradient of every step that was kept. Conservation of gradient mass:
 
 (the bias is not compressed: ``b0 - b == grad_sum``). The worker on host ``--victim`` kills
 itself in the middle of the commit interval; survivors roll back to the last commit and go
-on with fewer workers. With ``--event grow`` a third host appears instead (the discovery
+on with fewer workers. With ``--event return`` the victim's host comes back once Horovod's
+blacklist cooldown is over: the survivors wait for it at the commit of step 20, and its new
+worker joins there. With ``--event grow`` a third host appears instead (the discovery
 script lists it once ``--marker`` exists) and its worker joins at the commit of step 10. On
 every entry into the training function (after each reset) every rank checks that the
 parameters and residuals are identical on all ranks and that the law holds; at the end it checks the law again. Top-k's law holds exactly (every value's rounding to
@@ -21,6 +23,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Optional
 
 import horovod.torch as hvd
 import torch
@@ -32,6 +35,7 @@ STEPS = 24
 COMMIT_EVERY = 5
 KILL_AT = 12  # two steps after the commit at step 10
 GROW_AT = 10  # at the commit
+RETURN_AT = 20  # the killed host's worker rejoins at this commit
 # What the law may miss by: the float32 all-reduce's rounding for ScaleCom, nothing for Top-k.
 TOLERANCE = {"topk": 1e-12, "scalecom": 1e-5}
 
@@ -75,9 +79,10 @@ def check(state, model, compression, initial: dict, label: str, same_residuals: 
           f"conserved ok", flush=True)
 
 
-def wait_for_the_new_host(state, marker: Path) -> None:
-    """Rank 0 asks for a third host; every rank polls until Horovod interrupts with it."""
-    if hvd.rank() == 0:
+def wait_for_a_host(state, marker: Optional[Path] = None) -> None:
+    """Every rank polls until Horovod interrupts with a host added; with ``marker``, rank 0
+    first asks the discovery script for a third host."""
+    if hvd.rank() == 0 and marker is not None:
         marker.write_text(f"host added at step {state.step}")
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -109,8 +114,10 @@ def main(victim: str, marker: Path, method: str, path: str, event: str, state_ki
             check(state, model, compression, initial, "entry", True, TOLERANCE[method])
         while state.step < STEPS:
             if event == "grow" and state.step == GROW_AT and hvd.size() == 2:
-                wait_for_the_new_host(state, marker)
-            if event == "kill" and host == victim and state.step == KILL_AT and not marker.exists():
+                wait_for_a_host(state, marker)
+            if event == "return" and state.step == RETURN_AT and hvd.size() == 2:
+                wait_for_a_host(state)
+            if event in ("kill", "return") and host == victim and state.step == KILL_AT and not marker.exists():
                 marker.write_text(f"killed at step {state.step}")
                 os.kill(os.getpid(), signal.SIGKILL)
             grads = gradients(state.step, hvd.rank(), hvd.size(), model)
@@ -130,8 +137,8 @@ def main(victim: str, marker: Path, method: str, path: str, event: str, state_ki
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--event", choices=("kill", "grow"), default="kill")
-    parser.add_argument("--victim", help="host name whose worker dies (--event kill)")
+    parser.add_argument("--event", choices=("kill", "return", "grow"), default="kill")
+    parser.add_argument("--victim", help="host name whose worker dies (--event kill, return)")
     parser.add_argument("--marker", type=Path, required=True,
                         help="file written when the worker dies or the host is asked for")
     parser.add_argument("--method", choices=sorted(TOLERANCE), default="topk")
