@@ -217,6 +217,49 @@ def states(engine):
     return engine.state_dict()["states"]
 
 
+@pytest.mark.parametrize("workers", [2, 3, 4])
+def test_a_sparse_allreduce_bucket_exchanges_each_tensor_as_the_protocol_says(workers):
+    """Top-k by sparse all-reduce with tensors of 1 to 1,001 entries in one bucket, against
+    the protocol written with sorts for each tensor alone (``reference_topk_step``: regions,
+    ``C_in``, the owners' ``C_out``). Gradients grow along each tensor, so its last regions
+    hold more than their share of its selection: the bucket must hold the excess back per
+    tensor and region, and a region past a tiny tensor's end must forward nothing."""
+    from test_core_sparse_allreduce import REGION_SLACK, largest, reference_topk_step
+
+    density, numels = 0.02, [1, 2, 7, 64, 65, 257, 1000, 1001]
+    engines = [Engine(BY_NAME["topk"].build(aggregation="sparse_allreduce", density=density, small_density=None,
+                                            min_numel=1, value_dtype="float32"), workers, r) for r in range(workers)]
+    names = [f"t{i}" for i in range(len(numels))]
+    residuals = [[[0.0] * n for _ in range(workers)] for n in numels]
+    owners = [[[0.0] * math.ceil(n / workers) for _ in range(workers)] for n in numels]
+    gen = torch.Generator().manual_seed(workers)
+    overflowed = False
+    for step in range(6):
+        grads = [[torch.randn(n, generator=gen) * torch.linspace(0.1, 3.0, n) for n in numels]
+                 for _ in range(workers)]
+        if step == 0:  # every residual zero: the selection is the gradient's top-k
+            for t, n in enumerate(numels):
+                k, region = max(1, math.ceil(density * n)), math.ceil(n / workers)
+                for g in grads:
+                    regions = [pos // region for pos, _ in largest(list(enumerate(g[t].tolist())), k)]
+                    overflowed |= max(map(regions.count, regions)) > min(region, math.ceil(REGION_SLACK * k / workers))
+        got = two_stage_bucket(engines, names, grads, [None] * len(numels))
+        for t, n in enumerate(numels):
+            k = max(1, math.ceil(density * n))
+            want = reference_topk_step(residuals[t], owners[t], [g[t].double().tolist() for g in grads], k, workers)
+            for rank in got:
+                torch.testing.assert_close(rank[t].double(), torch.tensor(want, dtype=torch.float64),
+                                           rtol=1e-5, atol=1e-6)
+        for r, engine in enumerate(engines):
+            saved = states(engine)
+            for t, name in enumerate(names):
+                torch.testing.assert_close(saved[name]["residual"].double(), torch.tensor(residuals[t][r], dtype=torch.float64),
+                                           rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(saved[name]["owner_residual"].double(),
+                                           torch.tensor(owners[t][r], dtype=torch.float64), rtol=1e-5, atol=1e-5)
+    assert overflowed  # some region held more than C_in of a selection
+
+
 @pytest.mark.parametrize("method", ["dgc", "topk", "gaussiank", "scalecom"])
 def test_a_bucket_undoes_the_loss_scale_as_each_tensor_does(method):
     """Gradients 1024 times too large, with the engines told so: a bucket's averages and
@@ -237,6 +280,9 @@ def test_a_bucket_undoes_the_loss_scale_as_each_tensor_does(method):
     ("dgc", {"small_density": None, "min_numel": 1, "density": 0.02}),
     ("gaussiank", {}), ("gaussiank", {"density": 0.05, "value_dtype": "float16"}),
     ("scalecom", {}), ("scalecom", {"beta": 0.3, "density": 0.05}),
+    ("dgc", {"aggregation": "sparse_allreduce"}), ("topk", {"aggregation": "sparse_allreduce"}),
+    ("gaussiank", {"aggregation": "sparse_allreduce", "density": 0.05, "value_dtype": "float16"}),
+    ("dgc", {"aggregation": "sparse_allreduce", "small_density": None, "min_numel": 1, "density": 0.02}),
 ])
 def test_bucketed_steps_equal_the_per_tensor_steps(method, options):
     results, per, bucketed = run_steps(method, world=3, steps=5, **options)

@@ -88,3 +88,34 @@ def test_one_worker_ratio_falls_back_to_the_bytes_handed_to_horovod():
 
     stats = CompressionStats(steps=1, bytes_sent=50, dense_bytes=400)
     assert stats.ratio == 8.0
+
+
+@pytest.mark.parametrize("name,options", [("dgc", {}), ("dgc", {"aggregation": "sparse_allreduce"}),
+                                          ("gaussiank", {"aggregation": "sparse_allreduce"}), ("scalecom", {})])
+def test_what_the_model_says_a_bucket_sends_is_what_its_messages_hold(name, options):
+    """``Method.bucket_exchanges`` (the traffic model's input for a bucket) against the bytes
+    of the messages 4 engines hand to each collective for one bucket of ResNet-50's first
+    tensors, compressed as one."""
+    from horovod_dgc.core.bucket import Plan
+    from horovod_dgc.core.collectives import emulate
+
+    workers = 4
+    shapes = [tuple(p.shape) for p in resnet50().parameters()][:12]
+    engines = [Engine(BY_NAME[name].build(**options), workers, r) for r in range(workers)]
+    names = [f"t{i}" for i in range(len(shapes))]
+    grads = [[torch.randn(s) for s in shapes] for _ in range(workers)]
+    buckets = [e.bucket("b", list(zip(names, g))) for e, g in zip(engines, grads)]
+    method, ops = engines[0].method, engines[0].ops
+    config = method.config
+    plan = Plan.at(buckets[0], [config.density_for(0, 0.0, s.small) for s in buckets[0].segments])
+    if method.family == "sparse":
+        sent = [(e.compress_bucket(b, g, [None] * len(shapes)).message,) for e, b, g in zip(engines, buckets, grads)]
+    else:
+        firsts = [e.first_bucket(b, g, [None] * len(shapes)) for e, b, g in zip(engines, buckets, grads)]
+        received = emulate(ops, method.FIRST, [m for m, _ in firsts], method.root(firsts[0][1].call))
+        sent = [(m, e.second(b.key, got, h)) for e, b, got, (m, h) in zip(engines, buckets, received, firsts)]
+    for rank in sent:
+        assert [(kind, nbytes) for kind, nbytes in method.bucket_exchanges(plan, workers)] == [
+            (kind, m.numel() * m.element_size()) for (kind, _), m in zip(method.bucket_exchanges(plan, workers), rank)]
+    assert [kind for kind, _ in method.bucket_exchanges(plan, workers)] == (
+        ["allgather"] if method.family == "sparse" else [method.FIRST, method.SECOND])

@@ -131,6 +131,15 @@ class Bucket:
         return f"{self.label}#{zlib.crc32(chr(0).join(self.names).encode()):08x}"
 
 
+@functools.lru_cache(maxsize=1024)
+def shards_of(bucket: Bucket, lengths: Tuple[int, ...]) -> Bucket:
+    """The layout of one rank's shards of ``bucket``'s tensors kept as one flat buffer: segment
+    s holds ``lengths[s]`` entries (a sharded memory's ``shard_length`` for that tensor), laid
+    out as any bucket is, under the same label and names."""
+    return Bucket.of(bucket.label, [(s.name, n, s.small) for s, n in zip(bucket.segments, lengths)],
+                     bucket.dtype)
+
+
 @dataclass(frozen=True)
 class Plan:
     """How many entries each segment of a bucket sends at given densities, and the block
@@ -150,7 +159,7 @@ class Plan:
     def at(cls, bucket: Bucket, densities: Sequence[float]) -> "Plan":
         """The plan for each segment's density; the block suits the lowest density."""
         ks = tuple(top_count(d, s.numel) for d, s in zip(densities, bucket.segments))
-        return _interned(cls(bucket, ks, min(ALIGN, block_size(min(densities)))))
+        return interned(cls(bucket, ks, min(ALIGN, block_size(min(densities)))))
 
     @property
     def total(self) -> int:
@@ -170,13 +179,13 @@ class Plan:
     def tables(self, ops: TensorOps, like: Tensor) -> "Tables":
         """The plan's index tables on the device of ``like``, made once per plan (a bucket
         stays on one device)."""
-        return _tables(self, Tables.build, ops, like)
+        return constant_tables(self, Tables.build, ops, like)
 
 
 _TABLES: Dict[Tuple[Any, Any], Any] = {}
 
 
-def _tables(plan: Any, build: Callable[[TensorOps, Any, Tensor], Any], ops: TensorOps, like: Tensor) -> Any:
+def constant_tables(plan: Any, build: Callable[[TensorOps, Any, Tensor], Any], ops: TensorOps, like: Tensor) -> Any:
     """``build(ops, plan, like)``, made once per plan and what its constants can be shared by
     (``TensorOps.constants_key``)."""
     key = (plan, ops.constants_key(like))
@@ -187,7 +196,8 @@ def _tables(plan: Any, build: Callable[[TensorOps, Any, Tensor], Any], ops: Tens
 
 
 @functools.lru_cache(maxsize=4096)
-def _interned(plan: Plan) -> Plan:
+def interned(plan: Plan) -> Plan:
+    """One object per distinct plan (its tables are cached by it)."""
     return plan
 
 
@@ -340,9 +350,9 @@ class GaussianPlan:
     def of(cls, plan: Plan) -> "GaussianPlan":
         segments = plan.bucket.segments
         capacities = tuple(gaussian_capacity(k, s.numel) for k, s in zip(plan.ks, segments))
-        reach = _interned(Plan(plan.bucket, tuple(min(c + 1, s.numel) for c, s in zip(capacities, segments)),
+        reach = interned(Plan(plan.bucket, tuple(min(c + 1, s.numel) for c, s in zip(capacities, segments)),
                                plan.block))
-        return _interned(cls(plan, capacities, reach))
+        return interned(cls(plan, capacities, reach))
 
     @property
     def total(self) -> int:
@@ -350,7 +360,7 @@ class GaussianPlan:
         return sum(self.capacities)
 
     def tables(self, ops: TensorOps, like: Tensor) -> "GaussianTables":
-        return _tables(self, GaussianTables.build, ops, like)
+        return constant_tables(self, GaussianTables.build, ops, like)
 
 
 @dataclass(frozen=True)

@@ -130,13 +130,15 @@ class DGC(SparseMethod):
                        call.unscale), 1.0
 
     def update_bucket(self, ops: TensorOps, state: State, positions: Tensor, sent: Tensor,
-                      plan: Plan) -> State:
+                      plan: Plan, large: Optional[Tensor] = None) -> State:
         """Every sent velocity entry removed; the momentum masked in the large segments only
         (see :meth:`memory_for`)."""
         state = self._small_memory.update(ops, state, positions, sent)
         segments = plan.bucket.segments
         if all(s.small for s in segments):
             return state
-        large = positions if not any(s.small for s in segments) else ops.gather(
-            positions, plan.tables(ops, positions).large_picks)
+        if not any(s.small for s in segments):
+            large = positions
+        elif large is None:
+            large = ops.gather(positions, plan.tables(ops, positions).large_picks)
         return {**state, "momentum": ops.scatter_zero(state["momentum"], large)}

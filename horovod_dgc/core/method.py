@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, Optional, Tuple
 
-from .bucket import Bucket, Plan
+from .bucket import Bucket, Plan, shards_of
 from .collectives import network_bytes
 from .config import CompressionConfig
 from .ops import Tensor, TensorOps
@@ -188,6 +188,11 @@ class Method(ABC):
         elements goes through at ``density`` among ``world_size`` workers, with the bytes
         each worker hands to each: the traffic model's input."""
 
+    def bucket_exchanges(self, plan: Plan, world_size: int) -> Tuple[Tuple[str, int], ...]:
+        """:meth:`exchanges` of the tensors of ``plan``'s bucket compressed as one (a method
+        that is :attr:`bucketed`)."""
+        raise NotImplementedError(f"{type(self).__name__} compresses tensor by tensor")
+
     def network_bytes(self, numel: int, grad_dtype: str, density: float, world_size: int) -> float:
         """Bytes one worker sends on the network for such a tensor: :meth:`exchanges` through
         Gloo's ring collectives (``collectives.network_bytes``)."""
@@ -211,6 +216,24 @@ class Method(ABC):
             shard = self.shard_length(numel, world_size)
             state.update({name: ops.zeros(shard, dtype, like=grad) for name in layout.sharded})
         return state
+
+    def state_buckets(self, bucket: Bucket, world_size: int) -> Dict[str, Bucket]:
+        """Per memory, the layout of its flat buffer when ``bucket``'s tensors keep their
+        memories as one: ``bucket`` itself for a per-worker memory, this rank's shards of every
+        tensor (:func:`~.bucket.shards_of`, :meth:`shard_length` entries each) for a sharded one."""
+        layout = self.state_layout(True)
+        layouts = {name: bucket for name in layout.per_worker}
+        if layout.sharded:
+            shards = shards_of(bucket, tuple(self.shard_length(s.numel, world_size) for s in bucket.segments))
+            layouts.update({name: shards for name in layout.sharded})
+        return layouts
+
+    def init_bucket_state(self, ops: TensorOps, bucket: Bucket, like: Tensor, world_size: int) -> State:
+        """Zeroed memories of ``bucket``'s tensors kept as one, laid out as
+        :meth:`state_buckets` says; ``like``: the bucket's flat gradient."""
+        dtype = state_dtype(ops.dtype(like))
+        return {name: ops.zeros(layout.numel, dtype, like=like)
+                for name, layout in self.state_buckets(bucket, world_size).items()}
 
     def dense(self, ops: TensorOps, state: State, grad: Tensor,
               call: CompressCall) -> Tuple[Tensor, State]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Tuple
 
 from . import wire
-from .bucket import select_segments
+from .bucket import Plan, select_segments
 from .codecs import value_coding
 from .collectives import ALLREDUCE, BROADCAST
 from .config import SparseConfig
@@ -186,6 +186,10 @@ class ScaleCom(TwoStageMethod):
         (``bucket.select_segments``: each tensor's exact top-k); the chunked one compresses
         tensor by tensor."""
         return self.collects_candidates
+
+    def bucket_exchanges(self, plan: Plan, world_size: int) -> Tuple[Tuple[str, int], ...]:
+        indices = self._positions_layout(plan.bucket.key, plan.bucket.numel, plan.total)
+        return (BROADCAST, indices.nbytes), (ALLREDUCE, wire.DTYPE_BYTES[self.config.value_dtype] * plan.total)
 
     def first_bucket(self, ops: TensorOps, state: State, grad: Tensor,
                      call: BucketCall) -> Tuple[Tensor, State, StageHandover]:

@@ -127,6 +127,9 @@ class SparseMethod(Method):
             name=bucket.key, method_id=self.method_id, numel=bucket.numel, capacity=self.bucket_capacity(plan),
             value_format=wire.value_format(bucket.dtype, self.config.value_dtype)))
 
+    def bucket_exchanges(self, plan: Plan, world_size: int) -> Tuple[Tuple[str, int], ...]:
+        return ((ALLGATHER, self.bucket_layout(plan.bucket, plan).nbytes),)
+
     def prepare_bucket(self, ops: TensorOps, grad: Tensor, call: BucketCall) -> Tuple[Tensor, Scalar]:
         """:meth:`prepare` of every segment at once."""
         return grad, call.unscale
@@ -137,8 +140,10 @@ class SparseMethod(Method):
         return self.memory
 
     def update_bucket(self, ops: TensorOps, state: State, positions: Tensor, sent: Tensor,
-                      plan: Plan) -> State:
-        """The memories after sending ``sent`` at ``positions`` (``plan``'s segments in order)."""
+                      plan: Plan, large: Optional[Tensor] = None) -> State:
+        """The memories after sending ``sent`` at ``positions``: ``plan``'s selection, segment
+        after segment, or with ``large`` (those of ``positions`` in segments that are not
+        small) any of its entries in any order."""
         return self.memory.update(ops, state, positions, sent)
 
     def compress_bucket(self, ops: TensorOps, state: State, grad: Tensor, call: BucketCall) -> Compressed:

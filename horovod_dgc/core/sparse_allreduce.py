@@ -19,19 +19,32 @@ fixed per tensor and density, so messages keep a fixed size. Nothing is lost, on
 Regions are fixed, equal slices (not re-balanced from the selected indices): a region
 holding more than its share of a worker's selection delays the excess by a step, in that
 worker's memory (``make bench-regions`` measures how little that holds back).
+
+**A bucket** (:meth:`SparseAllreduce.first_bucket`) keeps every tensor's regions, ``C_in``
+and ``C_out``, and sends one message per destination: owner j's holds region j of every
+tensor, in the numbering of :class:`BucketRegions`' ``owner`` layout (each tensor's region
+at its own offset, as the owner keeps its residuals: one flat buffer, the tensors' shards
+one after another), and each owner forwards one message with every tensor's ``C_out``. The
+headers are then O(N) per bucket, not per tensor. A rank whose region of a tiny tensor is
+shorter than ``C_out`` (the last rank's, past the tensor's end) may forward entries past
+it: they are zero (nothing is ever added there), and the receivers add them to the tensor's
+last entry, which leaves it as it is.
 """
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from . import wire
+from .bucket import Bucket, Plan, constant_tables, interned, select_segments, shards_of
 from .collectives import ALLGATHER, ALLTOALL
 from .config import GatheredConfig
-from .method import CompressCall, Method, State, StateLayout, shard_entries, state_dtype
+from .method import BucketCall, CompressCall, Method, State, StateLayout, shard_entries, state_dtype
 from .nonfinite import flag, nan_like, none_flagged, received_finite
 from .ops import Scalar, Tensor, TensorOps
-from .selection import select_exact, top_count
+from .selection import magnitude_bits, select_exact, top_count
 from .sparse import SparseMethod
 from .twostage import StageHandover, TwoStageMethod
 
@@ -50,6 +63,85 @@ AUTO_NUMEL = 2 ** 20
 # update a step's delay in the owners' residuals, which a few percent of bytes do not repay
 # (at 4 workers it sent 5% fewer bytes in steps 3x as long; docs/benchmarks.md).
 AUTO_MOST_BYTES_SHARE = 0.5
+
+
+_GROUP_SHIFT = 2 ** 32
+
+
+@dataclass(frozen=True)
+class BucketRegions:
+    """A bucket's sparse all-reduce among ``world_size`` workers: what every rank's messages
+    look like (the same on every rank).
+
+    Attributes:
+        plan: the bucket's plan (each tensor's k).
+        world_size: the number of workers.
+        owner: the owners' layout (:func:`~.bucket.shards_of`): tensor s's region of
+            ``R_s = ceil(numel_s / N)`` entries at its own offset; an owner's residual and the
+            positions of the messages to and from it are in this numbering.
+        bounds: where each (tensor s, region j) starts in the bucket's numbering, s major,
+            then where the last tensor ends: ascending, so that counting the selected
+            positions below each gives every group's start.
+        group_capacity: ``C_in`` of each group's tensor.
+        group_shift: per group, the owner position of a bucket position in it, less that
+            position (``owner offset_s - offset_s - j R_s``).
+        group_order: per group, ``j * owner.numel``: added to the owner positions, sorting
+            lays them out destination by destination.
+        to_owner: the message of one destination: every tensor's ``C_in`` slots.
+        forward_plan: the owner's selection, each tensor's ``min(C_out, R_s)`` largest.
+        forward: an owner's message.
+        large_groups: per group, whether its tensor is large (DGC masks its momentum).
+    """
+
+    plan: Plan
+    world_size: int
+    owner: Bucket
+    bounds: Tuple[int, ...]
+    group_capacity: Tuple[int, ...]
+    group_shift: Tuple[int, ...]
+    group_order: Tuple[int, ...]
+    to_owner: wire.MessageLayout
+    forward_plan: Plan
+    forward: wire.MessageLayout
+    large_groups: Tuple[bool, ...]
+
+    @property
+    def groups(self) -> int:
+        return len(self.group_capacity)
+
+    def tables(self, ops: TensorOps, like: Tensor) -> "RegionTables":
+        return constant_tables(self, RegionTables.build, ops, like)
+
+
+@dataclass(frozen=True)
+class RegionTables:
+    """The constant tensors of :class:`BucketRegions` on a device: each group's capacity,
+    shift, order and largeness, and per sending owner r the bucket position of each of its
+    forwarded entries less its owner position (``sender_shifts[r]``), capped at its tensor's
+    last entry (``last_entries``)."""
+
+    group_ids: Tensor
+    group_capacity: Tensor
+    group_shift: Tensor
+    group_order: Tensor
+    large_groups: Tensor
+    sender_shifts: Tuple[Tensor, ...]
+    last_entries: Tensor
+
+    @classmethod
+    def build(cls, ops: TensorOps, regions: BucketRegions, like: Tensor) -> "RegionTables":
+        def ints(values) -> Tensor:
+            return ops.constant(list(values), "int64", like=like)
+
+        bucket, owner, world = regions.plan.bucket, regions.owner, regions.world_size
+        picks = regions.forward_plan.ks
+        shifts = [ints(v for s, o, k in zip(bucket.segments, owner.segments, picks)
+                       for v in [s.offset + r * o.numel - o.offset] * k) for r in range(world)]
+        return cls(group_ids=ints(range(regions.groups)), group_capacity=ints(regions.group_capacity),
+                   group_shift=ints(regions.group_shift), group_order=ints(regions.group_order),
+                   large_groups=ops.greater_equal(ints(int(v) for v in regions.large_groups), 1),
+                   sender_shifts=tuple(shifts),
+                   last_entries=ints(v for s, k in zip(bucket.segments, picks) for v in [s.end - 1] * k))
 
 
 class SparseAllreduce(TwoStageMethod):
@@ -103,6 +195,65 @@ class SparseAllreduce(TwoStageMethod):
     # -- the method's work ------------------------------------------------------------------
     def dense(self, ops: TensorOps, state: State, grad: Tensor, call: CompressCall) -> Tuple[Tensor, State]:
         return self.inner.dense(ops, state, grad, call)
+
+    # -- a whole bucket at once ------------------------------------------------------------
+    @property
+    def bucketed(self) -> bool:
+        """Whether the inner method selects in buckets: then each tensor's regions travel
+        in one message per destination and bucket (see the module's docstring)."""
+        return self.inner.bucketed
+
+    def bucket_exchanges(self, plan: Plan, world_size: int) -> Tuple[Tuple[str, int], ...]:
+        regions = self.regions(plan, world_size)
+        return (ALLTOALL, world_size * regions.to_owner.nbytes), (ALLGATHER, regions.forward.nbytes)
+
+    def regions(self, plan: Plan, world_size: int) -> BucketRegions:
+        """The sparse all-reduce of ``plan``'s bucket among ``world_size`` workers."""
+        return _regions(self, plan, world_size)
+
+    def first_bucket(self, ops: TensorOps, state: State, grad: Tensor,
+                     call: BucketCall) -> Tuple[Tensor, State, StageHandover]:
+        """:meth:`first` of a bucket's flat gradient (laid out as ``call.bucket``, zero
+        padding): one message per destination holding every tensor's region. ``state``: the
+        worker memories laid out as the bucket, the owner residual as ``regions.owner``."""
+        plan, world = call.plan, call.world_size
+        regions = self.regions(plan, world)
+        to_owner = regions.to_owner
+        memory = self.inner.bucket_memory()
+        accumulated = memory.accumulate(ops, state, *self.inner.prepare_bucket(ops, grad, call), spare=call.spare)
+
+        def send() -> Tuple[State, Tensor]:
+            x = accumulated.x
+            positions, count = self.inner.select_bucket(ops, x, plan)
+            positions, groups = _fitted(ops, x, positions, count, regions)
+            tables = regions.tables(ops, x)
+            owned = ops.add(positions, ops.gather(tables.group_shift, groups), 1, 1)
+            keys, order = ops.sort(ops.add(owned, ops.gather(tables.group_order, groups), 1, 1))
+            starts = ops.searchsorted(keys, [j * regions.owner.numel for j in range(world + 1)])
+            positions, owned, groups = (ops.gather(t, order) for t in (positions, owned, groups))
+            messages, values = [], []
+            for j in range(world):
+                start = ops.gather(starts, j)
+                length = ops.gather(starts, j + 1) - start
+                header = to_owner.header(call.rank, call.step, length, 0)
+                message, decoded = to_owner.encode(ops, header, ops.slice(owned, start, length), length,
+                                                   ops.gather(x, ops.slice(positions, start, length)))
+                messages.append(message)
+                values.append(ops.cast(ops.slice(decoded, 0, length), ops.dtype(x)))
+            large = None
+            if any(regions.large_groups) and not all(regions.large_groups):
+                large = ops.gather(positions, ops.nonzero(ops.gather(tables.large_groups, groups)))
+            worker = self.inner.update_bucket(ops, accumulated.state, positions, ops.concat(values), plan, large)
+            return {**state, **worker}, ops.concat(messages)
+
+        def skip() -> Tuple[State, Tensor]:
+            header = to_owner.header(call.rank, call.step, 0, wire.FLAG_NONFINITE)
+            return state, ops.concat([to_owner.empty(ops, header, like=grad)] * world)
+
+        new_state, message = ops.cond(accumulated.finite, send, skip)
+        handover = StageHandover(call.as_call(), call.bucket.numel, ops.dtype(grad),
+                                 {"to_owner": to_owner, "forward": regions.forward, "regions": regions})
+        return message, new_state, handover
 
     def first(self, ops: TensorOps, state: State, grad: Tensor,
               call: CompressCall) -> Tuple[Tensor, State, StageHandover]:
@@ -163,10 +314,10 @@ class SparseAllreduce(TwoStageMethod):
 
     def second(self, ops: TensorOps, state: State, received: Tensor,
                handover: StageHandover) -> Tuple[Tensor, State]:
-        """The owner's work on its region; a sender's non-finite flag is passed on (with
-        ``nonfinite="raise"`` every owner raises, naming the sender)."""
+        """The owner's work on its region (of every tensor of a bucket); a sender's non-finite
+        flag is passed on (with ``nonfinite="raise"`` every owner raises, naming the sender)."""
         call, to_owner, forward = handover.call, handover.data["to_owner"], handover.data["forward"]
-        world, region = call.world_size, to_owner.numel
+        world, regions = call.world_size, handover.data.get("regions")
         flags, entries = self._receive(ops, received, to_owner, handover)
         finite = received_finite(ops, self.config.nonfinite, flags, [call.name], call.step,
                                  call.traced_id)
@@ -174,28 +325,93 @@ class SparseAllreduce(TwoStageMethod):
         total = ops.copy(state["owner_residual"])
         for where, values in entries:
             total = ops.scatter_add(total, where, ops.scale(ops.copy(values), 1.0 / world))
-        valid = shard_entries(handover.numel, region, call.rank)
-        capacity = min(forward.capacity, valid)
-        if capacity:
-            chosen = select_exact(ops, ops.slice(total, 0, valid), capacity)
+        if regions is not None:
+            capacity = forward.capacity
+            chosen = select_segments(ops, total, regions.forward_plan)
         else:
-            chosen = ops.zeros(0, "int64", like=total)
+            valid = shard_entries(handover.numel, to_owner.numel, call.rank)
+            capacity = min(forward.capacity, valid)
+            chosen = (select_exact(ops, ops.slice(total, 0, valid), capacity) if capacity
+                      else ops.zeros(0, "int64", like=total))
         header = forward.header(call.rank, call.step, capacity, flag(ops, finite), call.traced_id)
         message, sent = forward.encode(ops, header, chosen, capacity, ops.gather(total, chosen))
         owner = ops.scatter_sub(total, chosen, ops.cast(ops.slice(sent, 0, capacity), dtype))
         return message, {**state, "owner_residual": owner}
 
     def finish(self, ops: TensorOps, received: Tensor, handover: StageHandover) -> Tuple[Tensor, Scalar]:
-        forward = handover.data["forward"]
+        forward, regions = handover.data["forward"], handover.data.get("regions")
         flags, entries = self._receive(ops, received, forward, handover)
         finite = none_flagged(ops, flags)
-        update = ops.zeros(handover.numel, state_dtype(handover.dtype), like=received)
+        dtype = state_dtype(handover.dtype)
+        update = (ops.zeros(handover.numel, dtype, like=received) if handover.destination is None
+                  else ops.zeroed(handover.destination))
+        tables = None if regions is None else regions.tables(ops, received)
         for r, (where, values) in enumerate(entries):
-            if shard_entries(handover.numel, forward.numel, r):
-                update = ops.scatter_add(update, where + r * forward.numel, values)
+            if tables is not None:
+                # Entries past a tensor's end (zeros: see the module's docstring) land on its last.
+                where = ops.minimum(ops.add(where, tables.sender_shifts[r], 1, 1), tables.last_entries)
+            elif shard_entries(handover.numel, forward.numel, r):
+                where = where + r * forward.numel
+            else:
+                continue
+            update = ops.scatter_add(update, where, values)
         update = ops.cast(update, handover.dtype)
         return ops.cond(finite, lambda: update,
                         lambda: nan_like(ops, handover.numel, handover.dtype, update)), finite
+
+
+@functools.lru_cache(maxsize=1024)
+def _regions(method: SparseAllreduce, plan: Plan, world_size: int) -> BucketRegions:
+    bucket, inner = plan.bucket, method.inner
+    lengths = tuple(method.shard_length(s.numel, world_size) for s in bucket.segments)
+    owner = shards_of(bucket, lengths)
+    bounds, capacity, shift, order, large, forward_ks = [], [], [], [], [], []
+    for s, o, k, region in zip(bucket.segments, owner.segments, plan.ks, lengths):
+        gathered = inner.capacity(k, s.numel)
+        forward_ks.append(min(region, math.ceil(FORWARD_SLACK * k / world_size)))
+        for j in range(world_size):
+            bounds.append(s.offset + min(j * region, s.numel))
+            capacity.append(min(region, math.ceil(REGION_SLACK * gathered / world_size)))
+            shift.append(o.offset - s.offset - j * region)
+            order.append(j * owner.numel)
+            large.append(not s.small)
+    bounds.append(bucket.segments[-1].end)
+    fmt = wire.value_format(bucket.dtype, method.config.value_dtype)
+
+    def layout(slots: int) -> wire.MessageLayout:
+        return wire.interned(wire.MessageLayout(name=bucket.key, method_id=method.method_id, numel=owner.numel,
+                                                capacity=slots, value_format=fmt))
+
+    forward_plan = interned(Plan(owner, tuple(forward_ks), plan.block))
+    per_destination = sum(capacity[j] for j in range(0, len(capacity), world_size))
+    return BucketRegions(plan=plan, world_size=world_size, owner=owner, bounds=tuple(bounds),
+                         group_capacity=tuple(capacity), group_shift=tuple(shift), group_order=tuple(order),
+                         to_owner=layout(per_destination), forward_plan=forward_plan,
+                         forward=layout(forward_plan.total), large_groups=tuple(large))
+
+
+def _fitted(ops: TensorOps, x: Tensor, positions: Tensor, count: Scalar,
+            regions: BucketRegions) -> Tuple[Tensor, Tensor]:
+    """(the selected ``positions`` that go to their owners, ascending; each one's group):
+    all of them, unless a group (tensor s, region j) holds more than its tensor's ``C_in``,
+    whose largest ``|x|`` then go (the rest stay in the worker's memory, as per tensor)."""
+    tables = regions.tables(ops, x)
+    starts = ops.searchsorted(positions, regions.bounds)
+    counts = ops.add(ops.slice(starts, 1, regions.groups), ops.slice(starts, 0, regions.groups), 1, -1)
+    groups = ops.repeat_each(tables.group_ids, counts, count)
+
+    def largest() -> Tuple[Tensor, Tensor]:
+        keys = ops.add(ops.scale(ops.add(groups, 1, 1, 1), _GROUP_SHIFT),
+                       ops.add(magnitude_bits(ops, ops.gather(x, positions)), 1, 1, 1), 1, -1)
+        _, order = ops.sort(keys)
+        ranked = ops.gather(groups, order)
+        within = ops.add(ops.arange(count, like=positions), ops.gather(starts, ranked), 1, -1)
+        kept = ops.sort(ops.gather(order, ops.nonzero(ops.greater_equal(
+            ops.gather(tables.group_capacity, ranked), ops.add(within, 1, 1, 1)))))[0]
+        return ops.gather(positions, kept), ops.gather(groups, kept)
+
+    fits = ops.all_within(counts, 0, tables.group_capacity)
+    return ops.cond(fits, lambda: (positions, groups), largest)
 
 
 def bytes_share(inner: SparseMethod, world_size: int, numel: int = AUTO_NUMEL) -> float:

@@ -232,11 +232,19 @@ class Engine:
 
     def _restore_unapplied(self, bucket: Bucket, kept: Optional[dict], staged: dict) -> None:
         """The segments of a bucket whose results nobody applies keep their memories."""
-        for segment in bucket.segments:
-            if segment.name in self._unapplied:
+        for name, parts in self._member_parts(bucket).items():
+            if name in self._unapplied:
                 for key, memory in staged.items():
-                    part = memory[segment.offset:segment.end]
-                    part.copy_(kept[key][segment.offset:segment.end]) if kept else part.zero_()
+                    part = memory[parts[key]]
+                    part.copy_(kept[key][parts[key]]) if kept else part.zero_()
+
+    def _member_parts(self, bucket: Bucket) -> Dict[str, Dict[str, slice]]:
+        """Per member tensor, where its part of each of the bucket's flat memories lies (the
+        method's :meth:`~horovod_dgc.core.method.Method.state_buckets`)."""
+        layouts = self.method.state_buckets(bucket, self.world_size)
+        return {s.name: {key: slice(layout.segments[i].offset, layout.segments[i].end)
+                         for key, layout in layouts.items()}
+                for i, s in enumerate(bucket.segments)}
 
     def abandon_step(self) -> None:
         """Drop the memories of a step that will not finish (an elastic reset)."""
@@ -372,13 +380,13 @@ class Engine:
             if bucket.key in self._states:
                 return self._states[bucket.key]
             self._split_buckets_holding(bucket.names)
-            fresh = self.method.init_state(self.ops, flat, True, self.world_size)
+            fresh = self.method.init_bucket_state(self.ops, bucket, flat, self.world_size)
             loaded = [self._states.pop(name, None) for name in bucket.names]
             if any(loaded):
-                for key, memory in fresh.items():
-                    for segment, part in zip(bucket.segments, loaded):
-                        if part is not None:
-                            memory[segment.offset:segment.end].copy_(part[key])
+                for parts, part in zip(self._member_parts(bucket).values(), loaded):
+                    if part is not None:
+                        for key, memory in fresh.items():
+                            memory[parts[key]].copy_(part[key])
             self._states[bucket.key] = fresh
             return fresh
 
@@ -389,9 +397,8 @@ class Engine:
         for key in [k for k, b in self._buckets.items() if k in self._states and wanted & set(b.names)]:
             memories = self._states.pop(key)
             self._spares.pop(key, None)
-            for segment in self._buckets[key].segments:
-                self._states[segment.name] = {k: v[segment.offset:segment.end].clone()
-                                              for k, v in memories.items()}
+            for name, parts in self._member_parts(self._buckets[key]).items():
+                self._states[name] = {k: v[parts[k]].clone() for k, v in memories.items()}
 
     def dense(self, name: str, grad: torch.Tensor, param: Optional[torch.Tensor]) -> DenseUpdate:
         """What to all-reduce for a tensor that does not compress (a new tensor, float32 for
@@ -521,9 +528,9 @@ class Engine:
             if name in self._states:
                 return dict(self._states[name])
             for key, bucket in self._buckets.items():
-                segment = next((s for s in bucket.segments if s.name == name), None)
-                if segment is not None and key in self._states:
-                    return {k: v[segment.offset:segment.end] for k, v in self._states[key].items()}
+                if name in bucket.names and key in self._states:
+                    parts = self._member_parts(bucket)[name]
+                    return {k: v[parts[k]] for k, v in self._states[key].items()}
         raise KeyError(name)
 
     # -- checkpointing --------------------------------------------------------------------------
@@ -534,10 +541,10 @@ class Engine:
             states = {}
             for key, memories in self._states.items():
                 bucket = self._buckets.get(key)
-                segments = [(key, slice(None))] if bucket is None else [
-                    (s.name, slice(s.offset, s.end)) for s in bucket.segments]
-                for name, part in segments:
-                    states[name] = {k: v[part].clone() for k, v in memories.items()}
+                members = ({key: {k: slice(None) for k in memories}} if bucket is None
+                           else self._member_parts(bucket))
+                for name, parts in members.items():
+                    states[name] = {k: v[parts[k]].clone() for k, v in memories.items()}
             return state_frame(self.method, world_size=self.world_size, rank=self.rank,
                                epoch=self.epoch, steps=self._steps, states=states)
 
