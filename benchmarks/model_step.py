@@ -10,8 +10,9 @@ CPU, one thread:
   every bucket's tensors must match);
 * **buckets**: buckets of about 25 MB of gradient in reverse order, as both Horovod paths
   cut them, each compressed as one (``Engine.compress_bucket``, ``Engine.first_bucket``) where
-  the method is ``bucketed`` (dgc, topk, gaussiank, scalecom), else tensor by tensor and
-  decoded in one call per bucket;
+  the method is ``bucketed`` (dgc, topk, gaussiank, scalecom, and ``dgc-sar``: dgc with
+  ``aggregation="sparse_allreduce"``), else tensor by tensor and decoded in one call per
+  bucket;
 * **one tensor**: a single flat tensor of the same 25,557,032 entries.
 
 For each it prints the CPU milliseconds of compress and decode per rank per step (medians,
@@ -19,7 +20,7 @@ layouts interleaved in every round), and, from separate steps with the choices T
 on a GPU (fixed sizes, no C kernels), the ATen operations dispatched per rank per step (what
 a GPU would launch, views included) and the host reads (what would wait for it)::
 
-    python -m benchmarks.model_step [--methods dgc topk ...] [--world 2] [--rounds 5] [--split 10]
+    python -m benchmarks.model_step [--methods dgc topk dgc-sar ...] [--world 2] [--rounds 5] [--split 10]
 """
 from __future__ import annotations
 
@@ -39,6 +40,15 @@ from horovod_dgc.core.methods import BY_NAME, METHODS
 from horovod_dgc.torch.engine import Engine
 
 LAYOUTS = ("per tensor", "buckets", "one tensor")
+# Methods with other than their default options: name -> (method, options).
+VARIANTS = {"dgc-sar": ("dgc", {"aggregation": "sparse_allreduce"})}
+CHOICES = [spec.name for spec in METHODS] + list(VARIANTS)
+
+
+def build(name: str):
+    """The core method of a method's or a variant's name."""
+    method, options = VARIANTS.get(name, (name, {}))
+    return BY_NAME[method].build(**options)
 
 
 class OpCounter(TorchDispatchMode):
@@ -57,7 +67,7 @@ class Run:
     """One method's engines on one layout, stepped on demand."""
 
     def __init__(self, method: str, shapes: Sequence[Tuple[int, ...]], layout: str, world: int) -> None:
-        self.engines = [Engine(BY_NAME[method].build(), world_size=world, rank=r) for r in range(world)]
+        self.engines = [Engine(build(method), world_size=world, rank=r) for r in range(world)]
         self.layout = layout
         self.shapes = [(sum(math.prod(s) for s in shapes),)] if layout == "one tensor" else list(shapes)
         self.names = [f"t{i}" for i in range(len(self.shapes))]
@@ -165,8 +175,7 @@ def measure(methods: Sequence[str], world: int, warmup: int, rounds: int,
 
 def parse_args(argv: Sequence[str] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--methods", nargs="+", default=[spec.name for spec in METHODS],
-                   choices=[spec.name for spec in METHODS])
+    p.add_argument("--methods", nargs="+", default=CHOICES, choices=CHOICES)
     p.add_argument("--world", type=int, default=2, help="ranks emulated in this process")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per layout")
     p.add_argument("--rounds", type=int, default=5, help="timed steps per layout, interleaved")

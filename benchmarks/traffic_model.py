@@ -4,8 +4,9 @@ method and aggregation, as the number of workers grows (ResNet-50's 161 paramete
 
     python -m benchmarks.traffic_model [--max-workers 256] [--plot docs/img/traffic_model.png]
 
-The model is the library's own: each method's message layouts (``Method.exchanges``, the
-same sizes its compressors hand to Horovod) and the bytes a ring collective sends per worker
+The model is the library's own: each method's message layouts (``Method.exchanges``, or
+``Method.bucket_exchanges`` for a bucket of tensors compressed as one: the same sizes its
+compressors hand to Horovod) and the bytes a ring collective sends per worker
 (``collectives.network_bytes``); a tensor a method does not compress is all-reduced in
 float32. It is what ``stats()`` reports, computed without running a step. It leaves out
 Horovod's own negotiation (a few kB per cycle, whatever is sent) and TCP/IP headers: see
@@ -19,7 +20,8 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from horovod_dgc.core.collectives import ALLREDUCE, network_bytes
+from horovod_dgc.core.bucket import Bucket, Plan
+from horovod_dgc.core.collectives import ALLREDUCE, DEFAULT_BUCKET_CAP_MB, cut_buckets, network_bytes
 from horovod_dgc.core.method import Method
 from horovod_dgc.core.methods import BY_NAME
 
@@ -46,16 +48,36 @@ def resnet50_shapes() -> List[Tuple[int, ...]]:
 
 
 def per_worker_bytes(method: Optional[Method], shapes: Sequence[Tuple[int, ...]], workers: int) -> float:
-    """Bytes one worker sends per step for every tensor of ``shapes`` (float32 gradients)."""
+    """Bytes one worker sends per step for every tensor of ``shapes`` (float32 gradients): a
+    method that is ``bucketed`` compresses its tensors in buckets of 25 MB, cut in reverse
+    order as both Horovod paths cut them."""
     total = 0.0
+    compressed = []
     for shape in shapes:
         numel = math.prod(shape)
         if method is None or not method.config.compresses(shape, "float32"):
             total += network_bytes(ALLREDUCE, 4 * numel, workers)
-            continue
-        density = method.config.density_for(0, 0.0, method.config.is_small(shape))
-        total += method.network_bytes(numel, "float32", density, workers)
+        elif method.bucketed:
+            compressed.append(shape)
+        else:
+            density = method.config.density_for(0, 0.0, method.config.is_small(shape))
+            total += method.network_bytes(numel, "float32", density, workers)
+    if compressed:
+        total += sum(network_bytes(kind, nbytes, workers) for plan in _plans(method, compressed[::-1])
+                     for kind, nbytes in method.bucket_exchanges(plan, workers))
     return total
+
+
+def _plans(method: Method, shapes: Sequence[Tuple[int, ...]]) -> List[Plan]:
+    """The plans of ``shapes``' buckets (in that order) at the config's densities."""
+    config = method.config
+    cut = cut_buckets([4 * math.prod(s) for s in shapes], DEFAULT_BUCKET_CAP_MB * 2 ** 20)
+    plans = []
+    for b, members in enumerate(cut):
+        bucket = Bucket.of(f"b{b}", [(f"t{b}.{i}", math.prod(shapes[i]), config.is_small(shapes[i]))
+                                     for i in members], "float32")
+        plans.append(Plan.at(bucket, [config.density_for(0, 0.0, s.small) for s in bucket.segments]))
+    return plans
 
 
 def table(shapes: Sequence[Tuple[int, ...]], workers: Sequence[int]) -> Dict[str, List[float]]:

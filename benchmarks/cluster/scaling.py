@@ -35,7 +35,9 @@ from .report import load_records, negotiation_bytes
 from .run import BENCH, DEFAULT_CYCLE_TIME_MS, in_namespaces, launch
 from .step import VARIANTS
 
-FLAT_LIMIT = 1.3         # the sparse all-reduce at the most hosts over the fewest (#14)
+# The sparse all-reduce's bytes at the most hosts over the fewest: every all-reduce's (N - 1)/N
+# alone grows 1.75x from 2 to 8 workers, and each stage's N headers per bucket grow too.
+FLAT_LIMIT = 2.0
 MODEL_TOLERANCE = 0.15   # |model / interface bytes - 1| allowed
 BENCH_FLAGS = ["--batch-size", "2", "--image-size", "32", "--warmup-steps", "2", "--steps", "4"]
 
