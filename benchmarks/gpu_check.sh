@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # The GPU checks (`make gpu-check`): the device-parametrized core and adapter tests on CUDA,
-# `benchmarks.compress --device cuda`, `benchmarks.host_syncs` and `benchmarks.gpu_profile`.
-# Needs PyTorch with CUDA, not Horovod. Each part has its own time limit, so that one that
-# hangs leaves the others' results; the exit status is that of the first part that failed.
-# OUT_DIR gets at most 8 files (what the device tool brings back): device.txt, and a .txt per
-# part plus a .json for compress, syncs and profile; the C kernels' build log only if it fails.
+# `benchmarks.compress --device cuda`, `benchmarks.host_syncs`, `benchmarks.gpu_profile` and
+# the whole model step in buckets (`benchmarks.model_step --device cuda`). Needs PyTorch with
+# CUDA, not Horovod. Each part has its own time limit, so that one that hangs leaves the
+# others' results; the exit status is that of the first part that failed. OUT_DIR gets at
+# most 8 files (what the device tool brings back): a .txt per part plus a .json for compress,
+# syncs and profile; the C kernels' build log only if it fails. The device is named on stdout
+# and in the parts' records.
 #
-#   benchmarks/gpu_check.sh [OUT_DIR] [PARTS...]    (PARTS: tests compress syncs profile; default: all;
-#                                                 TESTS=... overrides the test files)
+#   benchmarks/gpu_check.sh [OUT_DIR] [PARTS...]    (PARTS: tests compress syncs profile model-step;
+#                                                 default: all; TESTS=... overrides the test files)
 set -u
 OUT=${1:-results/gpu}
 shift || true
-PARTS=${*:-tests compress syncs profile}
+PARTS=${*:-tests compress syncs profile model-step}
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
@@ -37,7 +39,7 @@ if ! "$PYTHON" -c "import horovod_dgc.torch.kernels" 2>/dev/null; then
     rm -f "$build_log"
 fi
 
-"$PYTHON" - <<'EOF' | tee "$OUT/device.txt"
+"$PYTHON" - <<'EOF'
 import sys, torch
 print(f"python {sys.version.split()[0]}, torch {torch.__version__}, CUDA {torch.version.cuda}")
 print(torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device")
@@ -54,4 +56,5 @@ part tests 300 "$PYTHON" -m pytest -q -p no:cacheprovider -rfEs -k "cuda or devi
 part compress 120 "$PYTHON" -m benchmarks.compress --device cuda --json "$OUT/compress.json"
 part syncs 150 "$PYTHON" -m benchmarks.host_syncs --steps 2 --sparse-allreduce --json "$OUT/syncs.json"
 part profile 120 "$PYTHON" -m benchmarks.gpu_profile --graph --json "$OUT/profile.json"
+part model-step 240 "$PYTHON" -m benchmarks.model_step --device cuda --rounds 3 --warmup 1
 exit "$status"

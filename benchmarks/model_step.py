@@ -4,7 +4,7 @@ bench-compress``) does not show.
 
 Each method takes ResNet-50's 161 gradient tensors through three layouts, with ``--world``
 ranks emulated in this process (the collectives emulated: ``benchmarks.host_syncs``), on the
-CPU, one thread:
+CPU, one thread (or on ``--device cuda``):
 
 * **per tensor**: every tensor compressed and decoded on its own (the per-tensor path, which
   every bucket's tensors must match);
@@ -15,12 +15,15 @@ CPU, one thread:
   bucket;
 * **one tensor**: a single flat tensor of the same 25,557,032 entries.
 
-For each it prints the CPU milliseconds of compress and decode per rank per step (medians,
-layouts interleaved in every round), and, from separate steps with the choices TorchOps makes
-on a GPU (fixed sizes, no C kernels), the ATen operations dispatched per rank per step (what
-a GPU would launch, views included) and the host reads (what would wait for it)::
+For each it prints the milliseconds of compress and decode per rank per step (medians,
+layouts interleaved in every round), and, from separate steps, the ATen operations dispatched
+per rank per step (what a GPU launches, views included) and the waits for the device: on the
+CPU with the choices TorchOps makes on a GPU (fixed sizes, no C kernels) and the host reads
+that would wait for it (``host_syncs.HostReadCounter``); on a GPU the synchronisations
+themselves (``host_syncs.SyncCounter``)::
 
-    python -m benchmarks.model_step [--methods dgc topk dgc-sar ...] [--world 2] [--rounds 5] [--split 10]
+    python -m benchmarks.model_step [--methods dgc topk dgc-sar ...] [--world 2] [--rounds 5]
+        [--split 10] [--device cpu|cuda]
 """
 from __future__ import annotations
 
@@ -33,8 +36,8 @@ from typing import Any, Dict, List, Sequence, Tuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from benchmarks.host_syncs import (HostReadCounter, compress_all, decode_all, decode_buckets, resnet50,
-                                   two_stages)
+from benchmarks.compress import synchronize
+from benchmarks.host_syncs import compress_all, counter, decode_all, decode_buckets, resnet50, two_stages
 from horovod_dgc.core.collectives import DEFAULT_BUCKET_CAP_MB, cut_buckets
 from horovod_dgc.core.methods import BY_NAME, METHODS
 from horovod_dgc.torch.engine import Engine
@@ -66,9 +69,10 @@ class OpCounter(TorchDispatchMode):
 class Run:
     """One method's engines on one layout, stepped on demand."""
 
-    def __init__(self, method: str, shapes: Sequence[Tuple[int, ...]], layout: str, world: int) -> None:
+    def __init__(self, method: str, shapes: Sequence[Tuple[int, ...]], layout: str, world: int,
+                 device: torch.device = torch.device("cpu")) -> None:
         self.engines = [Engine(build(method), world_size=world, rank=r) for r in range(world)]
-        self.layout = layout
+        self.layout, self.device = layout, device
         self.shapes = [(sum(math.prod(s) for s in shapes),)] if layout == "one tensor" else list(shapes)
         self.names = [f"t{i}" for i in range(len(self.shapes))]
         self.gen = torch.Generator().manual_seed(0)
@@ -79,7 +83,7 @@ class Run:
 
     def gradients(self) -> List[List[torch.Tensor]]:
         """Fresh gradients of every rank (``[rank][tensor]``)."""
-        return [[torch.randn(s, generator=self.gen) for s in self.shapes] for _ in self.engines]
+        return [[torch.randn(s, generator=self.gen).to(self.device) for s in self.shapes] for _ in self.engines]
 
     def step(self, grads: List[List[torch.Tensor]]) -> None:
         """One step of every rank: compress, the emulated exchange, decode."""
@@ -123,17 +127,20 @@ class Run:
 def timed(run: Run, world: int) -> float:
     """Seconds per rank of one step."""
     grads = run.gradients()
+    synchronize(run.device)
     started = time.perf_counter()
     run.step(grads)
+    synchronize(run.device)
     return (time.perf_counter() - started) / world
 
 
 def counted(run: Run, world: int) -> Tuple[float, float]:
-    """(ATen operations, host reads) per rank of one step with a GPU's choices."""
+    """(ATen operations, waits for the device) per rank of one step (on the CPU with a GPU's
+    choices)."""
     grads = run.gradients()
-    with HostReadCounter() as reads, OpCounter() as ops:
+    with counter(run.device) as waits, OpCounter() as ops:
         run.step(grads)
-    return ops.count / world, reads.total / world
+    return ops.count / world, waits.total / world
 
 
 def split_shapes(shapes: Sequence[Tuple[int, ...]], pieces: int) -> List[Tuple[int, ...]]:
@@ -148,14 +155,14 @@ def split_shapes(shapes: Sequence[Tuple[int, ...]], pieces: int) -> List[Tuple[i
     return cut
 
 
-def measure(methods: Sequence[str], world: int, warmup: int, rounds: int,
-            pieces: int = 1) -> Dict[str, Dict[str, Dict[str, float]]]:
+def measure(methods: Sequence[str], world: int, warmup: int, rounds: int, pieces: int = 1,
+            device: torch.device = torch.device("cpu")) -> Dict[str, Dict[str, Dict[str, float]]]:
     shapes = [tuple(p.shape) for p in resnet50().parameters()]
     if pieces > 1:
         shapes = split_shapes(shapes, pieces)
     results: Dict[str, Dict[str, Dict[str, float]]] = {}
     for method in methods:
-        runs = {layout: Run(method, shapes, layout, world) for layout in LAYOUTS}
+        runs = {layout: Run(method, shapes, layout, world, device) for layout in LAYOUTS}
         for run in runs.values():
             for _ in range(warmup):
                 run.step(run.gradients())
@@ -165,7 +172,7 @@ def measure(methods: Sequence[str], world: int, warmup: int, rounds: int,
                 times[layout].append(timed(runs[layout], world))
         results[method] = {}
         for layout, run in runs.items():
-            counting = Run(method, shapes, layout, world)
+            counting = Run(method, shapes, layout, world, device)
             counting.step(counting.gradients())  # the first makes the plans' tables and layouts
             aten, reads = counted(counting, world)
             results[method][layout] = {"ms": statistics.median(times[layout]) * 1e3, "ops": aten,
@@ -181,17 +188,20 @@ def parse_args(argv: Sequence[str] = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5, help="timed steps per layout, interleaved")
     p.add_argument("--split", type=int, default=1,
                    help="cut each tensor into this many (10: 1,610 tensors of the same total size)")
+    p.add_argument("--device", type=torch.device, default=torch.device("cpu"))
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    results = measure(args.methods, args.world, args.warmup, args.rounds, args.split)
+    results = measure(args.methods, args.world, args.warmup, args.rounds, args.split, args.device)
     model = "ResNet-50's 161 tensors" + (f", each cut into {args.split}" if args.split > 1 else "")
-    print(f"{model} (25,557,032 entries), {args.world} ranks emulated, one thread, "
+    where = (torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "CPU, one thread")
+    print(f"{model} (25,557,032 entries), {args.world} ranks emulated, {where}, "
           f"torch {torch.__version__}; compress + decode per rank per step, median of {args.rounds}\n")
-    print("| method | layout | CPU ms | x one tensor | ATen ops (GPU's choices) | host reads |")
+    waits = "synchronisations" if args.device.type == "cuda" else "host reads"
+    print(f"| method | layout | ms | x one tensor | ATen ops | {waits} |")
     print("|---|---|---:|---:|---:|---:|")
     for method, layouts in results.items():
         flat = layouts["one tensor"]["ms"]
