@@ -65,6 +65,8 @@ AUTO_NUMEL = 2 ** 20
 AUTO_MOST_BYTES_SHARE = 0.5
 
 
+# Sort keys of a region over its room: (group + 1) * 2**32 - (magnitude bits + 1), a group's
+# entries together and its largest first (float32 magnitude bits are below 2**31).
 _GROUP_SHIFT = 2 ** 32
 
 
