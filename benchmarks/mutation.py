@@ -522,8 +522,8 @@ MUTANTS: Tuple[Mutant, ...] = (
        "TensorFlow: a bfloat16 gradient all-reduced inside the host as bfloat16, which Horovod "
        "refuses", TF_HOSTS_TEST),
     _m("sparse-allreduce-bucket-room-of-the-bucket", "core/sparse_allreduce.py",
-       "capacity.append(min(region, math.ceil(REGION_SLACK * gathered / world_size)))",
-       "capacity.append(min(region, math.ceil(REGION_SLACK * plan.total / world_size)))",
+       "room = method.room_to_owner(k, s.numel, region, world_size)",
+       "room = method.room_to_owner(plan.total, bucket.numel, region, world_size)",
        "a bucket's regions given room for the whole bucket's selection, not their tensor's"),
     _m("sparse-allreduce-bucket-overflow-keeps-smallest", "core/sparse_allreduce.py",
        "ops.add(magnitude_bits(ops, ops.gather(x, positions)), 1, 1, 1), 1, -1)",

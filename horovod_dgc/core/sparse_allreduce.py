@@ -179,15 +179,19 @@ class SparseAllreduce(TwoStageMethod):
         the region's start."""
         region = self.shard_length(numel, world_size)
         k = top_count(density, numel)
-        gathered = self.inner.capacity(k, numel)
         fmt = wire.value_format(grad_dtype, self.config.value_dtype)
 
         def layout(capacity: int) -> wire.MessageLayout:
             return wire.interned(wire.MessageLayout(name=name, method_id=self.method_id, numel=region,
-                                                    capacity=min(region, capacity), value_format=fmt))
+                                                    capacity=capacity, value_format=fmt))
 
-        return (layout(math.ceil(REGION_SLACK * gathered / world_size)),
-                layout(math.ceil(FORWARD_SLACK * k / world_size)))
+        return (layout(self.room_to_owner(k, numel, region, world_size)),
+                layout(room_forwarded(k, region, world_size)))
+
+    def room_to_owner(self, k: int, numel: int, region: int, world_size: int) -> int:
+        """``C_in``: the most entries of a tensor's selection (of target ``k``) that one region's
+        message to its owner holds."""
+        return min(region, math.ceil(REGION_SLACK * self.inner.capacity(k, numel) / world_size))
 
     def exchanges(self, numel: int, grad_dtype: str, density: float,
                   world_size: int) -> Tuple[Tuple[str, int], ...]:
@@ -362,18 +366,23 @@ class SparseAllreduce(TwoStageMethod):
                         lambda: nan_like(ops, handover.numel, handover.dtype, update)), finite
 
 
+def room_forwarded(k: int, region: int, world_size: int) -> int:
+    """``C_out``: the most entries an owner forwards of a tensor's region (target ``k``)."""
+    return min(region, math.ceil(FORWARD_SLACK * k / world_size))
+
+
 @functools.lru_cache(maxsize=1024)
 def _regions(method: SparseAllreduce, plan: Plan, world_size: int) -> BucketRegions:
-    bucket, inner = plan.bucket, method.inner
+    bucket = plan.bucket
     lengths = tuple(method.shard_length(s.numel, world_size) for s in bucket.segments)
     owner = shards_of(bucket, lengths)
     bounds, capacity, shift, order, large, forward_ks = [], [], [], [], [], []
     for s, o, k, region in zip(bucket.segments, owner.segments, plan.ks, lengths):
-        gathered = inner.capacity(k, s.numel)
-        forward_ks.append(min(region, math.ceil(FORWARD_SLACK * k / world_size)))
+        room = method.room_to_owner(k, s.numel, region, world_size)
+        forward_ks.append(room_forwarded(k, region, world_size))
         for j in range(world_size):
             bounds.append(s.offset + min(j * region, s.numel))
-            capacity.append(min(region, math.ceil(REGION_SLACK * gathered / world_size)))
+            capacity.append(room)
             shift.append(o.offset - s.offset - j * region)
             order.append(j * owner.numel)
             large.append(not s.small)
