@@ -344,8 +344,9 @@ def test_a_bfloat16_bucket_keeps_float32_memories_and_sends_a_top_k_of_each_tens
     assert all(m.dtype == torch.float32 for s in states(engine).values() for m in s.values())
 
 
-@pytest.mark.parametrize("method,nan_at", [("dgc", 2), ("gaussiank", 2), ("scalecom", 2), ("scalecom", 1)],
-                         ids=["dgc", "gaussiank", "scalecom", "scalecom-on-its-leader"])
+@pytest.mark.parametrize("method,nan_at", [("dgc", 2), ("gaussiank", 2), ("scalecom", 2), ("scalecom", 1),
+                                           ("blocksign", 2)],
+                         ids=["dgc", "gaussiank", "scalecom", "scalecom-on-its-leader", "blocksign"])
 def test_a_step_not_finite_on_one_rank_is_dropped_by_every_rank(method, nan_at):
     """Rank 1's gradient holds a NaN at step ``nan_at`` (ScaleCom's leader at step 1)."""
     results, _, bucketed = run_steps(method, world=3, steps=nan_at + 1, nan_at=nan_at)
@@ -436,3 +437,109 @@ def test_buckets_of_another_membership_take_their_tensors_memories_along():
                                             [grads[n].clone() for n in group], [None] * len(group))
             for n, got in zip(group, regrouped.decompress(out.message, [out])):
                 assert torch.equal(got, want[n]), (t, n)
+
+
+def reference_blocksign_step(errors, servers, grads, world, block, moms=None, mu=0.0):
+    """One step of dist-EF-blockSGDM for one tensor, written from the paper's equations with
+    Python floats (docs/algorithms.md#blocksign), its server sharded as the method shards it:
+    each worker's ``p = e + g (+ Nesterov momentum)``, ``C(p)`` the L1 mean of each block
+    times the signs (``sign(0) = +1``), ``e = p - C(p)``; owner j averages the ``C(p)`` of
+    its shard, adds its residual, and compresses again per block of the shard. Updates the
+    lists in place and returns the update everyone applies."""
+    n = len(grads[0])
+    unit = 8 if block is None else math.lcm(8, block)
+    shard = max(1, math.ceil(n / world / unit)) * unit
+
+    def compressed(values):
+        size = block or len(values)
+        out = []
+        for b in range(0, len(values), size):
+            part = values[b:b + size]
+            scale = sum(abs(v) for v in part) / len(part)
+            out += [scale if v >= 0 else -scale for v in part]
+        return out
+
+    sent = []
+    for r in range(world):
+        g = grads[r]
+        if mu:
+            moms[r] = [mu * m + x for m, x in zip(moms[r], g)]
+            g = [x + mu * m for x, m in zip(g, moms[r])]
+        p = [e + x for e, x in zip(errors[r], g)]
+        c = compressed(p)
+        errors[r] = [a - b for a, b in zip(p, c)]
+        sent.append(c)
+    update = []
+    for j in range(world):
+        valid = max(0, min(shard, n - j * shard))
+        averaged = [sum(c[j * shard + i] for c in sent) / world + servers[j][i] for i in range(valid)]
+        d = compressed(averaged) if valid else []
+        servers[j] = [a - b for a, b in zip(averaged, d)] + [0.0] * (shard - valid)
+        update += d
+    return update
+
+
+@pytest.mark.parametrize("world,block,mu", [(2, None, 0.0), (3, None, 0.9), (4, None, 0.0), (2, 16, 0.0),
+                                            (3, 64, 0.9)])
+def test_a_blocksign_bucket_runs_each_tensor_as_the_paper_says(world, block, mu):
+    """Tensors of 1 to 1,001 entries (a byte's and a shard's edges: 7, 8, 9, 65, 129) in one
+    bucket, against :func:`reference_blocksign_step` for each tensor alone: the update, each
+    worker's residual and momentum and each owner's server residual. A segment's byte or
+    block taken from its neighbour, a scale summed across segments, or a shard of one
+    tensor's length used for all would each move some tensor's numbers."""
+    numels = [1, 7, 8, 9, 65, 129, 1000, 1001]
+    names = [f"t{i}" for i in range(len(numels))]
+    engines = [Engine(BY_NAME["blocksign"].build(block_size=block, momentum=mu, min_numel=1), world, r)
+               for r in range(world)]
+    unit = 8 if block is None else math.lcm(8, block)
+    errors = [[[0.0] * n for _ in range(world)] for n in numels]
+    moms = [[[0.0] * n for _ in range(world)] for n in numels]
+    servers = [[[0.0] * (max(1, math.ceil(n / world / unit)) * unit) for _ in range(world)] for n in numels]
+    gen = torch.Generator().manual_seed(world)
+    for step in range(4):
+        grads = [[torch.randn(n, generator=gen) * torch.linspace(0.1, 3.0, n) for n in numels] for _ in range(world)]
+        got = two_stage_bucket(engines, names, grads, [None] * len(numels))
+        for t in range(len(numels)):
+            want = reference_blocksign_step(errors[t], servers[t], [g[t].double().tolist() for g in grads], world,
+                                            block, moms[t], mu)
+            for rank in got:
+                assert rank[t].tolist() == pytest.approx(want, rel=1e-5, abs=1e-6), (step, t)
+        for r, engine in enumerate(engines):
+            saved = states(engine)
+            for t, name in enumerate(names):
+                assert saved[name]["residual"].tolist() == pytest.approx(errors[t][r], rel=1e-4, abs=1e-5)
+                assert saved[name]["server"].tolist() == pytest.approx(servers[t][r], rel=1e-4, abs=1e-5)
+                if mu:
+                    assert saved[name]["momentum"].tolist() == pytest.approx(moms[t][r], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("options,dtype", [({}, torch.float32), ({"momentum": 0.9}, torch.float32),
+                                           ({"block_size": 64}, torch.float32), ({"block_size": 24}, torch.float32),
+                                           ({}, torch.bfloat16)], ids=["one-block", "momentum", "block-64",
+                                                                       "block-24", "bfloat16"])
+def test_blocksign_buckets_equal_the_per_tensor_steps_but_for_summation_order(options, dtype):
+    """A tensor's scale is summed over its entries at once alone and a byte at a time in a
+    bucket: the two agree to float32's rounding, not bit for bit."""
+    results, per, bucketed = run_steps("blocksign", world=3, steps=5, dtype=dtype, **options)
+    for per_avg, bucket_avg in results:
+        for rank_a, rank_b in zip(per_avg, bucket_avg):
+            for a, b in zip(rank_a, rank_b):
+                assert a.shape == b.shape and a.dtype == b.dtype
+                torch.testing.assert_close(b.float(), a.float(), rtol=1e-6, atol=1e-6 * float(a.abs().max()))
+    for e, f in zip(per, bucketed):
+        mine, theirs = states(e), states(f)
+        assert sorted(mine) == sorted(theirs)
+        for name in mine:
+            assert sorted(mine[name]) == sorted(theirs[name])
+            for key in mine[name]:
+                torch.testing.assert_close(theirs[name][key], mine[name][key], rtol=1e-6, atol=1e-6)
+
+
+def test_blocksign_blocks_that_split_a_byte_compress_tensor_by_tensor():
+    assert BY_NAME["blocksign"].build().bucketed and BY_NAME["blocksign"].build(block_size=256).bucketed
+    method = BY_NAME["blocksign"].build(block_size=20)
+    assert not method.bucketed
+    engine = Engine(method, 1, 0)
+    grads = [torch.randn(5000)]
+    with pytest.raises(TypeError, match="tensor by tensor"):
+        engine.first_bucket(engine.bucket("b", [("a", grads[0])]), grads, [None])

@@ -177,6 +177,12 @@ class Method(ABC):
         else each is compressed on its own."""
         return False
 
+    def require_bucketed(self) -> None:
+        """Raises TypeError unless the method compresses a bucket as one (:attr:`bucketed`)."""
+        if not self.bucketed:
+            raise TypeError(f"{type(self).__name__} with these settings does not compress in buckets "
+                            f"and compresses tensor by tensor")
+
     def with_config(self, config: CompressionConfig) -> "Method":
         """The same method with other settings."""
         return type(self)(config)

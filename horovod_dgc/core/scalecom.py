@@ -198,6 +198,7 @@ class ScaleCom(TwoStageMethod):
         bucket's flat numbering. :meth:`second` and :meth:`finish` then take the bucket as one
         tensor (``call.as_call()``), its update the flat buffer. ``state``: the memories as
         flat buffers of the bucket's layout."""
+        self.require_bucketed()
         plan, one = call.plan, call.as_call()
         layout = self._positions_layout(call.bucket.key, call.bucket.numel, plan.total)
         accumulated = self.memory.accumulate(ops, state, grad, call.unscale, spare=call.spare)

@@ -151,9 +151,7 @@ class SparseMethod(Method):
         and the memories after sending it: every segment's k entries of largest magnitude, as
         :meth:`compress` sends each of them, in one message. ``state``: the memories as flat
         buffers of the bucket's layout."""
-        if not self.bucketed:
-            raise TypeError(f"{type(self).__name__} with these settings does not select in buckets "
-                            f"and compresses tensor by tensor")
+        self.require_bucketed()
         plan = call.plan
         layout = self.bucket_layout(call.bucket, plan)
         accumulated = self.bucket_memory().accumulate(ops, state, *self.prepare_bucket(ops, grad, call),

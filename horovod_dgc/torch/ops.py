@@ -90,7 +90,8 @@ class TorchOps(TensorOps):
     def constant(self, values: Sequence[Any], dtype: str, like: torch.Tensor) -> torch.Tensor:
         # Values that are tensors (a count, a flag) are written in where they are: reading them
         # with int() would wait for the GPU once per value.
-        if not any(isinstance(v, torch.Tensor) for v in values):
+        # The types once each: index tables of a large bucket hold millions of Python ints.
+        if not any(issubclass(kind, torch.Tensor) for kind in set(map(type, values))):
             return _to_device(torch.tensor(values, dtype=DTYPES[dtype], device=_HOST), like.device)
         on_device = [isinstance(v, torch.Tensor) and self.sizes_cost_a_wait(v) for v in values]
         fixed = [0 if held else int(v) for v, held in zip(values, on_device)]
