@@ -13,7 +13,11 @@ CPU, one thread (or on ``--device cuda``):
   the method is ``bucketed`` (dgc, topk, gaussiank, scalecom, and ``dgc-sar``: dgc with
   ``aggregation="sparse_allreduce"``), else tensor by tensor and decoded in one call per
   bucket;
-* **one tensor**: a single flat tensor of the same 25,557,032 entries.
+* **one tensor**: a single tensor of the same 25,557,032 entries, shaped ``(25557032, 1)`` so
+  that it is compressed as a large tensor (a 1-D one would count as small).
+
+Tensors the method does not compress (blocksign's norms and biases, ``min_numel``) go dense in
+every layout, all-reduced tensor by tensor, as both Horovod paths send them.
 
 For each it prints the milliseconds of compress and decode per rank per step (medians,
 layouts interleaved in every round), and, from separate steps, the ATen operations dispatched
@@ -73,13 +77,15 @@ class Run:
                  device: torch.device = torch.device("cpu")) -> None:
         self.engines = [Engine(build(method), world_size=world, rank=r) for r in range(world)]
         self.layout, self.device = layout, device
-        self.shapes = [(sum(math.prod(s) for s in shapes),)] if layout == "one tensor" else list(shapes)
+        self.shapes = [(sum(math.prod(s) for s in shapes), 1)] if layout == "one tensor" else list(shapes)
         self.names = [f"t{i}" for i in range(len(self.shapes))]
         self.gen = torch.Generator().manual_seed(0)
-        sizes = [4 * math.prod(s) for s in self.shapes]
-        order = list(reversed(range(len(self.shapes))))  # both Horovod paths': backward's
-        self.buckets = [[order[i] for i in bucket]
-                        for bucket in cut_buckets([sizes[i] for i in order], DEFAULT_BUCKET_CAP_MB * 2 ** 20)]
+        config = self.engines[0].config
+        # Both Horovod paths' order (backward's), compressed tensors only.
+        order = [i for i in reversed(range(len(self.shapes))) if config.compresses(self.shapes[i], "float32")]
+        self.dense = [i for i in range(len(self.shapes)) if i not in order]
+        sizes = [4 * math.prod(self.shapes[i]) for i in order]
+        self.buckets = [[order[i] for i in bucket] for bucket in cut_buckets(sizes, DEFAULT_BUCKET_CAP_MB * 2 ** 20)]
 
     def gradients(self) -> List[List[torch.Tensor]]:
         """Fresh gradients of every rank (``[rank][tensor]``)."""
@@ -95,8 +101,15 @@ class Run:
             for bucket in self.buckets:
                 decode_buckets(self.engines, [outputs[i] for i in bucket], [self.shapes[i] for i in bucket],
                                float("inf"))
+            self._dense_step(grads)
         else:
             decode_all(self.engines, self.names, self.shapes, outputs)
+
+    def _dense_step(self, grads: List[List[torch.Tensor]]) -> None:
+        """The tensors the method does not compress, all-reduced one by one."""
+        picked = [[rank_grads[i] for i in self.dense] for rank_grads in grads]
+        names, shapes = [self.names[i] for i in self.dense], [self.shapes[i] for i in self.dense]
+        decode_all(self.engines, names, shapes, compress_all(self.engines, names, picked))
 
     def _bucketed_step(self, grads: List[List[torch.Tensor]]) -> None:
         """Every bucket compressed, then every bucket decoded, as a training step runs them
@@ -116,6 +129,7 @@ class Run:
             gathered = torch.cat([o.message for _, o, _ in per_rank])
             for engine, (_, outgoing, _) in zip(self.engines, per_rank):
                 engine.decompress(gathered, [outgoing])
+        self._dense_step(grads)
 
     def _two_stages(self, per_rank: List[Any]) -> None:
         """A bucket's two collectives, emulated, and every rank's update."""
