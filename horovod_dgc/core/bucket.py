@@ -34,7 +34,7 @@ import functools
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .ops import Tensor, TensorOps
 from .selection import (GAUSSIAN_ADJUSTMENTS, GAUSSIAN_HIGH, GAUSSIAN_LOW, GAUSSIAN_LOWER_BY,
@@ -220,7 +220,7 @@ class Tables:
         last_pick: per segment, the position in the sorted blocks of its ``p_s``-th largest.
         whole_segment: per segment, whether all its blocks are picked (then every entry is a
             candidate and no block maximum bounds them).
-        slot_counts: per segment, its candidate slots (``p_s * block``).
+        pick_segment: per picked block, its segment.
         slot_base, slot_last, slot_offset: per candidate slot, its segment's key base, its
             segment's last position, and its place in its block.
         ks: per segment, k (int64).
@@ -239,7 +239,7 @@ class Tables:
     block_picks: Tensor
     last_pick: Tensor
     whole_segment: Tensor
-    slot_counts: Tensor
+    pick_segment: Tensor
     slot_base: Tensor
     slot_last: Tensor
     slot_offset: Tensor
@@ -253,7 +253,7 @@ class Tables:
     @classmethod
     def build(cls, ops: TensorOps, plan: Plan, like: Tensor) -> "Tables":
         bucket, block = plan.bucket, plan.block
-        block_base, real_block, block_picks, last_pick = [], [], [], []
+        block_base, real_block, block_picks, last_pick, pick_segment = [], [], [], [], []
         slot_base, slot_last, slot_offset, entry_picks, large = [], [], [], [], []
         slot = 0
         for s, (segment, k, picks) in enumerate(zip(bucket.segments, plan.ks, plan.block_picks)):
@@ -263,6 +263,7 @@ class Tables:
             block_base += [base] * blocks
             real_block += [1 if j * block < segment.numel else 0 for j in range(blocks)]
             block_picks += range(first, first + picks)
+            pick_segment += [s] * picks
             last_pick.append(first + picks - 1)
             slot_base += [base] * (picks * block)
             slot_last += [segment.end - 1] * (picks * block)
@@ -282,7 +283,7 @@ class Tables:
                    real_block=ops.greater_equal(ints(real_block), 1),
                    block_picks=ints(block_picks), last_pick=ints(last_pick),
                    whole_segment=ops.greater_equal(ints(whole), 1),
-                   slot_counts=ints([p * block for p in plan.block_picks]),
+                   pick_segment=ints(pick_segment),
                    slot_base=ints(slot_base), slot_last=ints(slot_last),
                    slot_offset=ints(slot_offset), ks=ints(plan.ks),
                    within=ints([j for k in plan.ks for j in range(k)]),
@@ -296,21 +297,22 @@ def _keys(ops: TensorOps, bits: Tensor, base: Tensor, real: Tensor) -> Tensor:
     return ops.add(base, ops.where(real, ops.add(bits, 1), 0), 1, -1)
 
 
-def select_segments(ops: TensorOps, x: Tensor, plan: Plan) -> Tensor:
+def select_segments(ops: TensorOps, x: Tensor, plan: Plan, maxima: Optional[Tensor] = None) -> Tensor:
     """Positions (int64, in the bucket's flat numbering, ascending) of the ``k_s`` entries of
     largest magnitude of every segment of ``x``, the bucket's flat buffer: ``plan.total`` of
     them, segment s's at ``plan.pick_starts[s]`` onward. Ties at a segment's k-th largest
-    magnitude are broken either way."""
+    magnitude are broken either way. ``maxima``: ``ops.block_abs_max(x, plan.block)``, where
+    the memory's pass took it."""
     tables = plan.tables(ops, x)
     block = plan.block
-    maxima = magnitude_bits(ops, ops.block_abs_max(x, block))
+    maxima = magnitude_bits(ops, ops.block_abs_max(x, block) if maxima is None else maxima)
     _, order = ops.sort(_keys(ops, maxima, tables.block_base, tables.real_block))
     # Each segment's chosen blocks in ascending order (they stay grouped by segment): the
     # candidates then follow their positions, and the stable sorts below put the lowest
     # first among equal magnitudes.
     blocks = ops.sort(ops.gather(order, tables.block_picks))[0]
     values = ops.gather_blocks(x, blocks, block)
-    positions = ops.add(ops.repeat_blocks(blocks, block, ops.numel(values)), tables.slot_offset, block, 1)
+    positions = ops.add(ops.repeat_blocks(ops.scale(blocks, block), block, ops.numel(values)), tables.slot_offset)
     bits = magnitude_bits(ops, values)
     real = ops.greater_equal(tables.slot_last, positions)
     if ops.sizes_cost_a_wait(x):
@@ -319,7 +321,7 @@ def select_segments(ops: TensorOps, x: Tensor, plan: Plan) -> Tensor:
     # At least k_s entries of segment s reach its p_s-th largest block maximum: the others
     # cannot be among its top k.
     bound = ops.where(tables.whole_segment, 0, ops.gather(maxima, ops.gather(order, tables.last_pick)))
-    reach = ops.greater_equal(bits, ops.repeat_each(bound, tables.slot_counts, ops.numel(bits)))
+    reach = ops.greater_equal(bits, ops.repeat_blocks(ops.gather(bound, tables.pick_segment), block, ops.numel(bits)))
     kept = ops.nonzero(ops.where(real, reach, False))
     keys, ranked = ops.sort(_keys(ops, ops.gather(bits, kept), ops.gather(tables.slot_base, kept), True))
     picks = tables.within
@@ -434,7 +436,7 @@ def gaussian_thresholds(ops: TensorOps, x: Tensor, plan: GaussianPlan) -> Tensor
     return ops.abs(mean) + ops.sqrt(variance) * tables.z
 
 
-def select_gaussian(ops: TensorOps, x: Tensor, plan: GaussianPlan) -> Tensor:
+def select_gaussian(ops: TensorOps, x: Tensor, plan: GaussianPlan, maxima: Optional[Tensor] = None) -> Tensor:
     """Gaussian-k of every segment of ``x`` at once: positions (int64, ascending, in the
     bucket's flat numbering) of what :func:`selection.select_gaussian` sends of each segment
     alone, at most ``plan.total`` of them, the count depending on the data.
@@ -445,10 +447,11 @@ def select_gaussian(ops: TensorOps, x: Tensor, plan: GaussianPlan) -> Tensor:
     (:func:`select_segments`) replaces every pass over the gradient that counting would
     take, and the adjustments run on tensors of one value per segment. The entries sent are
     the selected ones at or above the final threshold, the ``capacity + 1``-th of a segment
-    never (it is reached only when more than the capacity reach the threshold)."""
+    never (it is reached only when more than the capacity reach the threshold). ``maxima``: as
+    :func:`select_segments`'."""
     tables, reach = plan.tables(ops, x), plan.reach
     count = len(plan.capacities)
-    positions = select_segments(ops, x, reach)
+    positions = select_segments(ops, x, reach, maxima)
     magnitudes = ops.cast(ops.abs(ops.gather(x, positions)), "float32")
 
     def reaching(threshold: Tensor) -> Tensor:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 from . import bucket
 from .bucket import GaussianPlan, Plan
@@ -45,8 +45,9 @@ class GaussianK(SparseMethod):
                accumulated: Accumulated) -> Tensor:
         return select_gaussian(ops, x, k, accumulated.block_max)
 
-    def select_bucket(self, ops: TensorOps, x: Tensor, plan: Plan) -> Tuple[Tensor, Scalar]:
-        positions = bucket.select_gaussian(ops, x, GaussianPlan.of(plan))
+    def select_bucket(self, ops: TensorOps, x: Tensor, plan: Plan,
+                      maxima: Optional[Tensor] = None) -> Tuple[Tensor, Scalar]:
+        positions = bucket.select_gaussian(ops, x, GaussianPlan.of(plan), maxima)
         return positions, ops.size(positions)
 
     def bucket_capacity(self, plan: Plan) -> int:

@@ -201,10 +201,10 @@ class ScaleCom(TwoStageMethod):
         self.require_bucketed()
         plan, one = call.plan, call.as_call()
         layout = self._positions_layout(call.bucket.key, call.bucket.numel, plan.total)
-        accumulated = self.memory.accumulate(ops, state, grad, call.unscale, spare=call.spare)
+        accumulated = self.memory.accumulate(ops, state, grad, call.unscale, spare=call.spare, block=plan.block)
         p = accumulated.x
         message, _ = self._first_message(ops, one, layout, accumulated.finite, grad,
-                                         lambda: (select_segments(ops, p, plan), 0.0), 0.0)
+                                         lambda: (select_segments(ops, p, plan, accumulated.block_max), 0.0), 0.0)
         handover = StageHandover(one, call.bucket.numel, ops.dtype(grad),
                                  {"p": p, "layout": layout, "finite": accumulated.finite})
         return message, accumulated.state, handover

@@ -111,10 +111,12 @@ class SparseMethod(Method):
     # Whether select_bucket() selects what select() would of each segment alone.
     selects_buckets: ClassVar[bool] = False
 
-    def select_bucket(self, ops: TensorOps, x: Tensor, plan: Plan) -> Tuple[Tensor, Scalar]:
+    def select_bucket(self, ops: TensorOps, x: Tensor, plan: Plan,
+                      maxima: Optional[Tensor] = None) -> Tuple[Tensor, Scalar]:
         """(positions in the bucket's flat numbering, ascending; how many) of what every
-        segment of the flat buffer ``x`` sends: by default each segment's exact top-k."""
-        return select_segments(ops, x, plan), plan.total
+        segment of the flat buffer ``x`` sends: by default each segment's exact top-k.
+        ``maxima``: ``x``'s block maxima at ``plan.block``, where the memory's pass took them."""
+        return select_segments(ops, x, plan, maxima), plan.total
 
     def bucket_capacity(self, plan: Plan) -> int:
         """Slots in a bucket's message: by default ``plan.total``, every segment's k."""
@@ -155,11 +157,11 @@ class SparseMethod(Method):
         plan = call.plan
         layout = self.bucket_layout(call.bucket, plan)
         accumulated = self.bucket_memory().accumulate(ops, state, *self.prepare_bucket(ops, grad, call),
-                                                      spare=call.spare)
+                                                      spare=call.spare, block=plan.block)
 
         def send(flags: Any = 0):
             x = accumulated.x
-            positions, count = self.select_bucket(ops, x, plan)
+            positions, count = self.select_bucket(ops, x, plan, accumulated.block_max)
             header = layout.header(call.rank, call.step, count, flags)
             selected = ops.gather(x, positions)
             message, decoded = layout.encode(ops, header, positions, count, selected)

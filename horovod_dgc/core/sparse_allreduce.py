@@ -226,11 +226,12 @@ class SparseAllreduce(TwoStageMethod):
         regions = self.regions(plan, world)
         to_owner = regions.to_owner
         memory = self.inner.bucket_memory()
-        accumulated = memory.accumulate(ops, state, *self.inner.prepare_bucket(ops, grad, call), spare=call.spare)
+        accumulated = memory.accumulate(ops, state, *self.inner.prepare_bucket(ops, grad, call), spare=call.spare,
+                                        block=plan.block)
 
         def send() -> Tuple[State, Tensor]:
             x = accumulated.x
-            positions, count = self.inner.select_bucket(ops, x, plan)
+            positions, count = self.inner.select_bucket(ops, x, plan, accumulated.block_max)
             positions, groups = _fitted(ops, x, positions, count, regions)
             tables = regions.tables(ops, x)
             owned = ops.add(positions, ops.gather(tables.group_shift, groups), 1, 1)

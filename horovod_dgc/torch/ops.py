@@ -225,7 +225,8 @@ class TorchOps(TensorOps):
     def repeat_blocks(self, values: torch.Tensor, block: int, n: int) -> torch.Tensor:
         if block >= n:
             return values[:1].expand(n)
-        return values.repeat_interleave(block)[:n]
+        # One copy of a broadcast view: repeat_interleave builds an index and gathers through it.
+        return values.reshape(-1, 1).expand(-1, block).reshape(-1)[:n]
 
     def repeat_each(self, values: torch.Tensor, counts: torch.Tensor, n: int) -> torch.Tensor:
         return values.repeat_interleave(counts, output_size=n)
