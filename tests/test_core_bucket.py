@@ -8,7 +8,9 @@ from statistics import NormalDist
 import pytest
 import torch
 
-from horovod_dgc.core.bucket import ALIGN, Bucket, GaussianPlan, Plan, Segment, select_gaussian, select_segments
+from horovod_dgc.core.bucket import (ALIGN, Bucket, GaussianPlan, Plan, Segment, next_bounds, select_candidates,
+                                     select_gaussian, select_segments)
+from horovod_dgc.core.ops import BlockBounds, Candidates
 from horovod_dgc.core.collectives import emulate
 from horovod_dgc.core.methods import BY_NAME
 from horovod_dgc.core.wire import MessageError
@@ -543,3 +545,106 @@ def test_blocksign_blocks_that_split_a_byte_compress_tensor_by_tensor():
     grads = [torch.randn(5000)]
     with pytest.raises(TypeError, match="tensor by tensor"):
         engine.first_bucket(engine.bucket("b", [("a", grads[0])]), grads, [None])
+
+
+def _candidates_at(x: torch.Tensor, plan: Plan, bounds):
+    """What a bucket's memory pass collects at each segment's bound: every entry reaching it
+    (by a plain mask), and each block's count."""
+    per_block = torch.tensor([bounds[s] for s, seg in enumerate(plan.bucket.segments)
+                              for _ in range(seg.span // plan.block)], dtype=torch.float32)
+    mask = x.abs() >= per_block.repeat_interleave(plan.block)
+    positions = mask.nonzero().flatten()
+    counts = torch.zeros(per_block.numel(), dtype=torch.int64).index_add_(
+        0, positions // plan.block, torch.ones(positions.numel(), dtype=torch.int64))
+    return Candidates(positions, x.abs()[positions], counts, BlockBounds(per_block))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_bucket_selects_from_its_candidates_when_each_segment_holds_its_k(seed):
+    """Each segment's bound near its k-th largest: above it for one segment in some runs, whose
+    top k then is not all among the candidates (None, and the counts say which), below it for
+    all in the others, where the selection is each segment's top k by a sort."""
+    rng = random.Random(seed)
+    bucket = random_bucket(rng)
+    plan = Plan.at(bucket, [0.05] * len(bucket.segments))
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.zeros(bucket.numel)
+    for s in bucket.segments:
+        x[s.offset:s.end] = torch.randn(s.numel, generator=gen)
+    kth = [sorted(x[s.offset:s.end].abs().tolist(), reverse=True)[k - 1] for s, k in zip(bucket.segments, plan.ks)]
+    short = seed % 2 == 1
+    bounds = [v * 0.9 for v in kth]
+    if short:
+        bounds[-1] = kth[-1] * 1.0001 + 1e-6
+    got, counts = select_candidates(TorchOps(), plan, _candidates_at(x, plan, bounds))
+    assert counts.tolist() == [int((x[s.offset:s.end].abs() >= torch.tensor(b)).sum())
+                               for s, b in zip(bucket.segments, bounds)]
+    if short:
+        assert got is None
+        return
+    want = [s.offset + p for s, k in zip(bucket.segments, plan.ks) for p in naive_top(x[s.offset:s.end], k)]
+    assert got.tolist() == want
+
+
+def test_next_bounds_aim_below_each_segments_kth_largest():
+    """Without counts each bound is 0.99 times its segment's k-th largest; a small segment's
+    (fewer than 4,096 entries) is 0: all of it is collected."""
+    bucket = Bucket.of("b", [("a", 5000, False), ("c", 100, True), ("d", 8000, False)], "float32")
+    plan = Plan.at(bucket, [0.01, 0.05, 0.01])
+    gen = torch.Generator().manual_seed(9)
+    magnitudes = torch.rand(plan.total, generator=gen) + 0.5
+    got = next_bounds(TorchOps(), plan, magnitudes, None, None).tolist()
+    starts = plan.pick_starts
+    smallest = [float(magnitudes[a:a + k].min()) for a, k in zip(starts, plan.ks)]
+    assert got == pytest.approx([0.99 * smallest[0], 0.0, 0.99 * smallest[2]])
+
+
+def test_a_bucket_whose_bounds_fail_backs_off_1_2_4_steps(monkeypatch):
+    """Gradients 100 times larger every step: every predicted bound is far too low (more
+    candidates than their room), so the bucket selects without bounds for 1, then 2, then 4
+    steps; the averages are the per-tensor ones throughout."""
+    engine, per = Engine(BY_NAME["topk"].build(), 1, 0), Engine(BY_NAME["topk"].build(), 1, 0)
+    bounded, compress = [], engine.method.compress_bucket
+
+    def recording(ops, state, grad, call):
+        bounded.append(call.candidate_bounds is not None)
+        return compress(ops, state, grad, call)
+
+    monkeypatch.setattr(engine.method, "compress_bucket", recording)
+    names, shapes = ["a", "b"], [(300, 40), (50, 100)]
+    gen = torch.Generator().manual_seed(6)
+    for step in range(10):
+        grads = [torch.randn(s, generator=gen) * 100.0 ** step for s in shapes]
+        out = engine.compress_bucket(engine.bucket("b", list(zip(names, grads))), [g.clone() for g in grads],
+                                     [None, None])
+        got = engine.decompress(out.message, [out])
+        outs = [per.compress(n, g.clone(), None) for n, g in zip(names, grads)]
+        want = per.decompress(torch.cat([o.message for o in outs]), outs)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), step
+    assert [i for i, b in enumerate(bounded) if b] == [1, 3, 7]
+
+
+def test_topk_buckets_hold_their_candidates_on_steady_gradients():
+    """Gradients of one scale: after two steps every bucket step selects from its candidates,
+    and sends what the per-tensor path sends."""
+    engine = Engine(BY_NAME["topk"].build(), 1, 0)
+    held, compress = [], engine.method.compress_bucket
+
+    def recording(ops, state, grad, call):
+        result = compress(ops, state, grad, call)
+        held.append(result.bounds_held)
+        return result
+
+    engine.method.compress_bucket = recording
+    per = Engine(BY_NAME["topk"].build(), 1, 0)
+    names, shapes = ["a", "b", "c"], [(300, 40), (50, 100), (64,)]
+    gen = torch.Generator().manual_seed(7)
+    for step in range(8):
+        grads = [torch.randn(s, generator=gen) for s in shapes]
+        out = engine.compress_bucket(engine.bucket("b", list(zip(names, grads))), [g.clone() for g in grads],
+                                     [None] * 3)
+        got = engine.decompress(out.message, [out])
+        outs = [per.compress(n, g.clone(), None) for n, g in zip(names, grads)]
+        want = per.decompress(torch.cat([o.message for o in outs]), outs)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), step
+    assert held[3:] == [True] * 5, held

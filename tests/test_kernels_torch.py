@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from horovod_dgc.core.ops import TensorOps
+from horovod_dgc.core.ops import BlockBounds, TensorOps
 from horovod_dgc.torch import kernels
 from horovod_dgc.torch.ops import TorchOps
 
@@ -421,6 +421,42 @@ def test_the_memory_pass_collects_every_entry_at_the_bound(numel, width, dtype, 
     assert count == expected_positions.numel() > 0
     assert torch.equal(positions, expected_positions)  # ascending across the thread ranges
     assert torch.equal(magnitudes, expected_magnitudes)
+
+
+@pytest.mark.parametrize("numel", [3001, kernels.PARALLEL_MIN_NUMEL * 2 + 77])
+@pytest.mark.parametrize("width", [1, 3])
+@pytest.mark.parametrize("memory", ["momentum", "residual"])
+def test_a_bound_per_block_collects_each_blocks_entries_at_its_own(numel, width, memory):
+    """A bucket's pass: block b's entries are taken at bounds[b], and each block's count is
+    its own (a plain mask per entry with the bound expanded; the composition alike)."""
+    block = 64
+    grad, first, second = _gradient(numel, torch.float32, 12), _memory(numel, 7), _memory(numel, 8)
+    blocks = -(-numel // block)
+    bounds = torch.rand(blocks, generator=torch.Generator().manual_seed(3)) * 6.0 + 1.0
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(width)
+        if memory == "momentum":
+            _, x, _, _, (positions, magnitudes, counts) = kernels.momentum_correction(
+                grad, 1.0, first, second, 0.9, False, block=block, bound=bounds, capacity=numel)
+        else:
+            x, _, _, (positions, magnitudes, counts) = kernels.error_feedback(
+                grad, 1.0, first, None, block, "max", bound=bounds, capacity=numel)
+    finally:
+        torch.set_num_threads(threads)
+    per_entry = bounds.repeat_interleave(block)[:numel]
+    mask = x.abs() >= per_entry
+    assert torch.equal(positions, mask.nonzero().flatten())
+    assert torch.equal(magnitudes, x.abs()[mask])
+    want = torch.zeros(blocks, dtype=torch.int64).index_add_(0, mask.nonzero().flatten() // block,
+                                                            torch.ones(int(mask.sum()), dtype=torch.int64))
+    assert torch.equal(counts, want) and int(want.sum()) > 0
+    if memory == "residual":
+        composed = TensorOps.accumulate(OPS, first, grad, 1.0, None, block, "max", BlockBounds(bounds), numel)[3]
+        assert torch.equal(composed.positions, positions) and torch.equal(composed.count, counts)
+    overflowed = kernels.error_feedback(grad, 1.0, first, None, block, "max", bound=bounds, capacity=5)[3]
+    assert overflowed[0].numel() == 0 and torch.equal(overflowed[2], kernels.error_feedback(
+        grad, 1.0, first, None, block, "max", bound=bounds, capacity=numel)[3][2])
 
 
 def test_candidates_equal_the_composition_and_overflow_to_empty():

@@ -36,13 +36,16 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from .ops import Tensor, TensorOps
-from .selection import (GAUSSIAN_ADJUSTMENTS, GAUSSIAN_HIGH, GAUSSIAN_LOW, GAUSSIAN_LOWER_BY,
-                        GAUSSIAN_RAISE_BY, block_size, gaussian_capacity, gaussian_z, magnitude_bits,
-                        top_count)
+from .ops import BlockBounds, Candidates, Tensor, TensorOps
+from .selection import (CANDIDATE_CAPACITY, GAUSSIAN_ADJUSTMENTS, GAUSSIAN_HIGH, GAUSSIAN_LOW,
+                        EXACT_BELOW_NUMEL, GAUSSIAN_LOWER_BY, GAUSSIAN_RAISE_BY, MAX_CANDIDATE_SHARE, TARGET_CANDIDATES, block_size,
+                        gaussian_capacity, gaussian_z, magnitude_bits, predict_bound, top_count)
 
 # Every segment starts at a multiple of ALIGN elements, and selection blocks divide it.
 ALIGN = 64
+# candidate_target: a segment of k entries aims at 1 + SMALL_K_SPREAD / sqrt(k) times k
+# candidates where that is more than TARGET_CANDIDATES times (k below 256).
+SMALL_K_SPREAD = 16.0
 _SEGMENT_SHIFT = 2 ** 32
 
 
@@ -232,6 +235,18 @@ class Tables:
         entry_picks: where sizes cost a wait, the positions in the sorted candidates of each
             segment's first k.
         large_picks: the selections' places in the large segments (whose memory DGC masks).
+        segment_edges: where each segment starts in the flat buffer, then its end (for
+            counting positions per segment).
+        segment_base: per segment, ``(segment + 1) * 2**32``.
+        first_picks: per segment, where its selections start among the bucket's
+            (``plan.pick_starts``).
+        pick_base: per selection (``plan.total``, segment after segment), its segment's
+            ``segment_base``.
+        block_segment: per block, its segment (for a bound per segment expanded per block).
+        first_blocks: per segment, its first block.
+        targets: per segment, the candidates its bound aims at, in multiples of its k
+            (:func:`candidate_target`).
+        collects_all: per segment, whether its candidates are all its entries (bound 0).
     """
 
     block_base: Tensor
@@ -249,6 +264,14 @@ class Tables:
     first_start: Tensor
     entry_picks: Tensor
     large_picks: Tensor
+    segment_edges: Tuple[int, ...]
+    segment_base: Tensor
+    first_picks: Tensor
+    pick_base: Tensor
+    block_segment: Tensor
+    first_blocks: Tensor
+    targets: Tensor
+    collects_all: Tensor
 
     @classmethod
     def build(cls, ops: TensorOps, plan: Plan, like: Tensor) -> "Tables":
@@ -289,7 +312,16 @@ class Tables:
                    within=ints([j for k in plan.ks for j in range(k)]),
                    segment_bounds=tuple(s * _SEGMENT_SHIFT + 1 for s in range(1, len(plan.ks))),
                    first_start=ints([0]),
-                   entry_picks=ints(entry_picks), large_picks=ints(large))
+                   entry_picks=ints(entry_picks), large_picks=ints(large),
+                   segment_edges=tuple(s.offset for s in bucket.segments) + (bucket.numel,),
+                   segment_base=ints([(s + 1) * _SEGMENT_SHIFT for s in range(len(plan.ks))]),
+                   first_picks=ints(plan.pick_starts),
+                   pick_base=ints([(s + 1) * _SEGMENT_SHIFT for s, k in enumerate(plan.ks) for _ in range(k)]),
+                   block_segment=ints([s for s, segment in enumerate(bucket.segments)
+                                       for _ in range(segment.span // block)]),
+                   first_blocks=ints([segment.offset // block for segment in bucket.segments]),
+                   targets=ops.constant([candidate_target(k) for k in plan.ks], "float32", like=like),
+                   collects_all=ops.greater_equal(ints([int(_collects_all(s)) for s in bucket.segments]), 1))
 
 
 def _keys(ops: TensorOps, bits: Tensor, base: Tensor, real: Tensor) -> Tensor:
@@ -329,6 +361,80 @@ def select_segments(ops: TensorOps, x: Tensor, plan: Plan, maxima: Optional[Tens
         starts = ops.concat([tables.first_start, ops.searchsorted(keys, tables.segment_bounds)])
         picks = ops.add(ops.repeat_each(starts, tables.ks, plan.total), picks)
     return ops.sort(ops.gather(ops.gather(positions, kept), ops.gather(ranked, picks)))[0]
+
+
+def candidate_target(k: int) -> float:
+    """Candidates a segment's bound aims at, in multiples of its k: ``TARGET_CANDIDATES``, and
+    more for a small k, whose k-th largest moves more from step to step (a bucket whose
+    segment falls short of its k selects without its candidates)."""
+    return max(TARGET_CANDIDATES, 1.0 + SMALL_K_SPREAD / math.sqrt(k))
+
+
+def block_bounds(ops: TensorOps, plan: Plan, bounds: Optional[Sequence[float]],
+                 like: Tensor) -> Tuple[Optional[BlockBounds], int]:
+    """(the bound of every block, its segment's, for the memory's pass to collect candidates
+    at; how many candidates it may collect), from each segment's bound predicted at its last
+    step (:func:`next_bounds`); (None, 0) where a segment has none, or where the candidates
+    would take more than MAX_CANDIDATE_SHARE of the bucket. A segment of fewer than
+    EXACT_BELOW_NUMEL entries (whose k-th largest moves too much from step to step to be
+    predicted) collects every entry: bound 0, its padding sorting after its entries."""
+    if bounds is None or not all(b >= 0.0 and math.isfinite(b) for b in bounds):
+        return None, 0
+    segments = plan.bucket.segments
+    bounds = [0.0 if _collects_all(s) else b for b, s in zip(bounds, segments)]
+    capacity = sum(s.span if _collects_all(s) else min(s.span, math.ceil(CANDIDATE_CAPACITY / TARGET_CANDIDATES
+                                                                          * candidate_target(k) * k))
+                   for k, s in zip(plan.ks, segments))
+    if capacity > MAX_CANDIDATE_SHARE * plan.bucket.numel:
+        return None, 0
+    per_segment = ops.constant(bounds, "float32", like=like)
+    return BlockBounds(ops.gather(per_segment, plan.tables(ops, like).block_segment)), capacity
+
+
+def _collects_all(segment: Segment) -> bool:
+    return segment.numel < EXACT_BELOW_NUMEL
+
+
+def select_candidates(ops: TensorOps, plan: Plan, candidates: Candidates) -> Tuple[Optional[Tensor], Tensor]:
+    """(:func:`select_segments`' positions from ``candidates`` alone, or None where some
+    segment has fewer than its k among them; each segment's count of candidates). The
+    candidates: every entry of the bucket at or above its block's bound (``candidates.bound``),
+    collected by the memory's pass (positions ascending; none where more than their capacity
+    reached them), and how many of each block's did (``candidates.count``). Reads the counts
+    back: only where sizes cost no wait (the CPU)."""
+    positions, segments = candidates.positions, len(plan.ks)
+    tables = plan.tables(ops, positions)
+    counts = ops.scatter_add(ops.zeros(segments, "int64", like=positions), tables.block_segment, candidates.count)
+    if not bool(ops.all_within(counts, tables.ks, ops.numel(positions))):
+        return None, counts
+    starts = ops.searchsorted(positions, tables.segment_edges)
+    base = ops.repeat_each(tables.segment_base, counts, ops.numel(positions))
+    _, ranked = ops.sort(_keys(ops, magnitude_bits(ops, candidates.magnitudes), base, True))
+    # Sorting by segment keeps the segments in their order, each at its start among positions.
+    picks = ops.add(ops.repeat_each(ops.slice(starts, 0, segments), tables.ks, plan.total), tables.within)
+    return ops.sort(ops.gather(positions, ops.gather(ranked, picks)))[0], counts
+
+
+def next_bounds(ops: TensorOps, plan: Plan, magnitudes: Tensor, bounds: Optional[BlockBounds],
+                counts: Optional[Tensor]) -> Tensor:
+    """Each segment's candidate bound for its next step (:func:`~.selection.predict_bound`,
+    elementwise), from the float32 ``|x|`` of this step's selection, and the bound of every
+    block and each segment's count of candidates where this step collected them."""
+    tables = plan.tables(ops, magnitudes)
+    thresholds = segment_thresholds(ops, magnitudes, plan)
+    held = None
+    if bounds is not None and counts is not None:
+        held = Candidates(None, None, counts, ops.gather(bounds.values, tables.first_blocks))
+    return ops.where(tables.collects_all, 0.0, predict_bound(ops, thresholds, tables.ks, held, tables.targets))
+
+
+def segment_thresholds(ops: TensorOps, magnitudes: Tensor, plan: Plan) -> Tensor:
+    """Each segment's smallest of ``magnitudes``, the float32 ``|x|`` of ``plan``'s
+    selection (positions ascending: segment s's ``k_s`` from ``plan.pick_starts[s]`` on): its
+    k_s-th largest."""
+    tables = plan.tables(ops, magnitudes)
+    _, ranked = ops.sort(ops.add(tables.pick_base, magnitude_bits(ops, magnitudes)))
+    return ops.gather(magnitudes, ops.gather(ranked, tables.first_picks))
 
 
 @dataclass(frozen=True)

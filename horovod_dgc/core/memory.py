@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from .method import State
-from .ops import Candidates, Scalar, Tensor, TensorOps
+from .ops import Bound, Candidates, Scalar, Tensor, TensorOps
 
 
 def reuse(spare: Optional[State], name: str) -> Optional[Tensor]:
@@ -58,7 +58,7 @@ class ResidualMemory:
     dense_state_names: Tuple[str, ...] = ()
 
     def accumulate(self, ops: TensorOps, state: State, grad: Tensor, grad_scale: Scalar = 1.0,
-                   spare: Optional[State] = None, block: int = 0, bound: Optional[float] = None,
+                   spare: Optional[State] = None, block: int = 0, bound: Bound = None,
                    capacity: int = 0) -> Accumulated:
         """``p = e + grad_scale * g``; with a ``bound`` (and a block), also the candidates of
         ``p`` at it (:meth:`TensorOps.candidates`, at most ``capacity`` entries)."""
@@ -97,7 +97,7 @@ class MomentumCorrectionMemory:
         self.masked = masked
 
     def accumulate(self, ops: TensorOps, state: State, grad: Tensor, grad_scale: Scalar = 1.0,
-                   spare: Optional[State] = None, block: int = 0, bound: Optional[float] = None,
+                   spare: Optional[State] = None, block: int = 0, bound: Bound = None,
                    capacity: int = 0) -> Accumulated:
         """As the other memories'; with a ``bound`` (and a block), also the candidates of the
         velocity at it (:meth:`TensorOps.candidates`, at most ``capacity`` entries)."""
@@ -136,7 +136,7 @@ class LowPassMemory:
         self.beta = beta
 
     def accumulate(self, ops: TensorOps, state: State, grad: Tensor, grad_scale: Scalar = 1.0,
-                   spare: Optional[State] = None, block: int = 0, bound: Optional[float] = None,
+                   spare: Optional[State] = None, block: int = 0, bound: Bound = None,
                    capacity: int = 0) -> Accumulated:
         """As :class:`ResidualMemory`'s, candidates of ``p`` included."""
         plain = self.beta == 1.0

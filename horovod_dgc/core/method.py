@@ -93,6 +93,8 @@ class BucketCall:
         weight_decays: each segment's weight decay, when they differ from the config's; None:
             the config's for every segment.
         spare: memories nothing needs any more, by name, whose storage the new ones may take.
+        candidate_bounds: each segment's ``CompressCall.candidate_bound`` (its tensor's, from
+            its last step), or None where some tensor has none.
     """
 
     bucket: Bucket
@@ -104,6 +106,7 @@ class BucketCall:
     loss_scale: Any = 1.0
     weight_decays: Optional[Tuple[float, ...]] = None
     spare: Optional[State] = None
+    candidate_bounds: Optional[Tuple[float, ...]] = None
 
     @property
     def unscale(self) -> Any:

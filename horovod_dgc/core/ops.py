@@ -23,15 +23,27 @@ Tensor = Any
 Scalar = Any  # a 0-d tensor or a Python number
 
 
+class BlockBounds(NamedTuple):
+    """A candidate bound per block of a memory pass's statistic (a bucket's tensors, each at
+    its own): ``values``, float32, one per block."""
+
+    values: Tensor
+
+
+# A candidate bound: a number (or a 0-d tensor), or BlockBounds.
+Bound = Any
+
+
 class Candidates(NamedTuple):
     """The entries of a tensor with ``|x| >= bound``, for a bound known before the pass that
     made the tensor: int64 positions (ascending) and float32 magnitudes, both empty when more
-    than the capacity asked for reached the bound, and ``count``, how many reached it."""
+    than the capacity asked for reached the bound, and ``count``, how many reached it (with
+    :class:`BlockBounds`: an int64 tensor of how many of each block's entries reached its own)."""
 
     positions: Tensor
     magnitudes: Tensor
     count: Scalar
-    bound: float
+    bound: Bound
 
 
 class TensorOps(ABC):
@@ -262,7 +274,7 @@ class TensorOps(ABC):
 
     def accumulate(self, memory: Tensor, grad: Tensor, grad_scale: Scalar = 1.0,
                    out: Optional[Tensor] = None, block: int = 0, stat: Optional[str] = None,
-                   bound: Optional[float] = None, capacity: int = 0
+                   bound: Bound = None, capacity: int = 0
                    ) -> Tuple[Tensor, Optional[Tensor], Scalar, Optional[Candidates]]:
         """Error feedback's ``memory + grad * grad_scale`` (as :meth:`add`, ``out`` included),
         its :meth:`block_stat`, whether ``grad`` is finite, and with ``stat="max"`` the
@@ -283,7 +295,7 @@ class TensorOps(ABC):
     def momentum_accumulate(self, momentum: Tensor, velocity: Tensor, grad: Tensor, m: float,
                             grad_scale: Scalar, nesterov: bool,
                             outs: Tuple[Optional[Tensor], Optional[Tensor]] = (None, None),
-                            block: int = 0, bound: Optional[float] = None, capacity: int = 0
+                            block: int = 0, bound: Bound = None, capacity: int = 0
                             ) -> Tuple[Tensor, Tensor, Optional[Tensor], Scalar, Optional[Candidates]]:
         """DGC's momentum correction: ``u' =`` :meth:`momentum_step`, ``v' = v + u'``
         (Nesterov: ``v + u' + grad_scale * g``); returns ``u'``, ``v'`` (``outs``: storage for
@@ -297,19 +309,32 @@ class TensorOps(ABC):
         maxima = self.block_stat(v, block, "max")
         return u, v, maxima, self.all_finite(grad), self.candidates(v, maxima, block, bound, capacity)
 
-    def candidates(self, x: Tensor, block_max: Optional[Tensor], block: int, bound: Optional[float],
+    def candidates(self, x: Tensor, block_max: Optional[Tensor], block: int, bound: Bound,
                    capacity: int) -> Optional[Candidates]:
-        """:class:`Candidates` of ``x`` at ``bound`` (compared in ``x``'s dtype), found through
-        its ``block_max`` over blocks of ``block``; None without a bound or blocks."""
+        """:class:`Candidates` of ``x`` at ``bound`` (compared in ``x``'s dtype; a number, or
+        :class:`BlockBounds`), found through its ``block_max`` over blocks of ``block``; None
+        without a bound or blocks."""
         if bound is None or block_max is None:
             return None
-        blocks = self.positions_at_least(block_max, bound)
-        positions, magnitudes = self.collect_at_least(x, blocks, block, bound)
-        count = self.size(positions)
+        if not isinstance(bound, BlockBounds):
+            blocks = self.positions_at_least(block_max, bound)
+            positions, magnitudes = self.collect_at_least(x, blocks, block, bound)
+            count = reached = self.size(positions)
+        else:
+            blocks = self.nonzero(self.greater_equal(block_max, bound.values))
+            magnitudes = self.abs(self.gather_blocks(x, blocks, block))
+            reach = self.repeat_blocks(self.gather(bound.values, blocks), block, self.numel(magnitudes))
+            keep = self.nonzero(self.greater_equal(magnitudes, reach))
+            held = self.gather(blocks, keep // block)
+            positions = held * block + keep % block
+            magnitudes = self.gather(magnitudes, keep)
+            count = self.size(positions)
+            reached = self.scatter_add(self.zeros(self.numel(block_max), "int64", like=positions), held,
+                                       self.ones(count, "int64", like=positions))
         return self.cond(count > capacity,
                          lambda: Candidates(self.slice(positions, 0, 0), self.slice(magnitudes, 0, 0),
-                                            count, bound),
-                         lambda: Candidates(positions, magnitudes, count, bound))
+                                            reached, bound),
+                         lambda: Candidates(positions, magnitudes, reached, bound))
 
     def sign_compress(self, x: Tensor, scales: Tensor, block: int, length: int) -> Tuple[Tensor, Tensor]:
         """Blocksign's compression of ``x`` zero-padded to ``length`` entries (a multiple of

@@ -86,17 +86,18 @@ def uses_bounds(ops: TensorOps, x: Tensor) -> bool:
     return not ops.sizes_cost_a_wait(x)
 
 
-def predict_bound(ops: TensorOps, threshold: Scalar, k: int,
-                  candidates: Optional[Candidates]) -> Scalar:
+def predict_bound(ops: TensorOps, threshold: Scalar, k: Any,
+                  candidates: Optional[Candidates], target: Any = TARGET_CANDIDATES) -> Scalar:
     """The candidate bound for a tensor's next step, from this step's k-th largest magnitude
     ``threshold`` and the candidates collected at this step's bound (None: none were): where
-    TARGET_CANDIDATES * k entries would have reached it if entries were spread evenly between
-    the bound and the threshold, and within [MIN_MARGIN, 1] times the threshold."""
+    ``target * k`` entries would have reached it if entries were spread evenly between the
+    bound and the threshold, and within [MIN_MARGIN, 1] times the threshold. Elementwise
+    where the arguments are tensors of one value per tensor (a bucket's segments)."""
     if candidates is None:
         return threshold * FIRST_MARGIN
     excess = ops.maximum(candidates.count - k, 1)
     gap = ops.maximum(threshold - candidates.bound, 0.0)
-    bound = threshold - gap * ((TARGET_CANDIDATES - 1) * k / excess)
+    bound = threshold - gap * ((target - 1) * k / excess)
     return ops.where(candidates.count > k, ops.maximum(bound, threshold * MIN_MARGIN),
                      threshold * FIRST_MARGIN)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, List, Optional, Sequence, Tuple
 
 from . import wire
-from .bucket import Bucket, Plan, select_segments
+from .bucket import Bucket, Plan, block_bounds, next_bounds, select_candidates, select_segments
 from .collectives import ALLGATHER
 from .config import SparseConfig
 from .memory import Accumulated
@@ -35,13 +35,17 @@ class Compressed:
     """One tensor's outgoing message and what it says, for statistics. ``state`` is the
     memory after this step, to be kept only if every rank's gradient was finite.
     ``next_bound``: the next step's ``CompressCall.candidate_bound`` (0 after a skipped
-    step) for a method that ``collects_candidates``, else None."""
+    step) for a method that ``collects_candidates``, else None; for a bucket, a tensor of each
+    segment's (``BucketCall.candidate_bounds``; None after a skipped step). ``bounds_held``:
+    for a bucket given bounds, whether its candidates held every segment's k (else it
+    selected without them)."""
 
     message: Tensor
     state: State
     count: Scalar
     layout: wire.MessageLayout
     next_bound: Optional[Scalar] = None
+    bounds_held: Optional[bool] = None
 
 
 class SparseMethod(Method):
@@ -152,31 +156,47 @@ class SparseMethod(Method):
         """The message of a bucket's flat gradient (laid out as ``call.bucket``, zero padding),
         and the memories after sending it: every segment's k entries of largest magnitude, as
         :meth:`compress` sends each of them, in one message. ``state``: the memories as flat
-        buffers of the bucket's layout."""
+        buffers of the bucket's layout. A method that ``collects_candidates`` starts, where
+        sizes cost no wait, from the candidates its memory's pass collects at each segment's
+        bound (``call.candidate_bounds``), and predicts the next ones (``next_bound``)."""
         self.require_bucketed()
         plan = call.plan
         layout = self.bucket_layout(call.bucket, plan)
+        bounded = self.collects_candidates and uses_bounds(ops, grad)
+        bounds, capacity = block_bounds(ops, plan, call.candidate_bounds, grad) if bounded else (None, 0)
         accumulated = self.bucket_memory().accumulate(ops, state, *self.prepare_bucket(ops, grad, call),
-                                                      spare=call.spare, block=plan.block)
+                                                      spare=call.spare, block=plan.block, bound=bounds,
+                                                      capacity=capacity)
 
         def send(flags: Any = 0):
             x = accumulated.x
-            positions, count = self.select_bucket(ops, x, plan, accumulated.block_max)
+            positions, counts = None, None
+            if accumulated.candidates is not None:
+                positions, counts = select_candidates(ops, plan, accumulated.candidates)
+            held = None if bounds is None else positions is not None
+            if positions is None:
+                positions, count = self.select_bucket(ops, x, plan, accumulated.block_max)
+            else:
+                count = plan.total
             header = layout.header(call.rank, call.step, count, flags)
             selected = ops.gather(x, positions)
             message, decoded = layout.encode(ops, header, positions, count, selected)
             sent = ops.cast(ops.slice(decoded, 0, count), ops.dtype(x))
-            return self.update_bucket(ops, accumulated.state, positions, sent, plan), message, count
+            next_bound = (next_bounds(ops, plan, ops.cast(ops.abs(selected), "float32"), bounds, counts)
+                          if bounded else None)
+            return (self.update_bucket(ops, accumulated.state, positions, sent, plan), message, count,
+                    next_bound, held)
 
         def skip():
             header = layout.header(call.rank, call.step, 0, wire.FLAG_NONFINITE)
-            return state, layout.empty(ops, header, like=grad), 0
+            return state, layout.empty(ops, header, like=grad), 0, None, None
 
         if ops.defers_checks(grad):
-            new_state, message, count = send(flag(ops, accumulated.finite))
+            new_state, message, count, next_bound, held = send(flag(ops, accumulated.finite))
         else:
-            new_state, message, count = ops.cond(accumulated.finite, send, skip)
-        return Compressed(message=message, state=new_state, count=count, layout=layout)
+            new_state, message, count, next_bound, held = ops.cond(accumulated.finite, send, skip)
+        return Compressed(message=message, state=new_state, count=count, layout=layout, next_bound=next_bound,
+                          bounds_held=held)
 
     # -- the two halves ---------------------------------------------------------------------
     def accumulate(self, ops: TensorOps, state: State, grad: Tensor,

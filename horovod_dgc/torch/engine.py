@@ -34,6 +34,7 @@ import torch
 from ..core.bucket import Bucket
 from ..core.collectives import ALLGATHER, ALLREDUCE, network_bytes
 from ..core.method import BucketCall, CompressCall, Method
+from ..core.sparse import Compressed
 from ..core.nonfinite import NonFiniteGradientError
 from ..core.state import check_loadable, state_frame
 from ..core.stats import CompressionStats, StatsRecorder
@@ -72,6 +73,8 @@ class DenseUpdate:
 
 # Horovod's collectives take no bfloat16: such dense tensors travel as float32.
 REDUCIBLE = {torch.bfloat16: torch.float32}
+# The longest a bucket whose candidate bounds keep failing selects without them, in steps.
+BOUND_BACKOFF_STEPS = 64
 
 
 class Engine:
@@ -91,6 +94,8 @@ class Engine:
         self._spares: Dict[str, dict] = {}
         # Each tensor's candidate bound for its next step (CompressCall.candidate_bound): speed only.
         self._bounds: Dict[str, float] = {}
+        # Per bucket: (candidate bounds that failed in a row, the step from which to use them again).
+        self._bound_failures: Dict[str, Tuple[int, int]] = {}
         self._open: Set[str] = set()
         self._step_flags: List[Any] = []  # each concluded tensor's finiteness, this step
         self._unapplied: Set[str] = set()  # tensors whose results this step nobody applies
@@ -179,6 +184,25 @@ class Engine:
     def _keep_bound(self, name: str, next_bound: Optional[Any]) -> None:
         if next_bound is not None:
             self._bounds[name] = float(next_bound)
+
+    def _keep_bucket_bounds(self, bucket: Bucket, step: int, result: Compressed) -> None:
+        """Each member's next candidate bound; after candidates that did not hold every
+        segment's k, the bucket selects without them for 1, 2, 4, ... (at most
+        BOUND_BACKOFF_STEPS) steps, so a bucket whose bounds keep failing (magnitudes that
+        grow from step to step) does not pay for collecting them every step."""
+        if result.next_bound is not None:
+            self._bounds.update(zip(bucket.names, result.next_bound.tolist()))
+        if result.bounds_held is not None:
+            failures = 0 if result.bounds_held else self._bound_failures.get(bucket.key, (0, 0))[0] + 1
+            self._bound_failures[bucket.key] = (failures, step + min(2 ** failures, BOUND_BACKOFF_STEPS))
+
+    def _bucket_bounds(self, bucket: Bucket, step: int) -> Optional[Tuple[float, ...]]:
+        """The members' candidate bounds for this step: None where one has none or the bucket
+        is backing off (:meth:`_keep_bucket_bounds`)."""
+        failures, resume = self._bound_failures.get(bucket.key, (0, 0))
+        if step < resume or not all(n in self._bounds for n in bucket.names):
+            return None
+        return tuple(self._bounds[n] for n in bucket.names)
 
     # -- keeping or dropping a step's memories --------------------------------------------------
     def _stage(self, name: str, state: dict) -> None:
@@ -295,6 +319,7 @@ class Engine:
         started = time.perf_counter()
         call, flat = self._bucket_call(bucket, grads, params)
         result = self.method.compress_bucket(self.ops, self._bucket_state(bucket, flat), flat, call)
+        self._keep_bucket_bounds(bucket, call.step, result)
         self._stage(bucket.key, result.state)
         self._record_bucket(call, ALLGATHER, result.layout.nbytes, flat, int(result.count), started)
         return OutgoingMessage(bucket.key, result.message, result.layout, call.step, flat.shape, grads[0].dtype,
@@ -349,7 +374,8 @@ class Engine:
                           densities=tuple(config.density_for(step, self.epoch, s.small) for s in bucket.segments),
                           param=(self._flatten(bucket, [p.detach() for p in params], "parameters")
                                  if needs_param and all(p is not None for p in params) else None),
-                          loss_scale=scale, weight_decays=decays, spare=spare)
+                          loss_scale=scale, weight_decays=decays, spare=spare,
+                          candidate_bounds=self._bucket_bounds(bucket, step))
         return call, flat
 
     def _flatten(self, bucket: Bucket, tensors: Sequence[torch.Tensor], role: str) -> torch.Tensor:

@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..core.ops import Candidates, Scalar, TensorOps
+from ..core.ops import BlockBounds, Bound, Candidates, Scalar, TensorOps
 from . import kernels
 from .kernels import triton_memory
 
@@ -33,6 +33,11 @@ def _table(name: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     if key not in _tables:
         _tables[key] = {"bits": _BIT_TABLE, "signs": _SIGN_TABLE}[name].to(device=device, dtype=dtype)
     return _tables[key]
+
+
+def _kernel_bound(bound: Bound) -> Any:
+    """A bound as the kernels take it: a number, or a 1-D float32 tensor of one per block."""
+    return bound.values if isinstance(bound, BlockBounds) else bound
 
 
 def _usable(out: Optional[torch.Tensor], like: torch.Tensor) -> Optional[torch.Tensor]:
@@ -262,7 +267,7 @@ class TorchOps(TensorOps):
         when the compositions a GPU runs take it instead."""
         return x.device.type == "cpu" and not self.sizes_cost_a_wait(x)
 
-    def _fuses(self, grad_scale: Scalar, bound: Optional[float], grad: torch.Tensor,
+    def _fuses(self, grad_scale: Scalar, bound: Bound, grad: torch.Tensor,
                *memories: Optional[torch.Tensor]) -> bool:
         """Whether a memory's pass runs as one Triton kernel (a GPU's tensors, a grad scale
         known on the host, no candidates to collect) instead of the composition."""
@@ -291,13 +296,13 @@ class TorchOps(TensorOps):
 
     def accumulate(self, memory: torch.Tensor, grad: torch.Tensor, grad_scale: Scalar = 1.0,
                    out: Optional[torch.Tensor] = None, block: int = 0, stat: Optional[str] = None,
-                   bound: Optional[float] = None, capacity: int = 0
+                   bound: Bound = None, capacity: int = 0
                    ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Any, Optional[Candidates]]:
         out = _usable(out, memory)
         if (isinstance(grad_scale, (int, float)) and self._kernels(grad)
                 and kernels.supports_accumulate(grad, memory, out)):
             total, stats, finite, candidates = kernels.error_feedback(
-                grad.reshape(-1), float(grad_scale), memory, out, block, stat, bound, capacity)
+                grad.reshape(-1), float(grad_scale), memory, out, block, stat, _kernel_bound(bound), capacity)
             return (total, None if stats is None else stats.to(memory.dtype), finite,
                     None if candidates is None else Candidates(*candidates, bound))
         if self._fuses(grad_scale, bound, grad, memory, out) and stat in (None, "max"):
@@ -309,7 +314,7 @@ class TorchOps(TensorOps):
     def momentum_accumulate(self, momentum: torch.Tensor, velocity: torch.Tensor,
                             grad: torch.Tensor, m: float, grad_scale: Scalar, nesterov: bool,
                             outs: Tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None),
-                            block: int = 0, bound: Optional[float] = None, capacity: int = 0
+                            block: int = 0, bound: Bound = None, capacity: int = 0
                             ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Any,
                                        Optional[Candidates]]:
         outs = (_usable(outs[0], momentum), _usable(outs[1], velocity))
@@ -317,7 +322,7 @@ class TorchOps(TensorOps):
                 grad, momentum, velocity, *outs):
             *result, candidates = kernels.momentum_correction(
                 grad.reshape(-1), float(grad_scale), momentum, velocity, m, nesterov, *outs, block,
-                bound, capacity)
+                _kernel_bound(bound), capacity)
             return (*result, None if candidates is None else Candidates(*candidates, bound))
         if self._fuses(grad_scale, bound, grad, momentum, velocity, *outs):
             u, v, maxima, finite = triton_memory.memory_pass(

@@ -13,7 +13,7 @@ import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -145,6 +145,8 @@ def supports_accumulate(grad: torch.Tensor, *memories: Optional[torch.Tensor]) -
 
 
 Candidates = Tuple[torch.Tensor, torch.Tensor, int]
+# A candidate bound: a number (or a 0-d tensor), or a 1-D float32 tensor of one per statistic block.
+Bound = Union[None, float, torch.Tensor]
 
 
 _slots = threading.local()
@@ -164,7 +166,7 @@ def _candidate_slots(n: int) -> Tuple[torch.Tensor, torch.Tensor]:
 def _accumulate(mode: int, grad: torch.Tensor, scale: float, m: float, scale_m: float,
                 a: torch.Tensor, a_out: torch.Tensor, b: Optional[torch.Tensor],
                 b_out: Optional[torch.Tensor], block: int, stat: Optional[str],
-                bound: Optional[float] = None,
+                bound: Bound = None,
                 capacity: int = 0) -> Tuple[Optional[torch.Tensor], bool, Optional[Candidates]]:
     """Run the accumulate kernel over thread ranges: (per-block statistic, finite, candidates
     of ``bound``: see :func:`momentum_correction`)."""
@@ -199,6 +201,13 @@ def _accumulate(mode: int, grad: torch.Tensor, scale: float, m: float, scale_m: 
     slots = [min(capacity, count) if collecting else 0 for _, count in ranges]
     firsts = [sum(slots[:r]) for r in range(len(ranges))]
     positions, magnitudes = _candidate_slots(sum(slots))
+    per_block = collecting and isinstance(bound, torch.Tensor) and bound.dim() == 1
+    if per_block:
+        if bound.numel() != n_blocks or bound.dtype != torch.float32 or not bound.is_contiguous():
+            raise ValueError(f"accumulate: a bound per block takes {n_blocks} contiguous float32 values, "
+                             f"got {bound.dtype} {tuple(bound.shape)}")
+        bound_bits = bound.abs().view(torch.int32)
+        block_counts = torch.zeros(n_blocks, dtype=torch.int32, device=CPU)
     for r, (start, count) in enumerate(ranges):
         phase = start % block
         if stats is None:
@@ -214,9 +223,11 @@ def _accumulate(mode: int, grad: torch.Tensor, scale: float, m: float, scale_m: 
                       a_out.data_ptr() + offset, b.data_ptr() + offset if b is not None else 0,
                       b_out.data_ptr() + offset if b_out is not None else 0, count, scale, m, scale_m,
                       code, block, phase, target, n >= STREAM_MIN_NUMEL,
-                      float(bound) if collecting else math.nan, start, slots[r],
+                      (0.0 if per_block else float(bound)) if collecting else math.nan, start, slots[r],
                       positions.data_ptr() + firsts[r] * 8 if slots[r] else 0,
-                      magnitudes.data_ptr() + firsts[r] * 4 if slots[r] else 0))
+                      magnitudes.data_ptr() + firsts[r] * 4 if slots[r] else 0,
+                      bound_bits.data_ptr() + start // block * 4 if per_block else 0,
+                      block_counts.data_ptr() + start // block * 4 if per_block else 0))
     results = _run(_streaming.accumulate, calls)
     for first, partial in partials:
         # A range that starts inside a block: its partial sums join those of the range before.
@@ -226,17 +237,18 @@ def _accumulate(mode: int, grad: torch.Tensor, scale: float, m: float, scale_m: 
         return stats, finite, None
     counts = [count for _, count in results]
     total = sum(counts)
+    reached = block_counts.to(torch.int64) if per_block else total
     if total > capacity:
-        return stats, finite, (positions[:0], magnitudes[:0], total)
+        return stats, finite, (positions[:0], magnitudes[:0], reached)
     # Copied out of the slots, which the thread's next call writes again.
     return stats, finite, (torch.cat([positions[at:at + c] for at, c in zip(firsts, counts)]),
                            torch.cat([magnitudes[at:at + c] for at, c in zip(firsts, counts)]),
-                           total)
+                           reached)
 
 
 def error_feedback(grad: torch.Tensor, scale: float, residual: torch.Tensor,
                    out: Optional[torch.Tensor] = None, block: int = 0, stat: Optional[str] = None,
-                   bound: Optional[float] = None, capacity: int = 0
+                   bound: Bound = None, capacity: int = 0
                    ) -> Tuple[torch.Tensor, Optional[torch.Tensor], bool, Optional[Candidates]]:
     """``out = residual + scale * grad`` (a new tensor when ``out`` is None) in one pass, with
     its ``"max"`` (float32) or ``"sum"`` (float64) of ``|out|`` per block of ``block`` entries
@@ -253,7 +265,7 @@ def momentum_correction(grad: torch.Tensor, scale: float, momentum: torch.Tensor
                         velocity: torch.Tensor, m: float, nesterov: bool,
                         momentum_out: Optional[torch.Tensor] = None,
                         velocity_out: Optional[torch.Tensor] = None, block: int = 0,
-                        bound: Optional[float] = None, capacity: int = 0
+                        bound: Bound = None, capacity: int = 0
                         ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], bool,
                                    Optional[Candidates]]:
     """DGC's ``u' = m * u + scale * g; v' = v + u'`` (Nesterov: ``u' = m * u + (scale * m) * g;
@@ -261,7 +273,9 @@ def momentum_correction(grad: torch.Tensor, scale: float, momentum: torch.Tensor
     entries or None, whether ``grad`` is finite, candidates). With a ``bound`` (and a block),
     the candidates are (int64 positions ascending, float32 ``|v'|``, count) of every entry with
     ``|v'| >= bound``, or empty tensors beside the count when more than ``capacity`` reached
-    it; None without a bound. A bound needs a block (ValueError)."""
+    it; None without a bound. A bound needs a block (ValueError); it is a number, or a float32
+    tensor of one bound per block (a bucket's tensors, each at its own), whose candidates'
+    count is then an int64 tensor of each block's."""
     momentum_out = torch.empty_like(momentum) if momentum_out is None else momentum_out
     velocity_out = torch.empty_like(velocity) if velocity_out is None else velocity_out
     mode = _NESTEROV if nesterov else _MOMENTUM

@@ -10,7 +10,8 @@
  * gradient entry is finite. With the block maxima it can also collect the candidates of a
  * threshold known before the pass: the position and |x| of every entry with |x| >= bound,
  * read from the chunk while it is still in the first-level cache (a chunk whose maximum is
- * below the bound is skipped), so that selection need not read the memory again. Torch runs each line as a separate pass with its own temporary,
+ * below the bound is skipped), so that selection need not read the memory again. The bound
+ * may be one per statistic block (a bucket's tensors, each at its own bound). Torch runs each line as a separate pass with its own temporary,
  * then reads the result again for the statistic and the gradient again for its finiteness.
  * The rounding is the composition's (core/ops.py): a product rounded, then added by one fused
  * multiply-add, so float32 results are bit-identical to it.
@@ -171,6 +172,8 @@ static void store(float *dst, const float *src, int64_t len, int stream)
  * and the buffers then stored. */
 typedef struct {
     uint32_t bound_bits; /* |x| >= bound as bit patterns with the sign cleared */
+    const uint32_t *block_bounds; /* or NULL; else bound_bits of each of the range's blocks */
+    int32_t *block_counts;        /* with block_bounds: entries of each block that reached it */
     int64_t base;        /* position of the range's entry 0 in the whole tensor */
     int64_t capacity;    /* entries the outputs hold; past it only the count goes on */
     int64_t *positions;
@@ -207,12 +210,18 @@ static uint32_t accumulate_range(Combine combine, size_t grad_bytes, const Plan 
         int64_t len = n - i;
         if (len > CHUNK) len = CHUNK;
         if (stat != STAT_NONE && len > block - in_block) len = block - in_block;
+        if (candidates && candidates->block_bounds)
+            candidates->bound_bits = candidates->block_bounds[k];
         bad |= combine(p, g + i * grad_bytes, a + i, a_chunk, b ? b + i : NULL, b_chunk, len);
         if (stat == STAT_MAX) {
             uint32_t m = abs_max_bits(selected, len);
             block_max = m > block_max ? m : block_max;
-            if (candidates && m >= candidates->bound_bits)
+            if (candidates && m >= candidates->bound_bits) {
+                int64_t before = candidates->count;
                 collect(candidates, selected, len, i);
+                if (candidates->block_counts)
+                    candidates->block_counts[k] += (int32_t)(candidates->count - before);
+            }
         } else if (stat == STAT_SUM) {
             block_sum += abs_sum(selected, len);
         }
@@ -242,12 +251,13 @@ static uint32_t accumulate_range(Combine combine, size_t grad_bytes, const Plan 
 static PyObject *accumulate(PyObject *self, PyObject *args)
 {
     int mode, grad_kind, stat, stream;
-    unsigned long long g, a, a_out, b, b_out, stat_out, positions, magnitudes;
+    unsigned long long g, a, a_out, b, b_out, stat_out, positions, magnitudes, block_bounds, block_counts;
     long long n, block, phase, base, capacity;
     double scale, momentum, scale_m, bound;
-    if (!PyArg_ParseTuple(args, "iiKKKKKLdddiLLKpdLLKK", &mode, &grad_kind, &g, &a, &a_out, &b,
+    if (!PyArg_ParseTuple(args, "iiKKKKKLdddiLLKpdLLKKKK", &mode, &grad_kind, &g, &a, &a_out, &b,
                           &b_out, &n, &scale, &momentum, &scale_m, &stat, &block, &phase, &stat_out,
-                          &stream, &bound, &base, &capacity, &positions, &magnitudes))
+                          &stream, &bound, &base, &capacity, &positions, &magnitudes, &block_bounds,
+                          &block_counts))
         return NULL;
     /* A NaN bound is "collect nothing"; a bound is only taken with the block maxima. */
     int collecting = !isnan(bound);
@@ -266,7 +276,13 @@ static PyObject *accumulate(PyObject *self, PyObject *args)
     }
     /* Compared in float32, the bound rounded to nearest, as torch compares a float32 tensor
      * with a Python number. */
-    Candidates candidates = {float_bits((float)bound) & ABS_BITS, base, capacity,
+    if (block_bounds && (!block_counts || phase != 0)) {
+        PyErr_SetString(PyExc_ValueError, "accumulate: a bound per block needs its counts and a range "
+                                          "that starts at a block");
+        return NULL;
+    }
+    Candidates candidates = {float_bits((float)bound) & ABS_BITS, (const uint32_t *)(uintptr_t)block_bounds,
+                             (int32_t *)(uintptr_t)block_counts, base, capacity,
                              (int64_t *)(uintptr_t)positions, (float *)(uintptr_t)magnitudes, 0};
     Combine combine;
     size_t grad_bytes;
@@ -594,14 +610,19 @@ static PyMethodDef methods[] = {
     {"zero", zero, METH_VARARGS, "zero(out, nbytes): memset(out, 0, nbytes)."},
     {"accumulate", accumulate, METH_VARARGS,
      "accumulate(mode, grad_kind, g, a, a_out, b, b_out, n, scale, momentum, scale_m, stat, block, "
-     "phase, stat_out, stream, bound, base, capacity, positions, magnitudes) -> (finite, count): one "
+     "phase, stat_out, stream, bound, base, capacity, positions, magnitudes, block_bounds, "
+     "block_counts) -> "
+     "(finite, count): one "
      "range of the memory update (mode 0 residual, 1 momentum, 2 Nesterov; kind 0 float32, 1 float16, "
      "2 bfloat16 gradient) and its per-block statistic (stat 1: uint32 bits of max |x|, 2: float64 "
      "sum of |x|) of the range's blocks, the first starting `phase` entries before the range; "
      "arguments after mode and kind are addresses, counts and factors; stream: store the memories "
      "with non-temporal stores. With stat 1 and a bound that is not NaN, the int64 position "
      "(plus base) and float32 |x| of the first `capacity` entries with |x| >= bound, in order, and "
-     "count, how many reached it (else count 0)."},
+     "count, how many reached it (else count 0); block_bounds, where not 0, the address of each "
+     "of the range's blocks' own bound (uint32 bits of a float32 of at least 0) in place of bound, "
+     "and block_counts that of int32 counts, one per block, to which each block's adds how many "
+     "reached its bound (phase 0)."},
     {"sign_pack", sign_pack, METH_VARARGS,
      "sign_pack(x, valid, n, scales, block, first, packed, residual): signs of entries "
      "[first, first + n) of a zero-padded tensor of `valid` entries packed 8 per byte, and the "
