@@ -624,10 +624,12 @@ def test_a_bucket_whose_bounds_fail_backs_off_1_2_4_steps(monkeypatch):
     assert [i for i, b in enumerate(bounded) if b] == [1, 3, 7]
 
 
-def test_topk_buckets_hold_their_candidates_on_steady_gradients():
-    """Gradients of one scale: after two steps every bucket step selects from its candidates,
-    and sends what the per-tensor path sends."""
-    engine = Engine(BY_NAME["topk"].build(), 1, 0)
+@pytest.mark.parametrize("method", ["topk", "gaussiank"])
+def test_buckets_hold_their_candidates_on_steady_gradients(method):
+    """Gradients of one scale: after two steps every bucket step takes each segment's top
+    (Gaussian-k: its capacity + 1 largest) from its candidates, and sends what the per-tensor
+    path sends."""
+    engine = Engine(BY_NAME[method].build(), 1, 0)
     held, compress = [], engine.method.compress_bucket
 
     def recording(ops, state, grad, call):
@@ -636,7 +638,7 @@ def test_topk_buckets_hold_their_candidates_on_steady_gradients():
         return result
 
     engine.method.compress_bucket = recording
-    per = Engine(BY_NAME["topk"].build(), 1, 0)
+    per = Engine(BY_NAME[method].build(), 1, 0)
     names, shapes = ["a", "b", "c"], [(300, 40), (50, 100), (64,)]
     gen = torch.Generator().manual_seed(7)
     for step in range(8):

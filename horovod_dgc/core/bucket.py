@@ -542,7 +542,7 @@ def gaussian_thresholds(ops: TensorOps, x: Tensor, plan: GaussianPlan) -> Tensor
     return ops.abs(mean) + ops.sqrt(variance) * tables.z
 
 
-def select_gaussian(ops: TensorOps, x: Tensor, plan: GaussianPlan, maxima: Optional[Tensor] = None) -> Tensor:
+def select_gaussian(ops: TensorOps, x: Tensor, plan: GaussianPlan, reached: Optional[Tensor] = None) -> Tensor:
     """Gaussian-k of every segment of ``x`` at once: positions (int64, ascending, in the
     bucket's flat numbering) of what :func:`selection.select_gaussian` sends of each segment
     alone, at most ``plan.total`` of them, the count depending on the data.
@@ -553,11 +553,11 @@ def select_gaussian(ops: TensorOps, x: Tensor, plan: GaussianPlan, maxima: Optio
     (:func:`select_segments`) replaces every pass over the gradient that counting would
     take, and the adjustments run on tensors of one value per segment. The entries sent are
     the selected ones at or above the final threshold, the ``capacity + 1``-th of a segment
-    never (it is reached only when more than the capacity reach the threshold). ``maxima``: as
-    :func:`select_segments`'."""
+    never (it is reached only when more than the capacity reach the threshold). ``reached``:
+    that selection (``select_segments`` at ``plan.reach``), where the caller made it."""
     tables, reach = plan.tables(ops, x), plan.reach
     count = len(plan.capacities)
-    positions = select_segments(ops, x, reach, maxima)
+    positions = select_segments(ops, x, reach) if reached is None else reached
     magnitudes = ops.cast(ops.abs(ops.gather(x, positions)), "float32")
 
     def reaching(threshold: Tensor) -> Tensor:

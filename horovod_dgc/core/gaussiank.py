@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from typing import Optional, Tuple
+from typing import Tuple
 
 from . import bucket
 from .bucket import GaussianPlan, Plan
@@ -45,9 +45,13 @@ class GaussianK(SparseMethod):
                accumulated: Accumulated) -> Tensor:
         return select_gaussian(ops, x, k, accumulated.block_max)
 
-    def select_bucket(self, ops: TensorOps, x: Tensor, plan: Plan,
-                      maxima: Optional[Tensor] = None) -> Tuple[Tensor, Scalar]:
-        positions = bucket.select_gaussian(ops, x, GaussianPlan.of(plan), maxima)
+    def top_plan(self, plan: Plan) -> Plan:
+        """Each segment's ``capacity + 1`` largest, in which its counts are taken
+        (:func:`~.bucket.select_gaussian`)."""
+        return GaussianPlan.of(plan).reach
+
+    def pick_from_top(self, ops: TensorOps, x: Tensor, plan: Plan, top: Tensor) -> Tuple[Tensor, Scalar]:
+        positions = bucket.select_gaussian(ops, x, GaussianPlan.of(plan), top)
         return positions, ops.size(positions)
 
     def bucket_capacity(self, plan: Plan) -> int:

@@ -115,12 +115,22 @@ class SparseMethod(Method):
     # Whether select_bucket() selects what select() would of each segment alone.
     selects_buckets: ClassVar[bool] = False
 
+    def top_plan(self, plan: Plan) -> Plan:
+        """The plan of the exact top of each segment that a bucket's selection starts from
+        (:meth:`pick_from_top`): by default ``plan`` itself, each segment's top-k."""
+        return plan
+
+    def pick_from_top(self, ops: TensorOps, x: Tensor, plan: Plan, top: Tensor) -> Tuple[Tensor, Scalar]:
+        """(positions in the bucket's flat numbering, ascending; how many) of what every
+        segment of the flat buffer ``x`` sends, from ``top``, the positions of the exact top of
+        each segment at :meth:`top_plan`: by default all of them."""
+        return top, plan.total
+
     def select_bucket(self, ops: TensorOps, x: Tensor, plan: Plan,
                       maxima: Optional[Tensor] = None) -> Tuple[Tensor, Scalar]:
-        """(positions in the bucket's flat numbering, ascending; how many) of what every
-        segment of the flat buffer ``x`` sends: by default each segment's exact top-k.
+        """:meth:`pick_from_top` of :func:`~.bucket.select_segments` at :meth:`top_plan`.
         ``maxima``: ``x``'s block maxima at ``plan.block``, where the memory's pass took them."""
-        return select_segments(ops, x, plan, maxima), plan.total
+        return self.pick_from_top(ops, x, plan, select_segments(ops, x, self.top_plan(plan), maxima))
 
     def bucket_capacity(self, plan: Plan) -> int:
         """Slots in a bucket's message: by default ``plan.total``, every segment's k."""
@@ -156,34 +166,37 @@ class SparseMethod(Method):
         """The message of a bucket's flat gradient (laid out as ``call.bucket``, zero padding),
         and the memories after sending it: every segment's k entries of largest magnitude, as
         :meth:`compress` sends each of them, in one message. ``state``: the memories as flat
-        buffers of the bucket's layout. A method that ``collects_candidates`` starts, where
-        sizes cost no wait, from the candidates its memory's pass collects at each segment's
-        bound (``call.candidate_bounds``), and predicts the next ones (``next_bound``)."""
+        buffers of the bucket's layout. Where sizes cost no wait, the exact top of each
+        segment (:meth:`top_plan`) is taken from the candidates the memory's pass collects at
+        each segment's bound (``call.candidate_bounds``) where they hold it, and the next
+        bounds are predicted (``next_bound``)."""
         self.require_bucketed()
         plan = call.plan
+        top_plan = self.top_plan(plan)
         layout = self.bucket_layout(call.bucket, plan)
-        bounded = self.collects_candidates and uses_bounds(ops, grad)
-        bounds, capacity = block_bounds(ops, plan, call.candidate_bounds, grad) if bounded else (None, 0)
+        bounded = uses_bounds(ops, grad)
+        bounds, capacity = block_bounds(ops, top_plan, call.candidate_bounds, grad) if bounded else (None, 0)
         accumulated = self.bucket_memory().accumulate(ops, state, *self.prepare_bucket(ops, grad, call),
                                                       spare=call.spare, block=plan.block, bound=bounds,
                                                       capacity=capacity)
 
         def send(flags: Any = 0):
             x = accumulated.x
-            positions, counts = None, None
+            top, counts = None, None
             if accumulated.candidates is not None:
-                positions, counts = select_candidates(ops, plan, accumulated.candidates)
-            held = None if bounds is None else positions is not None
-            if positions is None:
-                positions, count = self.select_bucket(ops, x, plan, accumulated.block_max)
-            else:
-                count = plan.total
+                top, counts = select_candidates(ops, top_plan, accumulated.candidates)
+            held = None if bounds is None else top is not None
+            if top is None:
+                top = select_segments(ops, x, top_plan, accumulated.block_max)
+            positions, count = self.pick_from_top(ops, x, plan, top)
             header = layout.header(call.rank, call.step, count, flags)
             selected = ops.gather(x, positions)
             message, decoded = layout.encode(ops, header, positions, count, selected)
             sent = ops.cast(ops.slice(decoded, 0, count), ops.dtype(x))
-            next_bound = (next_bounds(ops, plan, ops.cast(ops.abs(selected), "float32"), bounds, counts)
-                          if bounded else None)
+            next_bound = None
+            if bounded:
+                reached = selected if top is positions else ops.gather(x, top)
+                next_bound = next_bounds(ops, top_plan, ops.cast(ops.abs(reached), "float32"), bounds, counts)
             return (self.update_bucket(ops, accumulated.state, positions, sent, plan), message, count,
                     next_bound, held)
 
