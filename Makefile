@@ -26,7 +26,7 @@ docs: setup
 test-slow: setup
 	$(PYTHON) -m pytest -m slow -q
 
-## Whether the tests catch 140 plausible bugs, each applied to a copy of the tree (about
+## Whether the tests catch the catalogue's plausible bugs, each applied to a copy of the tree (about
 ## 100 minutes on 2 cores; a C kernel's bug is compiled into the copy): the test that caught each, or the ones none caught, in results/mutation/.
 mutation-check: setup
 	$(PYTHON) -m benchmarks.mutation

@@ -48,6 +48,15 @@ class Compressed:
     bounds_held: Optional[bool] = None
 
 
+def _top_of_bucket(ops: TensorOps, accumulated: Accumulated, plan: Plan) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """(each segment's exact top at ``plan`` from the candidates the memory's pass collected,
+    or None where they do not hold it; each segment's count of candidates, or None where none
+    were collected)."""
+    if accumulated.candidates is None:
+        return None, None
+    return select_candidates(ops, plan, accumulated.candidates)
+
+
 class SparseMethod(Method):
     """A sparse compression method; subclasses give the memory, selector and wire id."""
 
@@ -182,9 +191,7 @@ class SparseMethod(Method):
 
         def send(flags: Any = 0):
             x = accumulated.x
-            top, counts = None, None
-            if accumulated.candidates is not None:
-                top, counts = select_candidates(ops, top_plan, accumulated.candidates)
+            top, counts = _top_of_bucket(ops, accumulated, top_plan)
             held = None if bounds is None else top is not None
             if top is None:
                 top = select_segments(ops, x, top_plan, accumulated.block_max)
