@@ -198,7 +198,8 @@ def parse_args(argv: Sequence[str] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--methods", nargs="+", default=CHOICES, choices=CHOICES)
     p.add_argument("--world", type=int, default=2, help="ranks emulated in this process")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per layout")
+    p.add_argument("--warmup", type=int, default=20,
+                   help="untimed steps per layout (candidate bounds settle within about 15 steps of randn gradients)")
     p.add_argument("--rounds", type=int, default=5, help="timed steps per layout, interleaved")
     p.add_argument("--split", type=int, default=1,
                    help="cut each tensor into this many (10: 1,610 tensors of the same total size)")
