@@ -8,8 +8,8 @@ from statistics import NormalDist
 import pytest
 import torch
 
-from horovod_dgc.core.bucket import (ALIGN, Bucket, GaussianPlan, Plan, Segment, next_bounds, select_candidates,
-                                     select_gaussian, select_segments)
+from horovod_dgc.core.bucket import (ALIGN, Bucket, GaussianPlan, Plan, Segment, next_bounds, segment_thresholds,
+                                     select_candidates, select_gaussian, select_segments)
 from horovod_dgc.core.ops import BlockBounds, Candidates
 from horovod_dgc.core.collectives import emulate
 from horovod_dgc.core.methods import BY_NAME
@@ -576,14 +576,15 @@ def test_a_bucket_selects_from_its_candidates_when_each_segment_holds_its_k(seed
     bounds = [v * 0.9 for v in kth]
     if short:
         bounds[-1] = kth[-1] * 1.0001 + 1e-6
-    got, counts = select_candidates(TorchOps(), plan, _candidates_at(x, plan, bounds))
-    assert counts.tolist() == [int((x[s.offset:s.end].abs() >= torch.tensor(b)).sum())
-                               for s, b in zip(bucket.segments, bounds)]
+    got = select_candidates(TorchOps(), plan, _candidates_at(x, plan, bounds))
+    assert got.counts.tolist() == [int((x[s.offset:s.end].abs() >= torch.tensor(b)).sum())
+                                   for s, b in zip(bucket.segments, bounds)]
     if short:
-        assert got is None
+        assert got.positions is None and got.thresholds is None
         return
     want = [s.offset + p for s, k in zip(bucket.segments, plan.ks) for p in naive_top(x[s.offset:s.end], k)]
-    assert got.tolist() == want
+    assert got.positions.tolist() == want
+    assert got.thresholds.tolist() == pytest.approx(kth)
 
 
 def test_next_bounds_aim_below_each_segments_kth_largest():
@@ -593,9 +594,11 @@ def test_next_bounds_aim_below_each_segments_kth_largest():
     plan = Plan.at(bucket, [0.01, 0.05, 0.01])
     gen = torch.Generator().manual_seed(9)
     magnitudes = torch.rand(plan.total, generator=gen) + 0.5
-    got = next_bounds(TorchOps(), plan, magnitudes, None, None).tolist()
+    thresholds = segment_thresholds(TorchOps(), magnitudes, plan)
+    got = next_bounds(TorchOps(), plan, thresholds, None, None).tolist()
     starts = plan.pick_starts
     smallest = [float(magnitudes[a:a + k].min()) for a, k in zip(starts, plan.ks)]
+    assert thresholds.tolist() == smallest
     assert got == pytest.approx([0.99 * smallest[0], 0.0, 0.99 * smallest[2]])
 
 

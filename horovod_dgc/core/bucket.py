@@ -34,7 +34,7 @@ import functools
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from .ops import BlockBounds, Candidates, Tensor, TensorOps
 from .selection import (CANDIDATE_CAPACITY, GAUSSIAN_ADJUSTMENTS, GAUSSIAN_HIGH, GAUSSIAN_LOW,
@@ -395,9 +395,19 @@ def _collects_all(segment: Segment) -> bool:
     return segment.numel < EXACT_BELOW_NUMEL
 
 
-def select_candidates(ops: TensorOps, plan: Plan, candidates: Candidates) -> Tuple[Optional[Tensor], Tensor]:
-    """(:func:`select_segments`' positions from ``candidates`` alone, or None where some
-    segment has fewer than its k among them; each segment's count of candidates). The
+class FromCandidates(NamedTuple):
+    """What :func:`select_candidates` found: each segment's top-k (positions as
+    :func:`select_segments`' ) and its k-th largest magnitude (float32), both None where some
+    segment has fewer than its k candidates; and each segment's count of candidates."""
+
+    positions: Optional[Tensor]
+    thresholds: Optional[Tensor]
+    counts: Tensor
+
+
+def select_candidates(ops: TensorOps, plan: Plan, candidates: Candidates) -> FromCandidates:
+    """:func:`select_segments`' positions from ``candidates`` alone, where every segment holds
+    its k among them (see :class:`FromCandidates`). The
     candidates: every entry of the bucket at or above its block's bound (``candidates.bound``),
     collected by the memory's pass (positions ascending; none where more than their capacity
     reached them), and how many of each block's did (``candidates.count``). Reads the counts
@@ -406,22 +416,25 @@ def select_candidates(ops: TensorOps, plan: Plan, candidates: Candidates) -> Tup
     tables = plan.tables(ops, positions)
     counts = ops.scatter_add(ops.zeros(segments, "int64", like=positions), tables.block_segment, candidates.count)
     if not bool(ops.all_within(counts, tables.ks, ops.numel(positions))):
-        return None, counts
-    starts = ops.searchsorted(positions, tables.segment_edges)
+        return FromCandidates(None, None, counts)
+    starts = ops.slice(ops.searchsorted(positions, tables.segment_edges), 0, segments)
     base = ops.repeat_each(tables.segment_base, counts, ops.numel(positions))
     _, ranked = ops.sort(_keys(ops, magnitude_bits(ops, candidates.magnitudes), base, True))
-    # Sorting by segment keeps the segments in their order, each at its start among positions.
-    picks = ops.add(ops.repeat_each(ops.slice(starts, 0, segments), tables.ks, plan.total), tables.within)
-    return ops.sort(ops.gather(positions, ops.gather(ranked, picks)))[0], counts
+    # Sorting by segment keeps the segments in their order, each at its start among positions,
+    # its largest first.
+    picks = ops.add(ops.repeat_each(starts, tables.ks, plan.total), tables.within)
+    last = ops.gather(ranked, ops.add(ops.add(starts, tables.ks), -1))
+    return FromCandidates(ops.sort(ops.gather(positions, ops.gather(ranked, picks)))[0],
+                          ops.gather(candidates.magnitudes, last), counts)
 
 
-def next_bounds(ops: TensorOps, plan: Plan, magnitudes: Tensor, bounds: Optional[BlockBounds],
+def next_bounds(ops: TensorOps, plan: Plan, thresholds: Tensor, bounds: Optional[BlockBounds],
                 counts: Optional[Tensor]) -> Tensor:
     """Each segment's candidate bound for its next step (:func:`~.selection.predict_bound`,
-    elementwise), from the float32 ``|x|`` of this step's selection, and the bound of every
-    block and each segment's count of candidates where this step collected them."""
-    tables = plan.tables(ops, magnitudes)
-    thresholds = segment_thresholds(ops, magnitudes, plan)
+    elementwise), from its k-th largest magnitude this step (float32, one per segment), and
+    the bound of every block and each segment's count of candidates where this step
+    collected them."""
+    tables = plan.tables(ops, thresholds)
     held = None
     if bounds is not None and counts is not None:
         held = Candidates(None, None, counts, ops.gather(bounds.values, tables.first_blocks))

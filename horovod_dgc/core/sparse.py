@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, List, Optional, Sequence, Tuple
 
 from . import wire
-from .bucket import Bucket, Plan, block_bounds, next_bounds, select_candidates, select_segments
+from .bucket import (Bucket, FromCandidates, Plan, block_bounds, next_bounds, segment_thresholds, select_candidates,
+                     select_segments)
 from .collectives import ALLGATHER
 from .config import SparseConfig
 from .memory import Accumulated
@@ -46,15 +47,6 @@ class Compressed:
     layout: wire.MessageLayout
     next_bound: Optional[Scalar] = None
     bounds_held: Optional[bool] = None
-
-
-def _top_of_bucket(ops: TensorOps, accumulated: Accumulated, plan: Plan) -> Tuple[Optional[Tensor], Optional[Tensor]]:
-    """(each segment's exact top at ``plan`` from the candidates the memory's pass collected,
-    or None where they do not hold it; each segment's count of candidates, or None where none
-    were collected)."""
-    if accumulated.candidates is None:
-        return None, None
-    return select_candidates(ops, plan, accumulated.candidates)
 
 
 class SparseMethod(Method):
@@ -191,7 +183,9 @@ class SparseMethod(Method):
 
         def send(flags: Any = 0):
             x = accumulated.x
-            top, counts = _top_of_bucket(ops, accumulated, top_plan)
+            found = (select_candidates(ops, top_plan, accumulated.candidates)
+                     if accumulated.candidates is not None else FromCandidates(None, None, None))
+            top, thresholds = found.positions, found.thresholds
             held = None if bounds is None else top is not None
             if top is None:
                 top = select_segments(ops, x, top_plan, accumulated.block_max)
@@ -202,8 +196,10 @@ class SparseMethod(Method):
             sent = ops.cast(ops.slice(decoded, 0, count), ops.dtype(x))
             next_bound = None
             if bounded:
-                reached = selected if top is positions else ops.gather(x, top)
-                next_bound = next_bounds(ops, top_plan, ops.cast(ops.abs(reached), "float32"), bounds, counts)
+                if thresholds is None:
+                    reached = selected if top is positions else ops.gather(x, top)
+                    thresholds = segment_thresholds(ops, ops.cast(ops.abs(reached), "float32"), top_plan)
+                next_bound = next_bounds(ops, top_plan, thresholds, bounds, found.counts)
             return (self.update_bucket(ops, accumulated.state, positions, sent, plan), message, count,
                     next_bound, held)
 
