@@ -112,7 +112,6 @@ class SignShards:
         method_id: the id its messages carry.
         owner: one rank's shard of every tensor laid out as a bucket (the server residual's
             layout, and the messages' in both stages).
-        worker_blocks: blocks of every tensor's worker scales.
         owner_blocks: blocks of one rank's shards.
         sent_counts: per destination, the entries of its shards that lie inside their tensors
             (its messages' count word).
@@ -124,7 +123,6 @@ class SignShards:
     block_size: Optional[int]
     method_id: int
     owner: Bucket
-    worker_blocks: int
     owner_blocks: int
     sent_counts: Tuple[int, ...]
 
@@ -139,6 +137,12 @@ class SignShards:
         return wire.interned(wire.PartsLayout(
             name=self.bucket.key, method_id=self.method_id, numel=self.bucket.numel, capacity=self.owner.numel,
             part_list=(("uint8", self.owner.numel // BYTE), (SCALE_DTYPE, self.owner_blocks))))
+
+    @property
+    def worker_blocks(self) -> int:
+        """Blocks of every tensor's worker scales (one per tensor without a block size, else N
+        times a shard's)."""
+        return (1 if self.block_size is None else self.world_size) * self.owner_blocks
 
     def owner_block_count(self, shard: int) -> int:
         """Blocks of one shard of ``shard`` entries."""
@@ -183,8 +187,8 @@ def _sign_shards(bucket: Bucket, world_size: int, rank: int, block_size: Optiona
     owner_blocks = sum(_blocks_per_shard(n, block_size) for n in lengths)
     sent = tuple(sum(shard_entries(s.numel, n, j) for s, n in zip(bucket.segments, lengths))
                  for j in range(world_size))
-    return SignShards(bucket, world_size, rank, block_size, method_id, shards_of(bucket, lengths),
-                      owner_blocks * (1 if block_size is None else world_size), owner_blocks, sent)
+    return SignShards(bucket, world_size, rank, block_size, method_id, shards_of(bucket, lengths), owner_blocks,
+                      sent)
 
 
 def _blocks_per_shard(shard: int, block_size: Optional[int]) -> int:
@@ -294,6 +298,11 @@ def server_average(ops: TensorOps, total: Tensor, state: State, world_size: int)
     return ops.scale_add(ops.scale(total, 1.0 / world_size), 1.0, state["server"])
 
 
+def _exchanges(message_bytes: int, world_size: int) -> Tuple[Tuple[str, int], ...]:
+    """The alltoall of one message per destination, then the allgather of one."""
+    return (ALLTOALL, world_size * message_bytes), (ALLGATHER, message_bytes)
+
+
 def _zero_tail(ops: TensorOps, x: Tensor, tail: Optional[Tensor]) -> Tensor:
     """``x`` with the padding in its tensors' last chunks zeroed (a decode gave it a sign)."""
     return x if tail is None else ops.scatter_zero(x, tail)
@@ -333,8 +342,7 @@ class BlockSign(TwoStageMethod):
 
     def exchanges(self, numel: int, grad_dtype: str, density: float,
                   world_size: int) -> Tuple[Tuple[str, int], ...]:
-        shard = self.layout("", numel, world_size).nbytes
-        return (ALLTOALL, world_size * shard), (ALLGATHER, shard)
+        return _exchanges(self.layout("", numel, world_size).nbytes, world_size)
 
     def _momentum_step(self, ops: TensorOps, state: State, grad: Tensor,
                        unscale: Scalar) -> Tuple[Tensor, Scalar, State]:
@@ -390,8 +398,7 @@ class BlockSign(TwoStageMethod):
         return SignShards.of(bucket, world_size, rank, self.config.block_size, self.method_id)
 
     def bucket_exchanges(self, plan: Plan, world_size: int) -> Tuple[Tuple[str, int], ...]:
-        shard = self.shards(plan.bucket, world_size, 0).layout.nbytes
-        return (ALLTOALL, world_size * shard), (ALLGATHER, shard)
+        return _exchanges(self.shards(plan.bucket, world_size, 0).layout.nbytes, world_size)
 
     def first_bucket(self, ops: TensorOps, state: State, grad: Tensor,
                      call: BucketCall) -> Tuple[Tensor, State, StageHandover]:

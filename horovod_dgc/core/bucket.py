@@ -344,6 +344,7 @@ def select_segments(ops: TensorOps, x: Tensor, plan: Plan, maxima: Optional[Tens
     # first among equal magnitudes.
     blocks = ops.sort(ops.gather(order, tables.block_picks))[0]
     values = ops.gather_blocks(x, blocks, block)
+    # ``blocks`` is not read again: scaled in place to its first entries.
     positions = ops.add(ops.repeat_blocks(ops.scale(blocks, block), block, ops.numel(values)), tables.slot_offset)
     bits = magnitude_bits(ops, values)
     real = ops.greater_equal(tables.slot_last, positions)
@@ -398,11 +399,12 @@ def _collects_all(segment: Segment) -> bool:
 class FromCandidates(NamedTuple):
     """What :func:`select_candidates` found: each segment's top-k (positions as
     :func:`select_segments`' ) and its k-th largest magnitude (float32), both None where some
-    segment has fewer than its k candidates; and each segment's count of candidates."""
+    segment has fewer than its k candidates; and each segment's count of candidates (None
+    where none were collected)."""
 
     positions: Optional[Tensor]
     thresholds: Optional[Tensor]
-    counts: Tensor
+    counts: Optional[Tensor]
 
 
 def select_candidates(ops: TensorOps, plan: Plan, candidates: Candidates) -> FromCandidates:

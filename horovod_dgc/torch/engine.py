@@ -199,7 +199,7 @@ class Engine:
     def _bucket_bounds(self, bucket: Bucket, step: int) -> Optional[Tuple[float, ...]]:
         """The members' candidate bounds for this step: None where one has none or the bucket
         is backing off (:meth:`_keep_bucket_bounds`)."""
-        failures, resume = self._bound_failures.get(bucket.key, (0, 0))
+        _, resume = self._bound_failures.get(bucket.key, (0, 0))
         if step < resume or not all(n in self._bounds for n in bucket.names):
             return None
         return tuple(self._bounds[n] for n in bucket.names)
