@@ -559,8 +559,16 @@ def _candidates_at(x: torch.Tensor, plan: Plan, bounds):
     return Candidates(positions, x.abs()[positions], counts, BlockBounds(per_block))
 
 
+class SortedCandidates(TorchOps):
+    """TorchOps without the kernel that selects from a bucket's candidates: the core's sort."""
+
+    def top_of_segments(self, *args):
+        return None
+
+
+@pytest.mark.parametrize("ops", [TorchOps(), SortedCandidates()], ids=["kernel", "composition"])
 @pytest.mark.parametrize("seed", range(4))
-def test_a_bucket_selects_from_its_candidates_when_each_segment_holds_its_k(seed):
+def test_a_bucket_selects_from_its_candidates_when_each_segment_holds_its_k(seed, ops):
     """Each segment's bound near its k-th largest: above it for one segment in some runs, whose
     top k then is not all among the candidates (None, and the counts say which), below it for
     all in the others, where the selection is each segment's top k by a sort."""
@@ -576,7 +584,7 @@ def test_a_bucket_selects_from_its_candidates_when_each_segment_holds_its_k(seed
     bounds = [v * 0.9 for v in kth]
     if short:
         bounds[-1] = kth[-1] * 1.0001 + 1e-6
-    got = select_candidates(TorchOps(), plan, _candidates_at(x, plan, bounds))
+    got = select_candidates(ops, plan, _candidates_at(x, plan, bounds))
     assert got.counts.tolist() == [int((x[s.offset:s.end].abs() >= torch.tensor(b)).sum())
                                    for s, b in zip(bucket.segments, bounds)]
     if short:

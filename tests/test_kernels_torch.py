@@ -800,3 +800,44 @@ def test_decode_positions_reads_a_leaders_message_of_positions_only(case):
     if layout.indices.name != "raw":  # raw positions carry no count of their own to disagree
         message[:wire.HEADER_BYTES].view(torch.int32)[wire.COUNT_WORD] = count - 1
         assert kernels.decode_positions(message, layout, 1, 5) is None
+
+
+def _top_by_sort(positions, magnitudes, starts, counts, ks):
+    """Each segment's k largest by a Python sort (ties to the lowest position), positions
+    ascending, and its k-th largest."""
+    picked, kth = [], []
+    for start, count, k in zip(starts, counts, ks):
+        order = sorted(range(start, start + count), key=lambda j: (-magnitudes[j], positions[j]))[:k]
+        picked += sorted(positions[j] for j in order)
+        kth.append(magnitudes[order[-1]])
+    return picked, kth
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["distinct", "tied"])
+def test_top_of_segments_takes_each_segments_k_largest_ties_to_the_lowest(tied):
+    """Against a sort per segment: k from 1 to every candidate; with ``tied`` the magnitudes
+    are a few values (0, a subnormal, infinity among them), so most k-th largest are shared."""
+    gen = torch.Generator().manual_seed(3)
+    choices = torch.tensor([0.0, 1e-45, 0.5, 1.0, 3.0, math.inf])
+    for trial in range(200):
+        counts = torch.randint(1, 300, (int(torch.randint(1, 7, (1,), generator=gen)),), generator=gen).tolist()
+        ks = [int(torch.randint(1, c + 1, (1,), generator=gen)) for c in counts]
+        ks[0] = counts[0] if trial % 5 == 0 else ks[0]
+        n = sum(counts)
+        positions = torch.randperm(10 * n, generator=gen)[:n].sort()[0]
+        magnitudes = (choices[torch.randint(0, len(choices), (n,), generator=gen)] if tied
+                      else torch.rand(n, generator=gen))
+        starts = [sum(counts[:s]) for s in range(len(counts))]
+        got, kth = kernels.top_of_segments(positions, magnitudes, torch.tensor(starts), torch.tensor(counts),
+                                           torch.tensor(ks))
+        want, want_kth = _top_by_sort(positions.tolist(), magnitudes.tolist(), starts, counts, ks)
+        assert got.tolist() == want
+        assert kth.tolist() == want_kth
+
+
+@pytest.mark.parametrize("k, count, start", [(0, 5, 0), (6, 5, 0), (2, 5, 6)])
+def test_top_of_segments_refuses_a_k_or_segment_outside_the_candidates(k, count, start):
+    positions, magnitudes = torch.arange(10), torch.rand(10)
+    with pytest.raises(ValueError, match="segment 0 takes k="):
+        kernels.top_of_segments(positions, magnitudes, torch.tensor([start]), torch.tensor([count]),
+                                torch.tensor([k]))

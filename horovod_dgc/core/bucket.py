@@ -420,6 +420,9 @@ def select_candidates(ops: TensorOps, plan: Plan, candidates: Candidates) -> Fro
     if not bool(ops.all_within(counts, tables.ks, ops.numel(positions))):
         return FromCandidates(None, None, counts)
     starts = ops.slice(ops.searchsorted(positions, tables.segment_edges), 0, segments)
+    found = ops.top_of_segments(positions, candidates.magnitudes, starts, counts, tables.ks)
+    if found is not None:
+        return FromCandidates(*found, counts)
     base = ops.repeat_each(tables.segment_base, counts, ops.numel(positions))
     _, ranked = ops.sort(_keys(ops, magnitude_bits(ops, candidates.magnitudes), base, True))
     # Sorting by segment keeps the segments in their order, each at its start among positions,

@@ -422,6 +422,15 @@ class TensorOps(ABC):
         the composition then runs, and names any malformed message."""
         return None
 
+    def top_of_segments(self, positions: Tensor, magnitudes: Tensor, starts: Tensor, counts: Tensor,
+                        ks: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
+        """A kernel's selection of each segment's ``ks[s]`` largest ``magnitudes`` (float32)
+        among the candidates ``starts[s] .. starts[s] + counts[s] - 1`` (positions ascending,
+        segments in order): (their positions, ascending, ties at the ``ks[s]``-th largest going
+        to the lowest; that ``ks[s]``-th largest, one per segment). None where the adapter has
+        no such kernel: ``bucket.select_candidates``' sort then runs."""
+        return None
+
     def sum_sparse(self, out: Tensor, messages: Sequence[Tuple[Tensor, Tensor, Scalar]],
                    scale: float) -> Tensor:
         """``out``'s zeros plus, message after message, ``scale * values`` at ``positions``

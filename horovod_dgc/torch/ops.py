@@ -419,6 +419,12 @@ class TorchOps(TensorOps):
             return None
         return kernels.decode_sums(data, layouts, world_size, step, outs, scale)
 
+    def top_of_segments(self, positions: torch.Tensor, magnitudes: torch.Tensor, starts: torch.Tensor,
+                        counts: torch.Tensor, ks: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        if not (self._kernels(positions) and kernels.supports(magnitudes)):
+            return None
+        return kernels.top_of_segments(positions, magnitudes, starts, counts, ks)
+
     def pad(self, x: torch.Tensor, length: int) -> torch.Tensor:
         if x.numel() == length:
             return x

@@ -118,6 +118,24 @@ def count_at_least(x: torch.Tensor, blocks: torch.Tensor, block: int, threshold:
                       float(threshold), 0, 0) for first, n_listed in _listed_ranges(blocks, block)]))
 
 
+def top_of_segments(positions: torch.Tensor, magnitudes: torch.Tensor, starts: torch.Tensor,
+                    counts: torch.Tensor, ks: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(positions, thresholds) of each segment's ``ks[s]`` largest ``magnitudes`` among the
+    candidates ``starts[s] .. starts[s] + counts[s] - 1`` (int64 positions ascending, float32
+    magnitudes, int64 tables): their positions in order, ties at the ``ks[s]``-th largest going
+    to the first, and that ``ks[s]``-th largest (float32, one per segment)."""
+    if positions.dtype != torch.int64 or not positions.is_contiguous() or magnitudes.numel() != positions.numel():
+        raise TypeError("top_of_segments takes contiguous int64 positions and float32 magnitudes of one length")
+    _check(magnitudes, "top_of_segments")
+    starts, counts, ks = (t.to(device=CPU, dtype=torch.int64).contiguous() for t in (starts, counts, ks))
+    out = torch.empty(int(ks.sum()), dtype=torch.int64, device=CPU)
+    thresholds = torch.empty(ks.numel(), dtype=torch.float32, device=CPU)
+    _selection.top_of_segments(positions.data_ptr(), magnitudes.data_ptr(), positions.numel(), ks.numel(),
+                               starts.data_ptr(), counts.data_ptr(), ks.data_ptr(), out.data_ptr(),
+                               thresholds.data_ptr())
+    return out, thresholds
+
+
 def _listed_ranges(blocks: torch.Tensor, block: int) -> List[Tuple[int, int]]:
     """(first listed block, how many) per thread."""
     return [(start // block, count // block)

@@ -8,11 +8,16 @@
  *
  * collect_at_least: positions and magnitudes of the entries with |x| >= threshold inside a
  * list of blocks, in one pass over those blocks; torch needs a gather, abs, compare, nonzero
- * and index arithmetic, each a separate pass with its own temporary. */
+ * and index arithmetic, each a separate pass with its own temporary.
+ *
+ * top_of_segments: the k largest of each segment of a bucket's candidates, in linear time
+ * (radix selection of the k-th largest, then one scan that keeps the candidates' order);
+ * torch sorts them all. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 /* The maxima are taken over the bit patterns with the sign bit cleared: for non-negative
  * floats the integer order is the float order, and every NaN pattern lies above infinity's,
@@ -177,6 +182,72 @@ static PyObject *positions_at_least(PyObject *self, PyObject *args)
     return PyLong_FromLongLong(count);
 }
 
+/* The k-th largest of the bit patterns of one segment's magnitudes, by radix selection (four
+ * counting passes over the segment, no worst case): its bit pattern, and in *equal_wanted how
+ * many entries equal to it belong to the k largest. */
+static uint32_t kth_largest_bits(const uint32_t *bits, int64_t n, int64_t k, int64_t *equal_wanted)
+{
+    uint32_t prefix = 0, mask = 0;
+    int64_t need = k;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        int64_t counts[256] = {0};
+        for (int64_t j = 0; j < n; ++j)
+            if ((bits[j] & mask) == prefix)
+                ++counts[(bits[j] >> shift) & 255u];
+        int digit = 255;
+        for (; digit > 0 && counts[digit] < need; --digit)
+            need -= counts[digit];
+        prefix |= (uint32_t)digit << shift;
+        mask |= 255u << shift;
+    }
+    *equal_wanted = need;
+    return prefix;
+}
+
+/* Each segment's k largest candidates: those above its k-th largest magnitude and the first
+ * of those equal to it, in the candidates' (ascending) order. */
+static void top_of_segments_range(const int64_t *positions, const uint32_t *magnitude_bits,
+                                  int64_t n_segments, const int64_t *starts, const int64_t *counts,
+                                  const int64_t *ks, int64_t *out, float *thresholds)
+{
+    for (int64_t s = 0; s < n_segments; ++s) {
+        const int64_t *at = positions + starts[s];
+        const uint32_t *bits = magnitude_bits + starts[s];
+        int64_t equal_wanted;
+        uint32_t kth = kth_largest_bits(bits, counts[s], ks[s], &equal_wanted);
+        /* At most k written, whatever the magnitudes: the output holds the ks' sum. */
+        for (int64_t j = 0, left = ks[s]; j < counts[s] && left > 0; ++j)
+            if (bits[j] > kth || (bits[j] == kth && equal_wanted-- > 0)) {
+                *out++ = at[j];
+                --left;
+            }
+        memcpy(thresholds + s, &kth, sizeof kth);
+    }
+}
+
+static PyObject *top_of_segments(PyObject *self, PyObject *args)
+{
+    unsigned long long positions, magnitudes, starts, counts, ks, out, thresholds;
+    long long n_segments, n_candidates;
+    if (!PyArg_ParseTuple(args, "KKLLKKKKK", &positions, &magnitudes, &n_candidates, &n_segments,
+                          &starts, &counts, &ks, &out, &thresholds))
+        return NULL;
+    const int64_t *s = (const int64_t *)(uintptr_t)starts, *c = (const int64_t *)(uintptr_t)counts,
+                  *k = (const int64_t *)(uintptr_t)ks;
+    for (long long i = 0; i < n_segments; ++i)
+        if (k[i] < 1 || k[i] > c[i] || s[i] < 0 || s[i] + c[i] > n_candidates) {
+            PyErr_Format(PyExc_ValueError, "top_of_segments: segment %lld takes k=%lld of %lld candidates "
+                         "from %lld (of %lld)", i, (long long)k[i], (long long)c[i], (long long)s[i],
+                         n_candidates);
+            return NULL;
+        }
+    Py_BEGIN_ALLOW_THREADS
+    top_of_segments_range((const int64_t *)(uintptr_t)positions, (const uint32_t *)(uintptr_t)magnitudes,
+                          n_segments, s, c, k, (int64_t *)(uintptr_t)out, (float *)(uintptr_t)thresholds);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"positions_at_least", positions_at_least, METH_VARARGS,
      "positions_at_least(x_address, n, threshold, out_address) -> count: the int64 positions of "
@@ -189,6 +260,13 @@ static PyMethodDef methods[] = {
      "positions_address, magnitudes_address) -> count: the entries of the listed int64 blocks "
      "with |x| >= threshold, ascending; the outputs need room for n_blocks * block entries. "
      "With positions_address 0 it only counts them (nothing is written)."},
+    {"top_of_segments", top_of_segments, METH_VARARGS,
+     "top_of_segments(positions_address, magnitudes_address, n_candidates, n_segments, "
+     "starts_address, counts_address, ks_address, out_address, thresholds_address): for each "
+     "segment s of candidates (int64 positions ascending, float32 magnitudes >= 0; its counts[s] "
+     "from starts[s] on), the positions of its ks[s] largest magnitudes, ties to the first, in "
+     "order, written one segment after another to out, and its ks[s]-th largest magnitude to "
+     "thresholds[s]."},
     {NULL, NULL, 0, NULL},
 };
 
