@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from horovod_dgc.core.ops import BlockBounds, TensorOps
+from horovod_dgc.core.ops import BlockBounds, Pieces, TensorOps
 from horovod_dgc.torch import kernels
 from horovod_dgc.torch.ops import TorchOps
 
@@ -841,3 +841,70 @@ def test_top_of_segments_refuses_a_k_or_segment_outside_the_candidates(k, count,
     with pytest.raises(ValueError, match="segment 0 takes k="):
         kernels.top_of_segments(positions, magnitudes, torch.tensor([start]), torch.tensor([count]),
                                 torch.tensor([k]))
+
+
+def _pieces(numels, dtype, seed, gaps):
+    """A bucket's gradient as parts in their own storage at offsets with ``gaps`` entries of
+    padding after each, and the same gradient written out by a plain concatenation."""
+    gen = torch.Generator().manual_seed(seed)
+    parts = [(torch.randn(n, generator=gen) * 4).to(dtype) for n in numels]
+    offsets, at = [], 0
+    for n, gap in zip(numels, gaps):
+        offsets.append(at)
+        at += n + gap
+    whole = torch.cat([torch.cat([p, torch.zeros(gap, dtype=dtype)]) for p, gap in zip(parts, gaps)])
+    stale = whole.ne(0).to(dtype) * 7  # a buffer that does not hold the gradient (padding zero)
+    return Pieces(stale, tuple(parts), tuple(offsets)), whole
+
+
+@pytest.mark.parametrize("dtype", GRAD_DTYPES)
+@pytest.mark.parametrize("width", [1, 3])
+@pytest.mark.parametrize("large", [False, True], ids=["one-range", "thread-ranges"])
+def test_the_memory_pass_reads_a_gradient_where_its_pieces_lie(dtype, width, large):
+    """Parts of a bucket read where they lie, zeros between them, equal bit for bit to the
+    pass over their concatenation: memories, block maxima, per-block candidates and counts
+    (pieces longer than a chunk, shorter than a block, and ranges that start inside one)."""
+    numels = [3, 1000, 64, 1, 2049] + ([kernels.PARALLEL_MIN_NUMEL + 5, 700_001] if large else [])
+    gaps = [61, 24, 0, 63, 63] + ([59, 3] if large else [])
+    pieces, whole = _pieces(numels, dtype, 21, gaps)
+    n, block = whole.numel(), 64
+    bounds = torch.rand(-(-n // block), generator=torch.Generator().manual_seed(4)) * 8.0
+    momentum, velocity = _memory(n, 3), _memory(n, 4)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(width)
+        for grad_scale, nesterov in ((1.0, False), (0.5, True)):
+            got = kernels.momentum_correction(pieces, grad_scale, momentum, velocity, 0.9, nesterov, block=block,
+                                              bound=bounds, capacity=n)
+            want = kernels.momentum_correction(whole, grad_scale, momentum, velocity, 0.9, nesterov, block=block,
+                                               bound=bounds, capacity=n)
+            for a, b in zip(got[:3] + got[4], want[:3] + want[4]):
+                assert torch.equal(a, b)
+            assert got[3] is True and got[4][0].numel() > 0
+        got = kernels.error_feedback(pieces, 2.0, momentum, None, block, "max", bounds, n)
+        want = kernels.error_feedback(whole, 2.0, momentum, None, block, "max", bounds, n)
+        for a, b in zip(got[:2] + got[3], want[:2] + want[3]):
+            assert torch.equal(a, b)
+    finally:
+        torch.set_num_threads(threads)
+    pieces.parts[-1][-1] = float("nan")
+    assert kernels.error_feedback(pieces, 1.0, momentum)[2] is False
+
+
+def test_pieces_gathered_equal_their_concatenation_on_either_ops():
+    """What anything but a memory's pass reads: TorchOps' copy into the flat buffer, and the
+    core's composition (a concatenation with zeros), both the plain concatenation."""
+    pieces, whole = _pieces([5, 130, 64], torch.float32, 2, [59, 62, 0])
+    assert torch.equal(TensorOps.gathered(OPS, pieces), whole)
+    assert torch.equal(OPS.gathered(pieces), whole) and OPS.gathered(pieces) is pieces.flat
+    assert OPS.takes_pieces(whole) and not OPS.takes_pieces(whole.double())
+
+
+def test_pieces_read_zeros_past_their_last_and_must_share_one_dtype():
+    pieces, whole = _pieces([100, 100], torch.float32, 2, [28, 28])
+    short = Pieces(torch.zeros(whole.numel() + 64), pieces.parts, pieces.offsets)
+    assert kernels.error_feedback(short, 1.0, torch.zeros(short.flat.numel()))[0][-64:].eq(0).all()
+    mixed = Pieces(pieces.flat, (pieces.parts[0], pieces.parts[1].half()), pieces.offsets)
+    assert not kernels.supports_accumulate(mixed, torch.zeros(whole.numel()))
+    with pytest.raises(TypeError, match="accumulate takes"):
+        kernels.error_feedback(mixed, 1.0, torch.zeros(whole.numel()))

@@ -121,6 +121,7 @@ class DGC(SparseMethod):
             return grad, call.unscale
         if call.param is None:
             raise ValueError(f"weight_decay needs the parameters of bucket {call.bucket.label!r}")
+        grad = ops.gathered(grad)
         if len(set(decays)) == 1:
             return ops.add(grad, call.param, call.unscale, decays[0]), 1.0
         per_entry = ops.repeat_each(ops.constant(list(decays), "float32", like=grad),

@@ -34,6 +34,24 @@ class BlockBounds(NamedTuple):
 Bound = Any
 
 
+class Pieces(NamedTuple):
+    """A bucket's gradient as its members' own tensors, not yet copied into the bucket's flat
+    buffer: ``flat``, that buffer (the bucket's layout, zero padding; what its segments hold
+    is not the gradient until :meth:`TensorOps.gathered` writes it there), and ``parts``, the members' gradients
+    (1-D), part i at entry ``offsets[i]`` of the layout, zeros between them. A memory's pass
+    may read the parts where they lie; anything else reads :meth:`TensorOps.gathered`."""
+
+    flat: Tensor
+    parts: Tuple[Tensor, ...]
+    offsets: Tuple[int, ...]
+
+
+def buffer_of(grad: Any) -> Tensor:
+    """The flat buffer of a gradient given as :class:`Pieces`, else the gradient itself: for
+    its device, dtype and length, not its values."""
+    return grad.flat if isinstance(grad, Pieces) else grad
+
+
 class Candidates(NamedTuple):
     """The entries of a tensor with ``|x| >= bound``, for a bound known before the pass that
     made the tensor: int64 positions (ascending) and float32 magnitudes, both empty when more
@@ -272,15 +290,38 @@ class TensorOps(ABC):
             return None
         return self.block_abs_max(x, block) if stat == "max" else self.block_abs_sum(x, block)
 
+    def takes_pieces(self, like: Tensor) -> bool:
+        """Whether the memories' passes read a bucket's gradients like ``like`` as
+        :class:`Pieces`, where they lie (an adapter's kernel), so that a caller need not copy
+        them into the bucket's buffer first; anything else gathers them."""
+        return False
+
+    def gathered(self, grad: Any) -> Tensor:
+        """A gradient given as :class:`Pieces` in its flat buffer (written there where the
+        framework allows); any other gradient as it is."""
+        if not isinstance(grad, Pieces):
+            return grad
+        parts, end = [], 0
+        for part, offset in zip(grad.parts, grad.offsets):
+            if offset > end:
+                parts.append(self.zeros(offset - end, self.dtype(part), like=part))
+            parts.append(part)
+            end = offset + self.numel(part)
+        if self.numel(grad.flat) > end:
+            parts.append(self.zeros(self.numel(grad.flat) - end, self.dtype(grad.flat), like=grad.flat))
+        return self.concat(parts)
+
     def accumulate(self, memory: Tensor, grad: Tensor, grad_scale: Scalar = 1.0,
                    out: Optional[Tensor] = None, block: int = 0, stat: Optional[str] = None,
                    bound: Bound = None, capacity: int = 0
                    ) -> Tuple[Tensor, Optional[Tensor], Scalar, Optional[Candidates]]:
         """Error feedback's ``memory + grad * grad_scale`` (as :meth:`add`, ``out`` included),
         its :meth:`block_stat`, whether ``grad`` is finite, and with ``stat="max"`` the
-        :meth:`candidates` of the sum at ``bound`` (None without a bound)."""
+        :meth:`candidates` of the sum at ``bound`` (None without a bound). ``grad`` may be
+        :class:`Pieces`, as in :meth:`momentum_accumulate`."""
         if bound is not None and stat != "max":
             raise ValueError("accumulate collects candidates only beside block maxima")
+        grad = self.gathered(grad)
         total = self.add(memory, grad, 1.0, grad_scale, out=out)
         stats = self.block_stat(total, block, stat)
         return total, stats, self.all_finite(grad), self.candidates(total, stats, block, bound, capacity)
@@ -301,7 +342,9 @@ class TensorOps(ABC):
         (Nesterov: ``v + u' + grad_scale * g``); returns ``u'``, ``v'`` (``outs``: storage for
         them, as :meth:`add`'s ``out``), :meth:`block_abs_max` of ``v'`` over blocks of
         ``block`` (None for 0), whether ``grad`` is finite, and the :meth:`candidates` of
-        ``v'`` at ``bound`` holding at most ``capacity`` entries (None without a bound)."""
+        ``v'`` at ``bound`` holding at most ``capacity`` entries (None without a bound).
+        ``grad`` may be :class:`Pieces` (a bucket's members where they lie)."""
+        grad = self.gathered(grad)
         u = self.momentum_step(momentum, grad, m, grad_scale, nesterov, out=outs[0])
         v = self.add(velocity, u, out=outs[1])
         if nesterov:

@@ -27,7 +27,7 @@ from .config import SparseConfig
 from .memory import Accumulated
 from .method import BucketCall, CompressCall, Method, State, StateLayout, state_dtype
 from .nonfinite import flag, nan_unless, none_flagged, received_finite
-from .ops import Scalar, Tensor, TensorOps
+from .ops import Scalar, Tensor, TensorOps, buffer_of
 from .selection import candidate_capacity, filter_block, predict_bound, top_count, uses_bounds
 
 
@@ -164,7 +164,8 @@ class SparseMethod(Method):
         return self.memory.update(ops, state, positions, sent)
 
     def compress_bucket(self, ops: TensorOps, state: State, grad: Tensor, call: BucketCall) -> Compressed:
-        """The message of a bucket's flat gradient (laid out as ``call.bucket``, zero padding),
+        """The message of a bucket's flat gradient (laid out as ``call.bucket``, zero padding;
+        or its :class:`~.ops.Pieces`, which only the memory's pass reads where they lie),
         and the memories after sending it: every segment's k entries of largest magnitude, as
         :meth:`compress` sends each of them, in one message. ``state``: the memories as flat
         buffers of the bucket's layout. Where sizes cost no wait, the exact top of each
@@ -175,8 +176,9 @@ class SparseMethod(Method):
         plan = call.plan
         top_plan = self.top_plan(plan)
         layout = self.bucket_layout(call.bucket, plan)
-        bounded = uses_bounds(ops, grad)
-        bounds, capacity = block_bounds(ops, top_plan, call.candidate_bounds, grad) if bounded else (None, 0)
+        like = buffer_of(grad)
+        bounded = uses_bounds(ops, like)
+        bounds, capacity = block_bounds(ops, top_plan, call.candidate_bounds, like) if bounded else (None, 0)
         accumulated = self.bucket_memory().accumulate(ops, state, *self.prepare_bucket(ops, grad, call),
                                                       spare=call.spare, block=plan.block, bound=bounds,
                                                       capacity=capacity)
@@ -205,9 +207,9 @@ class SparseMethod(Method):
 
         def skip():
             header = layout.header(call.rank, call.step, 0, wire.FLAG_NONFINITE)
-            return state, layout.empty(ops, header, like=grad), 0, None, None
+            return state, layout.empty(ops, header, like=like), 0, None, None
 
-        if ops.defers_checks(grad):
+        if ops.defers_checks(like):
             new_state, message, count, next_bound, held = send(flag(ops, accumulated.finite))
         else:
             new_state, message, count, next_bound, held = ops.cond(accumulated.finite, send, skip)

@@ -34,6 +34,7 @@ import torch
 from ..core.bucket import Bucket
 from ..core.collectives import ALLGATHER, ALLREDUCE, network_bytes
 from ..core.method import BucketCall, CompressCall, Method
+from ..core.ops import Pieces
 from ..core.sparse import Compressed
 from ..core.nonfinite import NonFiniteGradientError
 from ..core.state import check_loadable, state_frame
@@ -317,8 +318,11 @@ class Engine:
                         params: Sequence[Optional[torch.Tensor]]) -> OutgoingMessage:
         """One sparse message for the tensors of ``bucket`` (their gradients in its order)."""
         started = time.perf_counter()
-        call, flat = self._bucket_call(bucket, grads, params)
-        result = self.method.compress_bucket(self.ops, self._bucket_state(bucket, flat), flat, call)
+        in_place = self.ops.takes_pieces(grads[0])
+        call, flat = self._bucket_call(bucket, grads, params, gather=not in_place)
+        grad = Pieces(flat, tuple(g.reshape(-1) for g in grads), tuple(s.offset for s in bucket.segments)
+                      ) if in_place else flat
+        result = self.method.compress_bucket(self.ops, self._bucket_state(bucket, flat), grad, call)
         self._keep_bucket_bounds(bucket, call.step, result)
         self._stage(bucket.key, result.state)
         self._record_bucket(call, ALLGATHER, result.layout.nbytes, flat, int(result.count), started)
@@ -354,16 +358,17 @@ class Engine:
                      elements_sent=sent, elements_compressed=numel,
                      selection_time_s=time.perf_counter() - started)
 
-    def _bucket_call(self, bucket: Bucket, grads: Sequence[torch.Tensor],
-                     params: Sequence[Optional[torch.Tensor]]) -> Tuple[BucketCall, torch.Tensor]:
-        """The call of a bucket's step (every member's step counter advanced), and its
-        gradients in the bucket's flat buffer."""
+    def _bucket_call(self, bucket: Bucket, grads: Sequence[torch.Tensor], params: Sequence[Optional[torch.Tensor]],
+                     gather: bool = True) -> Tuple[BucketCall, torch.Tensor]:
+        """The call of a bucket's step (every member's step counter advanced), and the bucket's
+        flat buffer for its gradients: holding them, unless ``gather`` is False (a method that
+        reads them as :class:`~horovod_dgc.core.ops.Pieces`)."""
         steps = {self._next_step(name) for name in bucket.names}
         if len(steps) != 1:
             raise RuntimeError(f"the tensors of bucket {bucket.label!r} are at different steps "
                                f"({sorted(steps)}): a bucket's tensors are always compressed together")
         step, scale = steps.pop(), self._loss_scale()
-        flat = self._flatten(bucket, grads, "gradients")
+        flat = self._flatten(bucket, grads, "gradients") if gather else self._flat_buffer(bucket, grads, "gradients")[0]
         config = self.config
         decays = (tuple(self._weight_decays.get(n, getattr(config, "weight_decay", 0.0)) for n in bucket.names)
                   if self._weight_decays else None)

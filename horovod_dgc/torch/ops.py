@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..core.ops import BlockBounds, Bound, Candidates, Scalar, TensorOps
+from ..core.ops import BlockBounds, Bound, Candidates, Pieces, Scalar, TensorOps, buffer_of
 from . import kernels
 from .kernels import triton_memory
 
@@ -38,6 +38,11 @@ def _table(name: str, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
 def _kernel_bound(bound: Bound) -> Any:
     """A bound as the kernels take it: a number, or a 1-D float32 tensor of one per block."""
     return bound.values if isinstance(bound, BlockBounds) else bound
+
+
+def _one_dim(grad: Any) -> Any:
+    """A gradient as the accumulate kernels take it: 1-D, or :class:`Pieces` (1-D parts)."""
+    return grad if isinstance(grad, Pieces) else grad.reshape(-1)
 
 
 def _usable(out: Optional[torch.Tensor], like: torch.Tensor) -> Optional[torch.Tensor]:
@@ -294,17 +299,28 @@ class TorchOps(TensorOps):
     def counts_without_collecting(self, x: torch.Tensor) -> bool:
         return self._kernels(x) and kernels.supports(x)
 
+    def takes_pieces(self, like: torch.Tensor) -> bool:
+        return self._kernels(like) and like.dtype in kernels.GRAD_KINDS
+
+    def gathered(self, grad: Any) -> torch.Tensor:
+        if not isinstance(grad, Pieces):
+            return grad
+        torch._foreach_copy_([grad.flat[o:o + p.numel()] for p, o in zip(grad.parts, grad.offsets)],
+                             list(grad.parts))
+        return grad.flat
+
     def accumulate(self, memory: torch.Tensor, grad: torch.Tensor, grad_scale: Scalar = 1.0,
                    out: Optional[torch.Tensor] = None, block: int = 0, stat: Optional[str] = None,
                    bound: Bound = None, capacity: int = 0
                    ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Any, Optional[Candidates]]:
         out = _usable(out, memory)
-        if (isinstance(grad_scale, (int, float)) and self._kernels(grad)
-                and kernels.supports_accumulate(grad, memory, out)):
+        if (isinstance(grad_scale, (int, float)) and self._kernels(buffer_of(grad))
+                and kernels.supports_accumulate(_one_dim(grad), memory, out)):
             total, stats, finite, candidates = kernels.error_feedback(
-                grad.reshape(-1), float(grad_scale), memory, out, block, stat, _kernel_bound(bound), capacity)
+                _one_dim(grad), float(grad_scale), memory, out, block, stat, _kernel_bound(bound), capacity)
             return (total, None if stats is None else stats.to(memory.dtype), finite,
                     None if candidates is None else Candidates(*candidates, bound))
+        grad = self.gathered(grad)
         if self._fuses(grad_scale, bound, grad, memory, out) and stat in (None, "max"):
             _, total, maxima, finite = triton_memory.memory_pass(
                 grad, float(grad_scale), memory, out, block if stat else 0)
@@ -318,12 +334,13 @@ class TorchOps(TensorOps):
                             ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Any,
                                        Optional[Candidates]]:
         outs = (_usable(outs[0], momentum), _usable(outs[1], velocity))
-        if isinstance(grad_scale, (int, float)) and self._kernels(grad) and kernels.supports_accumulate(
-                grad, momentum, velocity, *outs):
+        if isinstance(grad_scale, (int, float)) and self._kernels(buffer_of(grad)) and kernels.supports_accumulate(
+                _one_dim(grad), momentum, velocity, *outs):
             *result, candidates = kernels.momentum_correction(
-                grad.reshape(-1), float(grad_scale), momentum, velocity, m, nesterov, *outs, block,
+                _one_dim(grad), float(grad_scale), momentum, velocity, m, nesterov, *outs, block,
                 _kernel_bound(bound), capacity)
             return (*result, None if candidates is None else Candidates(*candidates, bound))
+        grad = self.gathered(grad)
         if self._fuses(grad_scale, bound, grad, momentum, velocity, *outs):
             u, v, maxima, finite = triton_memory.memory_pass(
                 grad, float(grad_scale), velocity, outs[1], block, momentum, outs[0], m, nesterov)

@@ -18,6 +18,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ...core import wire
+from ...core.ops import Pieces
 from . import _bits, _selection, _streaming
 
 # The kernels read and write host memory: their outputs are CPU tensors whatever
@@ -152,14 +153,39 @@ STREAM_MIN_NUMEL = 1 << 20
 _SUM_UNIT = 64
 
 
-def supports_accumulate(grad: torch.Tensor, *memories: Optional[torch.Tensor]) -> bool:
+def supports_accumulate(grad: Union[torch.Tensor, Pieces], *memories: Optional[torch.Tensor]) -> bool:
     """Whether :func:`error_feedback` and :func:`momentum_correction` take these tensors:
-    contiguous CPU tensors of one length, a float32/float16/bfloat16 gradient, float32
+    contiguous CPU tensors of one length, a float32/float16/bfloat16 gradient (or
+    :class:`~horovod_dgc.core.ops.Pieces` of contiguous CPU parts of one such dtype), float32
     memories (a None memory is an output to allocate)."""
+    if isinstance(grad, Pieces):
+        parts = grad.parts
+        if not all(p.dtype == grad.flat.dtype and p.device.type == "cpu" and p.is_contiguous() for p in parts):
+            return False
+        grad = grad.flat
     tensors = [grad, *(m for m in memories if m is not None)]
     return (grad.dtype in GRAD_KINDS and all(m.dtype == torch.float32 for m in tensors[1:])
             and all(t.device.type == "cpu" and t.is_contiguous() and t.numel() == grad.numel()
                     for t in tensors))
+
+
+def _piece_table(pieces: Optional[Pieces]) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(ends, addresses) of the pieces the accumulate kernel reads a gradient from: each part,
+    and a piece of zeros (address 0) for every gap between parts and after the last."""
+    if pieces is None:
+        return None, None
+    ends, addresses, end = [], [], 0
+    for part, offset in zip(pieces.parts, pieces.offsets):
+        if offset > end:
+            ends.append(offset)
+            addresses.append(0)
+        end = offset + part.numel()
+        ends.append(end)
+        addresses.append(part.data_ptr())
+    if pieces.flat.numel() > end:
+        ends.append(pieces.flat.numel())
+        addresses.append(0)
+    return torch.tensor(ends, dtype=torch.int64), torch.tensor(addresses, dtype=torch.int64)
 
 
 Candidates = Tuple[torch.Tensor, torch.Tensor, int]
@@ -181,17 +207,20 @@ def _candidate_slots(n: int) -> Tuple[torch.Tensor, torch.Tensor]:
     return held[0][:n], held[1][:n]
 
 
-def _accumulate(mode: int, grad: torch.Tensor, scale: float, m: float, scale_m: float,
+def _accumulate(mode: int, grad: Union[torch.Tensor, Pieces], scale: float, m: float, scale_m: float,
                 a: torch.Tensor, a_out: torch.Tensor, b: Optional[torch.Tensor],
                 b_out: Optional[torch.Tensor], block: int, stat: Optional[str],
                 bound: Bound = None,
                 capacity: int = 0) -> Tuple[Optional[torch.Tensor], bool, Optional[Candidates]]:
     """Run the accumulate kernel over thread ranges: (per-block statistic, finite, candidates
     of ``bound``: see :func:`momentum_correction`)."""
-    n = grad.numel()
     if not supports_accumulate(grad, a, a_out, b, b_out):
+        got = grad.flat if isinstance(grad, Pieces) else grad
         raise TypeError("accumulate takes contiguous CPU tensors of one length: a float32, float16 "
-                        f"or bfloat16 gradient and float32 memories, got {grad.dtype} {tuple(grad.shape)}")
+                        f"or bfloat16 gradient and float32 memories, got {got.dtype} {tuple(got.shape)}")
+    piece_ends, piece_addresses = _piece_table(grad if isinstance(grad, Pieces) else None)
+    grad = grad.flat if isinstance(grad, Pieces) else grad
+    n = grad.numel()
     if not block:
         stat = None  # block 0: no statistic
     block = block if stat else 1
@@ -245,7 +274,10 @@ def _accumulate(mode: int, grad: torch.Tensor, scale: float, m: float, scale_m: 
                       positions.data_ptr() + firsts[r] * 8 if slots[r] else 0,
                       magnitudes.data_ptr() + firsts[r] * 4 if slots[r] else 0,
                       bound_bits.data_ptr() + start // block * 4 if per_block else 0,
-                      block_counts.data_ptr() + start // block * 4 if per_block else 0))
+                      block_counts.data_ptr() + start // block * 4 if per_block else 0,
+                      piece_ends.data_ptr() if piece_ends is not None else 0,
+                      piece_addresses.data_ptr() if piece_ends is not None else 0,
+                      piece_ends.numel() if piece_ends is not None else 0))
     results = _run(_streaming.accumulate, calls)
     for first, partial in partials:
         # A range that starts inside a block: its partial sums join those of the range before.
@@ -264,7 +296,7 @@ def _accumulate(mode: int, grad: torch.Tensor, scale: float, m: float, scale_m: 
                            reached)
 
 
-def error_feedback(grad: torch.Tensor, scale: float, residual: torch.Tensor,
+def error_feedback(grad: Union[torch.Tensor, Pieces], scale: float, residual: torch.Tensor,
                    out: Optional[torch.Tensor] = None, block: int = 0, stat: Optional[str] = None,
                    bound: Bound = None, capacity: int = 0
                    ) -> Tuple[torch.Tensor, Optional[torch.Tensor], bool, Optional[Candidates]]:
@@ -279,7 +311,7 @@ def error_feedback(grad: torch.Tensor, scale: float, residual: torch.Tensor,
     return out, stats, finite, candidates
 
 
-def momentum_correction(grad: torch.Tensor, scale: float, momentum: torch.Tensor,
+def momentum_correction(grad: Union[torch.Tensor, Pieces], scale: float, momentum: torch.Tensor,
                         velocity: torch.Tensor, m: float, nesterov: bool,
                         momentum_out: Optional[torch.Tensor] = None,
                         velocity_out: Optional[torch.Tensor] = None, block: int = 0,
@@ -293,7 +325,8 @@ def momentum_correction(grad: torch.Tensor, scale: float, momentum: torch.Tensor
     ``|v'| >= bound``, or empty tensors beside the count when more than ``capacity`` reached
     it; None without a bound. A bound needs a block (ValueError); it is a number, or a float32
     tensor of one bound per block (a bucket's tensors, each at its own), whose candidates'
-    count is then an int64 tensor of each block's."""
+    count is then an int64 tensor of each block's. ``grad`` may be
+    :class:`~horovod_dgc.core.ops.Pieces`: read where its parts lie, zeros between them."""
     momentum_out = torch.empty_like(momentum) if momentum_out is None else momentum_out
     velocity_out = torch.empty_like(velocity) if velocity_out is None else velocity_out
     mode = _NESTEROV if nesterov else _MOMENTUM

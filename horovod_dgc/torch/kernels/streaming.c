@@ -11,7 +11,9 @@
  * threshold known before the pass: the position and |x| of every entry with |x| >= bound,
  * read from the chunk while it is still in the first-level cache (a chunk whose maximum is
  * below the bound is skipped), so that selection need not read the memory again. The bound
- * may be one per statistic block (a bucket's tensors, each at its own bound). Torch runs each line as a separate pass with its own temporary,
+ * may be one per statistic block (a bucket's tensors, each at its own bound). The gradient may
+ * be given as pieces (a bucket's members where they lie, zeros between them) instead of one
+ * array: no copy into the bucket's buffer first. Torch runs each line as a separate pass with its own temporary,
  * then reads the result again for the statistic and the gradient again for its finiteness.
  * The rounding is the composition's (core/ops.py): a product rounded, then added by one fused
  * multiply-add, so float32 results are bit-identical to it.
@@ -196,11 +198,37 @@ static void collect(Candidates *c, const float *x, int64_t len, int64_t at)
     }
 }
 
+/* A gradient given as its pieces (a bucket's members, each in its own storage) instead of
+ * one array: piece j covers positions [ends[j-1], ends[j]) of the whole buffer, read from
+ * address grads[j], or as zeros (padding) where that is 0. */
+typedef struct {
+    const int64_t *ends;
+    const uint64_t *grads;
+    int64_t count;
+} Pieces;
+
+static const float zeros[CHUNK]; /* what a padding piece reads, in every gradient dtype */
+
+/* Where entry `at` of the whole buffer is read from, and how many entries from it on lie in
+ * the same piece; `*piece` is the piece of the previous call, or 0. */
+static const char *piece_at(const Pieces *pieces, int64_t *piece, int64_t at, size_t grad_bytes,
+                            int64_t *left)
+{
+    while (pieces->ends[*piece] <= at)
+        ++*piece;
+    int64_t start = *piece ? pieces->ends[*piece - 1] : 0;
+    *left = pieces->ends[*piece] - at;
+    uint64_t address = pieces->grads[*piece];
+    return address ? (const char *)(uintptr_t)address + (size_t)(at - start) * grad_bytes : (const char *)zeros;
+}
+
 static uint32_t accumulate_range(Combine combine, size_t grad_bytes, const Plan *p,
-                                 const char *g, const float *a, float *a_out, const float *b,
+                                 const char *g, const Pieces *pieces, int64_t base,
+                                 const float *a, float *a_out, const float *b,
                                  float *b_out, int64_t n, int stat, int64_t block, int64_t phase,
                                  void *stat_out, int stream, Candidates *candidates)
 {
+    int64_t piece = 0;
     float a_chunk[CHUNK], b_chunk[CHUNK];
     const float *selected = p->mode == MODE_RESIDUAL ? a_chunk : b_chunk;
     uint32_t bad = 0, block_max = 0;
@@ -210,9 +238,15 @@ static uint32_t accumulate_range(Combine combine, size_t grad_bytes, const Plan 
         int64_t len = n - i;
         if (len > CHUNK) len = CHUNK;
         if (stat != STAT_NONE && len > block - in_block) len = block - in_block;
+        const char *from = g + i * grad_bytes;
+        if (pieces) {
+            int64_t left;
+            from = piece_at(pieces, &piece, base + i, grad_bytes, &left);
+            if (len > left) len = left;
+        }
         if (candidates && candidates->block_bounds)
             candidates->bound_bits = candidates->block_bounds[k];
-        bad |= combine(p, g + i * grad_bytes, a + i, a_chunk, b ? b + i : NULL, b_chunk, len);
+        bad |= combine(p, from, a + i, a_chunk, b ? b + i : NULL, b_chunk, len);
         if (stat == STAT_MAX) {
             uint32_t m = abs_max_bits(selected, len);
             block_max = m > block_max ? m : block_max;
@@ -251,14 +285,21 @@ static uint32_t accumulate_range(Combine combine, size_t grad_bytes, const Plan 
 static PyObject *accumulate(PyObject *self, PyObject *args)
 {
     int mode, grad_kind, stat, stream;
-    unsigned long long g, a, a_out, b, b_out, stat_out, positions, magnitudes, block_bounds, block_counts;
-    long long n, block, phase, base, capacity;
+    unsigned long long g, a, a_out, b, b_out, stat_out, positions, magnitudes, block_bounds, block_counts,
+        piece_ends, piece_grads;
+    long long n, block, phase, base, capacity, n_pieces;
     double scale, momentum, scale_m, bound;
-    if (!PyArg_ParseTuple(args, "iiKKKKKLdddiLLKpdLLKKKK", &mode, &grad_kind, &g, &a, &a_out, &b,
+    if (!PyArg_ParseTuple(args, "iiKKKKKLdddiLLKpdLLKKKKKKL", &mode, &grad_kind, &g, &a, &a_out, &b,
                           &b_out, &n, &scale, &momentum, &scale_m, &stat, &block, &phase, &stat_out,
                           &stream, &bound, &base, &capacity, &positions, &magnitudes, &block_bounds,
-                          &block_counts))
+                          &block_counts, &piece_ends, &piece_grads, &n_pieces))
         return NULL;
+    Pieces pieces = {(const int64_t *)(uintptr_t)piece_ends, (const uint64_t *)(uintptr_t)piece_grads, n_pieces};
+    if (piece_ends && (n_pieces < 1 || !piece_grads || base < 0 || pieces.ends[n_pieces - 1] < base + n)) {
+        PyErr_Format(PyExc_ValueError, "accumulate: %lld pieces do not cover entries %lld to %lld",
+                     n_pieces, base, base + n);
+        return NULL;
+    }
     /* A NaN bound is "collect nothing"; a bound is only taken with the block maxima. */
     int collecting = !isnan(bound);
     if (mode < MODE_RESIDUAL || mode > MODE_NESTEROV || stat < STAT_NONE || stat > STAT_SUM
@@ -298,7 +339,7 @@ static PyObject *accumulate(PyObject *self, PyObject *args)
     uint32_t bad;
     Py_BEGIN_ALLOW_THREADS
     bad = accumulate_range(combine, grad_bytes, &plan, (const char *)(uintptr_t)g,
-                           (const float *)(uintptr_t)a, (float *)(uintptr_t)a_out,
+                           piece_ends ? &pieces : NULL, base, (const float *)(uintptr_t)a, (float *)(uintptr_t)a_out,
                            (const float *)(uintptr_t)b, (float *)(uintptr_t)b_out, n, stat, block,
                            phase, (void *)(uintptr_t)stat_out, stream,
                            collecting ? &candidates : NULL);
@@ -611,7 +652,7 @@ static PyMethodDef methods[] = {
     {"accumulate", accumulate, METH_VARARGS,
      "accumulate(mode, grad_kind, g, a, a_out, b, b_out, n, scale, momentum, scale_m, stat, block, "
      "phase, stat_out, stream, bound, base, capacity, positions, magnitudes, block_bounds, "
-     "block_counts) -> "
+     "block_counts, piece_ends, piece_grads, n_pieces) -> "
      "(finite, count): one "
      "range of the memory update (mode 0 residual, 1 momentum, 2 Nesterov; kind 0 float32, 1 float16, "
      "2 bfloat16 gradient) and its per-block statistic (stat 1: uint32 bits of max |x|, 2: float64 "
@@ -622,7 +663,9 @@ static PyMethodDef methods[] = {
      "count, how many reached it (else count 0); block_bounds, where not 0, the address of each "
      "of the range's blocks' own bound (uint32 bits of a float32 of at least 0) in place of bound, "
      "and block_counts that of int32 counts, one per block, to which each block's adds how many "
-     "reached its bound (phase 0)."},
+     "reached its bound (phase 0). piece_ends, where not 0: the gradient is read from n_pieces "
+     "pieces, piece j's entries up to position piece_ends[j] (int64, ascending) from address "
+     "piece_grads[j] (zeros where 0), g ignored."},
     {"sign_pack", sign_pack, METH_VARARGS,
      "sign_pack(x, valid, n, scales, block, first, packed, residual): signs of entries "
      "[first, first + n) of a zero-padded tensor of `valid` entries packed 8 per byte, and the "
