@@ -180,10 +180,13 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
                     p.grad.copy_(part if update is None else engine.dense_received(update, part))
 
     def _finish_buckets(self) -> None:
-        """Write every bucket's averaged gradients to ``.grad``."""
+        """Install every bucket's averaged gradients as ``.grad``: views of the bucket's buffer
+        where the average was written over it (valid until the bucket's next exchange, as
+        DDP's ``gradient_as_bucket_view``), so that no copy of the whole gradient is made."""
         for bucket in sorted(self._exchanges):
             grads = self._compression.finish(self._exchanges[bucket])
-            torch._foreach_copy_([p.grad for p in self._buckets[bucket]], grads)
+            for p, averaged in zip(self._buckets[bucket], grads):
+                p.grad = averaged
 
     # -- Horovod's optimizer interface -------------------------------------------------------------------
     def synchronize(self) -> None:
