@@ -130,7 +130,7 @@ compose-test: setup
 		$(if $(KILL_WORKER),--kill-worker $(KILL_WORKER))
 
 ## The intermittent hang of hierarchical=True (docs/guide/many-hosts.md): its PyTorch test job again
-## and again, each line stamped, the stacks of a run that hangs dumped (py-spy, when installed).
+## and again, each line stamped, the stacks of a run that hangs dumped (py-spy, which make setup installs).
 ## RUNS=20; NO_BYTECODE=1 compiles every module from source in every worker.
 stress-hierarchical: setup
 	$(PYTHON) -m benchmarks.hierarchical_stress --runs $(or $(RUNS),20) $(if $(NO_BYTECODE),--no-bytecode)

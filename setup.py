@@ -23,8 +23,9 @@ setup(
         # path) and 2.11 (the core and the engine, on a GPU).
         "torch": ["torch>=2.3"],
         "tensorflow": ["tensorflow-cpu>=2.16", "tf_keras>=2.16"],
-        "test": ["pytest>=8", "hypothesis>=6", "mpi4py>=4", "pyflakes>=3",
-                 "triton>=3"],  # runs the GPU kernel's tests under its interpreter on a CPU
+        # triton runs the GPU kernel's tests under its interpreter on a CPU; py-spy dumps the
+        # stacks of a stuck job (make stress-hierarchical).
+        "test": ["pytest>=8", "hypothesis>=6", "mpi4py>=4", "pyflakes>=3", "triton>=3", "py-spy>=0.3"],
         "examples": ["tqdm>=4.60", "mnist1d>=0.0.2", "matplotlib>=3.7"],
     },
     classifiers=[
