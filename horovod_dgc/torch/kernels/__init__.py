@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ...core import wire
-from ...core.ops import Pieces
+from ...core.ops import Pieces, buffer_of
 from . import _bits, _selection, _streaming
 
 # The kernels read and write host memory: their outputs are CPU tensors whatever
@@ -169,11 +169,9 @@ def supports_accumulate(grad: Union[torch.Tensor, Pieces], *memories: Optional[t
                     for t in tensors))
 
 
-def _piece_table(pieces: Optional[Pieces]) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+def _piece_table(pieces: Pieces) -> Tuple[torch.Tensor, torch.Tensor]:
     """(ends, addresses) of the pieces the accumulate kernel reads a gradient from: each part,
     and a piece of zeros (address 0) for every gap between parts and after the last."""
-    if pieces is None:
-        return None, None
     ends, addresses, end = [], [], 0
     for part, offset in zip(pieces.parts, pieces.offsets):
         if offset > end:
@@ -215,11 +213,13 @@ def _accumulate(mode: int, grad: Union[torch.Tensor, Pieces], scale: float, m: f
     """Run the accumulate kernel over thread ranges: (per-block statistic, finite, candidates
     of ``bound``: see :func:`momentum_correction`)."""
     if not supports_accumulate(grad, a, a_out, b, b_out):
-        got = grad.flat if isinstance(grad, Pieces) else grad
+        got = buffer_of(grad)
         raise TypeError("accumulate takes contiguous CPU tensors of one length: a float32, float16 "
                         f"or bfloat16 gradient and float32 memories, got {got.dtype} {tuple(got.shape)}")
-    piece_ends, piece_addresses = _piece_table(grad if isinstance(grad, Pieces) else None)
-    grad = grad.flat if isinstance(grad, Pieces) else grad
+    # The kernel's (piece_ends, piece_grads, n_pieces); `tables` keeps them alive until it returns.
+    tables = _piece_table(grad) if isinstance(grad, Pieces) else None
+    piece_args = (tables[0].data_ptr(), tables[1].data_ptr(), tables[0].numel()) if tables else (0, 0, 0)
+    grad = buffer_of(grad)
     n = grad.numel()
     if not block:
         stat = None  # block 0: no statistic
@@ -274,10 +274,7 @@ def _accumulate(mode: int, grad: Union[torch.Tensor, Pieces], scale: float, m: f
                       positions.data_ptr() + firsts[r] * 8 if slots[r] else 0,
                       magnitudes.data_ptr() + firsts[r] * 4 if slots[r] else 0,
                       bound_bits.data_ptr() + start // block * 4 if per_block else 0,
-                      block_counts.data_ptr() + start // block * 4 if per_block else 0,
-                      piece_ends.data_ptr() if piece_ends is not None else 0,
-                      piece_addresses.data_ptr() if piece_ends is not None else 0,
-                      piece_ends.numel() if piece_ends is not None else 0))
+                      block_counts.data_ptr() + start // block * 4 if per_block else 0, *piece_args))
     results = _run(_streaming.accumulate, calls)
     for first, partial in partials:
         # A range that starts inside a block: its partial sums join those of the range before.
