@@ -417,6 +417,11 @@ MUTANTS: Tuple[Mutant, ...] = (
        "if synchronizing and name in self._exchanged:\n                return True",
        "if False:\n                return True",
        "step() after synchronize() on Horovod's optimizer compresses the average again"),
+    _m("bucket-buffer-cleared-at-launch", "torch/engine.py",
+       'else self._flat_buffer(bucket, grads, "gradients")[0]',
+       'else self._flat_buffer(bucket, grads, "gradients")[0].zero_()',
+       "a bucket's buffer cleared when it launches, where gradients accumulated into the last "
+       "step's averages (the .grad views) still lie"),
     _m("world-change-unnoticed", "torch/compression.py",
        "if (transport.size(), transport.rank()) != (engine.world_size, engine.rank):", "if False:",
        "a compressor exchanges in a resized world with the old world's memories"),

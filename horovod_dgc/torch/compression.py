@@ -263,11 +263,7 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
         if isinstance(ctx, DenseUpdate):
             return self.engine.dense_received(ctx, tensor)
         if isinstance(ctx, Queued):
-            # Written over the gradient handed to compress(), as Horovod's own all-reduce does,
-            # since the bucket's buffer is reused: a copy into memory already in use, where a new
-            # tensor would cost the page faults of a gradient-sized allocation every step.
-            gradient = ctx.bucket.entries[ctx.name][1]
-            averaged = gradient.copy_(self._queue.result(ctx))
+            averaged = self._queue.result(ctx)
             self.engine.record_placeholder(ctx.bucket.exchange.step, tensor.element_size())
             return averaged
         averaged = self.finish(ctx)[0]
