@@ -289,7 +289,7 @@ def receiving_cases(ops: TorchOps, x: torch.Tensor, density: float) -> List[Case
         firsts = [method.first(ops, method.init_state(ops, x, True, DECODE_WORLD), x, call)
                   for call in calls]
         root = method.root(calls[0])
-        received = emulate(ops, method.FIRST, [message for message, _, _ in firsts], root)
+        received = emulate(ops, method.FIRST, [message for message, _, _ in firsts], root, firsts[0][2].chunks)
         seconds = [method.second(ops, state, r, handover)
                    for (_, state, handover), r in zip(firsts, received)]
         finals = emulate(ops, method.SECOND, [message for message, _ in seconds], root)

@@ -203,7 +203,7 @@ def two_stages(engines: Sequence[Engine], name: str, firsts: Sequence[Tuple[torc
     collectives emulated."""
     ops, method = engines[0].ops, engines[0].method
     root = method.root(firsts[0][1].call)
-    received = emulate(ops, method.FIRST, [message for message, _ in firsts], root)
+    received = emulate(ops, method.FIRST, [message for message, _ in firsts], root, firsts[0][1].chunks)
     seconds = [engine.second(name, r, handover) for engine, (_, handover), r in zip(engines, firsts, received)]
     return emulate(ops, method.SECOND, seconds, root)
 

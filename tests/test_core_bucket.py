@@ -190,7 +190,7 @@ def _two_stages(engines, firsts, second, finish):
     handover) per rank and ``second(rank, received, handover)``."""
     ops, method = engines[0].ops, engines[0].method
     root = method.root(firsts[0][1].call)
-    received = emulate(ops, method.FIRST, [m for m, _ in firsts], root)
+    received = emulate(ops, method.FIRST, [m for m, _ in firsts], root, firsts[0][1].chunks)
     seconds = [second(r, got, h) for r, (got, (_, h)) in enumerate(zip(received, firsts))]
     received = emulate(ops, method.SECOND, seconds, root)
     return [finish(r, got, h) for r, (got, (_, h)) in enumerate(zip(received, firsts))]
@@ -260,6 +260,39 @@ def test_a_sparse_allreduce_bucket_exchanges_each_tensor_as_the_protocol_says(wo
                 torch.testing.assert_close(saved[name]["owner_residual"].double(),
                                            torch.tensor(owners[t][r], dtype=torch.float64), rtol=1e-5, atol=1e-5)
     assert overflowed  # some region held more than C_in of a selection
+
+
+@pytest.mark.parametrize("workers", [3, 4, 8])
+def test_a_sparse_allreduce_bucket_sends_no_slots_for_a_region_past_a_tensors_end(workers):
+    """Owner j's message holds, for each tensor, its ``C_in`` or the entries of the tensor's
+    region j if fewer (none past the tensor's end), each region cut from the tensor by a
+    slice here; the alltoall's chunks are those messages' bytes, the same for every sender.
+    Catches a tiny tensor given ``C_in`` slots in every owner's message, or the bytes of
+    one owner's message taken for all."""
+    from test_core_sparse_allreduce import REGION_SLACK
+
+    density, numels = 0.02, [1, 2, 7, 64, 65, 1000]
+    engines = [Engine(BY_NAME["topk"].build(aggregation="sparse_allreduce", density=density, small_density=None,
+                                            min_numel=1, value_dtype="float32"), workers, r) for r in range(workers)]
+    names = [f"t{i}" for i in range(len(numels))]
+    gen = torch.Generator().manual_seed(workers)
+    grads = [[torch.randn(n, generator=gen) for n in numels] for _ in range(workers)]
+    buckets = [e.bucket("b", list(zip(names, gs))) for e, gs in zip(engines, grads)]
+    firsts = [e.first_bucket(b, gs, [None] * len(numels)) for e, b, gs in zip(engines, buckets, grads)]
+    expected = []
+    for j in range(workers):
+        slots = 0
+        for n in numels:
+            k, region = math.ceil(density * n), math.ceil(n / workers)
+            slots += min(math.ceil(REGION_SLACK * k / workers), len(range(n)[j * region:(j + 1) * region]))
+        expected.append(slots)
+    regions = firsts[0][1].data["regions"]
+    assert [layout.capacity for layout in regions.to_owners] == expected
+    assert len(set(expected)) > 1  # the tiny tensors' regions past their ends are empty
+    for message, handover in firsts:
+        assert handover.chunks == tuple(layout.nbytes for layout in regions.to_owners)
+        assert sum(handover.chunks) == message.numel()
+        assert handover.data["to_owner"] is regions.to_owners[handover.call.rank]
 
 
 @pytest.mark.parametrize("method", ["dgc", "topk", "gaussiank", "scalecom"])

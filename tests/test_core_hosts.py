@@ -50,10 +50,16 @@ def test_a_process_set_horovod_refuses_becomes_a_clear_error(monkeypatch):
         hosts_of([(0, 0), (0, 1), (1, 2), (1, 3)], 0, refuse)
 
 
-@pytest.mark.parametrize("kind, expected", [(ALLGATHER, 30), (ALLREDUCE, 10), (ALLTOALL, 10),
-                                            (BROADCAST, 10)])
+@pytest.mark.parametrize("kind, expected", [(ALLGATHER, 36), (ALLREDUCE, 12), (ALLTOALL, 12),
+                                            (BROADCAST, 12)])
 def test_what_a_hosts_other_workers_allocate_for_the_leaders_broadcast(kind, expected):
-    assert received_numel(kind, 10, 3) == expected
+    assert received_numel(kind, 12, 3) == expected
+
+
+@pytest.mark.parametrize("index, expected", [(0, 6), (1, 18), (2, 12)])
+def test_an_alltoall_of_uneven_chunks_delivers_every_hosts_chunk_for_it(index, expected):
+    """Every host sends host i the same chunk: the 3 hosts' chunks of 2, 6 and 4 elements."""
+    assert received_numel(ALLTOALL, 12, 3, index, (2, 6, 4)) == expected
 
 
 def test_hosts_are_ordered_by_their_lowest_rank_not_their_highest():

@@ -134,6 +134,38 @@ def test_messages_joined_into_one_collective_arrive_as_if_each_was_sent_alone(ki
             torch.testing.assert_close(parts[t], alone[t][w], rtol=0, atol=1e-6)
 
 
+def test_an_alltoall_of_uneven_chunks_delivers_each_destination_its_chunk_of_every_sender(device):
+    """Chunks of 1, 4 and 2 elements, the same on every sender, against a list reference;
+    then three messages (two of uneven chunks) joined into one alltoall and split again on
+    each worker arrive as if each went alone. Catches a chunk taken at an equal share's
+    offset, or a worker's share of a joined message read as another's."""
+    from horovod_dgc.core.collectives import join, joined_chunks, split
+
+    world, chunks = 3, [(1, 4, 2), None, (3, 0, 3)]
+    sizes = [7, 6, 6]
+    messages = [[torch.arange(100 * w + 10 * t, 100 * w + 10 * t + size, dtype=torch.float32, device=device)
+                 for t, size in enumerate(sizes)] for w in range(world)]
+    for t, cut in enumerate(chunks):
+        cut = cut or (sizes[t] // world,) * world
+        starts = [sum(cut[:j]) for j in range(world)]
+        got = emulate(ops, "alltoall", [messages[w][t] for w in range(world)], chunks=chunks[t])
+        for j in range(world):
+            expected = [v for w in range(world) for v in messages[w][t].tolist()[starts[j]:starts[j] + cut[j]]]
+            assert got[j].tolist() == expected
+    joined = emulate(ops, "alltoall", [join(ops, "alltoall", messages[w], world, chunks) for w in range(world)],
+                     chunks=joined_chunks(ops, "alltoall", messages[0], world, chunks))
+    for j in range(world):
+        parts = split(ops, "alltoall", joined[j], sizes, world, ["a", "b", "c"], j, chunks)
+        for t in range(len(sizes)):
+            alone = emulate(ops, "alltoall", [messages[w][t] for w in range(world)], chunks=chunks[t])
+            assert parts[t].tolist() == alone[j].tolist()
+
+
+def test_chunks_that_do_not_cut_the_message_are_refused(device):
+    with pytest.raises(ValueError, match=r"7 elements cut into chunks \[1, 4\] for 3 workers"):
+        emulate(ops, "alltoall", [torch.zeros(7, device=device)] * 3, chunks=(1, 4))
+
+
 def test_a_joined_collective_of_the_wrong_size_names_its_tensors(device):
     from horovod_dgc.core.collectives import split
 

@@ -81,6 +81,14 @@ def test_ddp_transport_collectives_give_what_they_are_defined_to(nproc, older_to
         assert out.count(f"{label} transport ok") == nproc, out
 
 
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_horovod_transport_collectives_give_what_they_are_defined_to(nproc):
+    """The same checks on the transport of both Horovod paths, an alltoall of uneven chunks
+    (the sparse all-reduce's buckets) included."""
+    out = horovodrun("dist_transport_torch.py", nproc, ["--horovod"])
+    assert out.count("horovod cpu transport ok") == nproc, out
+
+
 @pytest.fixture(scope="module")
 def checkpoint_and_misuse():
     """One job for three: the hook's state round trip, what register() refuses, and a

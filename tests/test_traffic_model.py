@@ -112,7 +112,8 @@ def test_what_the_model_says_a_bucket_sends_is_what_its_messages_hold(name, opti
         sent = [(e.compress_bucket(b, g, [None] * len(shapes)).message,) for e, b, g in zip(engines, buckets, grads)]
     else:
         firsts = [e.first_bucket(b, g, [None] * len(shapes)) for e, b, g in zip(engines, buckets, grads)]
-        received = emulate(ops, method.FIRST, [m for m, _ in firsts], method.root(firsts[0][1].call))
+        received = emulate(ops, method.FIRST, [m for m, _ in firsts], method.root(firsts[0][1].call),
+                           firsts[0][1].chunks)
         sent = [(m, e.second(b.key, got, h)) for e, b, got, (m, h) in zip(engines, buckets, received, firsts)]
     for rank in sent:
         assert [(kind, nbytes) for kind, nbytes in method.bucket_exchanges(plan, workers)] == [

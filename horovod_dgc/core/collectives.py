@@ -8,7 +8,8 @@ exchange is written once whatever carries it.
 """
 from __future__ import annotations
 
-from typing import Any, List, Protocol, Sequence
+from itertools import accumulate
+from typing import Any, List, Optional, Protocol, Sequence
 
 from .ops import Tensor, TensorOps
 from .wire import MessageError
@@ -16,6 +17,7 @@ from .wire import MessageError
 BROADCAST = "broadcast"  # everyone receives the root's message
 ALLREDUCE = "allreduce"  # everyone receives the average of all messages
 ALLTOALL = "alltoall"    # worker j receives chunk j of every worker's message, in rank order
+# (equal chunks, or ``chunks``: each chunk's elements, the same on every rank)
 ALLGATHER = "allgather"  # everyone receives all messages, concatenated in rank order
 KINDS = (BROADCAST, ALLREDUCE, ALLTOALL, ALLGATHER)
 
@@ -51,9 +53,12 @@ class Transport(Protocol):
     def rank(self) -> int:
         """This worker's place among them, 0-based."""
 
-    def launch(self, kind: str, message: Tensor, name: str, root: int = 0) -> Any:
-        """Start collective ``kind`` on ``message`` (``root``: a broadcast's sender) under
-        ``name``, identical on every rank; returns a handle for :meth:`wait`."""
+    def launch(self, kind: str, message: Tensor, name: str, root: int = 0,
+               chunks: Optional[Sequence[int]] = None) -> Any:
+        """Start collective ``kind`` on ``message`` (``root``: a broadcast's sender;
+        ``chunks``: an alltoall's elements for each destination, the same on every rank,
+        where they are not equal) under ``name``, identical on every rank; returns a handle
+        for :meth:`wait`."""
 
     def wait(self, handle: Any) -> Tensor:
         """What the collective delivered to this worker (see :func:`emulate`)."""
@@ -79,8 +84,10 @@ def network_bytes(kind: str, nbytes: int, world_size: int) -> float:
     raise ValueError(f"unknown collective {kind!r}")
 
 
-def emulate(ops: TensorOps, kind: str, messages: Sequence[Tensor], root: int = 0) -> List[Tensor]:
-    """What each of ``len(messages)`` workers receives from collective ``kind``."""
+def emulate(ops: TensorOps, kind: str, messages: Sequence[Tensor], root: int = 0,
+            chunks: Optional[Sequence[int]] = None) -> List[Tensor]:
+    """What each of ``len(messages)`` workers receives from collective ``kind``
+    (``chunks``: as :meth:`Transport.launch`'s)."""
     n = len(messages)
     if kind == BROADCAST:
         return [messages[root]] * n
@@ -92,31 +99,70 @@ def emulate(ops: TensorOps, kind: str, messages: Sequence[Tensor], root: int = 0
     if kind == ALLGATHER:
         return [ops.concat(messages)] * n
     if kind == ALLTOALL:
-        chunk = ops.numel(messages[0]) // n
-        return [ops.concat([ops.slice(m, j * chunk, chunk) for m in messages]) for j in range(n)]
+        sizes = alltoall_chunks(ops.numel(messages[0]), n, chunks)
+        starts = _starts(sizes)
+        return [ops.concat([ops.slice(m, starts[j], sizes[j]) for m in messages]) for j in range(n)]
     raise ValueError(f"unknown collective {kind!r}")
 
 
-def join(ops: TensorOps, kind: str, messages: Sequence[Tensor], world_size: int) -> Tensor:
+def alltoall_chunks(numel: int, world_size: int, chunks: Optional[Sequence[int]] = None) -> List[int]:
+    """Each destination's elements of an alltoall message of ``numel`` elements: ``chunks``,
+    or equal ones."""
+    if chunks is None:
+        return [numel // world_size] * world_size
+    if len(chunks) != world_size or sum(chunks) != numel:
+        raise ValueError(f"an alltoall message of {numel} elements cut into chunks {list(chunks)} "
+                         f"for {world_size} workers")
+    return list(chunks)
+
+
+def _starts(sizes: Sequence[int]) -> List[int]:
+    return [0, *accumulate(sizes)][:-1]
+
+
+def join(ops: TensorOps, kind: str, messages: Sequence[Tensor], world_size: int,
+         chunks: Optional[Sequence[Optional[Sequence[int]]]] = None) -> Tensor:
     """One collective's input carrying the messages of several tensors. For an alltoall,
-    chunk j of every message goes to worker j, so the chunks are regrouped by destination."""
+    chunk j of every message goes to worker j, so the chunks are regrouped by destination
+    (``chunks[t]``: message t's, as :meth:`Transport.launch`'s; :func:`joined_chunks` gives
+    the joined message's)."""
     if len(messages) == 1:
         return messages[0]
     if kind != ALLTOALL:
         return ops.concat(messages)
-    chunks = [ops.numel(m) // world_size for m in messages]
-    return ops.concat([ops.slice(m, j * c, c) for j in range(world_size)
-                       for m, c in zip(messages, chunks)])
+    sizes = _chunks_of(ops, messages, world_size, chunks)
+    starts = [_starts(s) for s in sizes]
+    return ops.concat([ops.slice(m, start[j], size[j]) for j in range(world_size)
+                       for m, start, size in zip(messages, starts, sizes)])
+
+
+def joined_chunks(ops: TensorOps, kind: str, messages: Sequence[Tensor], world_size: int,
+                  chunks: Sequence[Optional[Sequence[int]]]) -> Optional[List[int]]:
+    """The chunks of :func:`join`'s message: None where every message's are equal."""
+    if kind != ALLTOALL or all(c is None for c in chunks):
+        return None
+    sizes = _chunks_of(ops, messages, world_size, chunks)
+    return [sum(s[j] for s in sizes) for j in range(world_size)]
+
+
+def _chunks_of(ops: TensorOps, messages: Sequence[Tensor], world_size: int,
+               chunks: Optional[Sequence[Optional[Sequence[int]]]]) -> List[List[int]]:
+    given = chunks if chunks is not None else [None] * len(messages)
+    return [alltoall_chunks(ops.numel(m), world_size, c) for m, c in zip(messages, given)]
 
 
 def split(ops: TensorOps, kind: str, received: Tensor, sizes: Sequence[int], world_size: int,
-          names: Sequence[str]) -> List[Tensor]:
-    """For each tensor whose message of ``sizes[t]`` elements went into :func:`join`, what a
-    collective of that message alone would have delivered (its headers are checked later,
-    by the method)."""
+          names: Sequence[str], rank: int = 0,
+          chunks: Optional[Sequence[Optional[Sequence[int]]]] = None) -> List[Tensor]:
+    """For each tensor whose message of ``sizes[t]`` elements (``chunks[t]``: an alltoall's,
+    as :func:`join` took them) went into :func:`join`, what a collective of that message alone
+    would have delivered to worker ``rank`` (its headers are checked later, by the method)."""
     if len(sizes) == 1:
         return [received]
-    per_sender = sum(sizes) if kind != ALLTOALL else sum(s // world_size for s in sizes)
+    given = chunks if chunks is not None else [None] * len(sizes)
+    shares_of = ([alltoall_chunks(s, world_size, c)[rank] for s, c in zip(sizes, given)]
+                 if kind == ALLTOALL else list(sizes))
+    per_sender = sum(shares_of)
     senders = 1 if kind in (BROADCAST, ALLREDUCE) else world_size
     total = per_sender * senders
     received = ops.verify(ops.size(received) == total, [ops.size(received)],
@@ -125,8 +171,7 @@ def split(ops: TensorOps, kind: str, received: Tensor, sizes: Sequence[int], wor
     shares: List[List[Tensor]] = [[] for _ in sizes]
     for sender in range(senders):
         offset = sender * per_sender
-        for t, size in enumerate(sizes):
-            share = size if kind != ALLTOALL else size // world_size
+        for t, share in enumerate(shares_of):
             shares[t].append(ops.slice(received, offset, share))
             offset += share
     return [parts[0] if len(parts) == 1 else ops.concat(parts) for parts in shares]

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from .collectives import ALLGATHER
+from .collectives import ALLGATHER, ALLTOALL, alltoall_chunks
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,13 @@ def _add_process_sets(members: List[List[int]], rank: int,
                  rank=rank, leader_ranks=tuple(m[0] for m in members))
 
 
-def received_numel(kind: str, message_numel: int, hosts: int) -> int:
-    """What a collective between hosts delivers, for a message of the same size on every
-    host: what a host's other workers allocate to receive the leader's broadcast."""
-    return message_numel * hosts if kind == ALLGATHER else message_numel
+def received_numel(kind: str, message_numel: int, hosts: int, index: int = 0,
+                   chunks: Optional[Sequence[int]] = None) -> int:
+    """What a collective between hosts delivers to host ``index``, for a message of the same
+    size on every host (``chunks``: an alltoall's, as ``Transport.launch`` takes them): what
+    a host's other workers allocate to receive the leader's broadcast."""
+    if kind == ALLGATHER:
+        return message_numel * hosts
+    if kind == ALLTOALL:
+        return hosts * alltoall_chunks(message_numel, hosts, chunks)[index]
+    return message_numel

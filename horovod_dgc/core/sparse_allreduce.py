@@ -25,7 +25,9 @@ and ``C_out``, and sends one message per destination: owner j's holds region j o
 tensor, in the numbering of :class:`BucketRegions`' ``owner`` layout (each tensor's region
 at its own offset, as the owner keeps its residuals: one flat buffer, the tensors' shards
 one after another), and each owner forwards one message with every tensor's ``C_out``. The
-headers are then O(N) per bucket, not per tensor. A rank whose region of a tiny tensor is
+headers are then O(N) per bucket, not per tensor. The message to owner j has no slots for a
+tensor whose region j is empty (one of fewer than N entries, past its end), so the alltoall's
+chunks differ by destination (the same from every sender). A rank whose region of a tiny tensor is
 shorter than ``C_out`` (the last rank's, past the tensor's end) may forward entries past
 it: they are zero (nothing is ever added there), and the receivers add them to the tensor's
 last entry, which leaves it as it is.
@@ -84,12 +86,13 @@ class BucketRegions:
         bounds: where each (tensor s, region j) starts in the bucket's numbering, s major,
             then where the last tensor ends: ascending, so that counting the selected
             positions below each gives every group's start.
-        group_capacity: ``C_in`` of each group's tensor.
+        group_capacity: each group's ``C_in``: its tensor's, or the group's size if smaller
+            (0 for a region past the tensor's end).
         group_shift: per group, the owner position of a bucket position in it, less that
             position (``owner offset_s - offset_s - j R_s``).
         group_order: per group, ``j * owner.numel``: added to the owner positions, sorting
             lays them out destination by destination.
-        to_owner: the message of one destination: every tensor's ``C_in`` slots.
+        to_owners: the message to each destination: its groups' capacities.
         forward_plan: the owner's selection, each tensor's ``min(C_out, R_s)`` largest.
         forward: an owner's message.
         large_groups: per group, whether its tensor is large (DGC masks its momentum).
@@ -102,7 +105,7 @@ class BucketRegions:
     group_capacity: Tuple[int, ...]
     group_shift: Tuple[int, ...]
     group_order: Tuple[int, ...]
-    to_owner: wire.MessageLayout
+    to_owners: Tuple[wire.MessageLayout, ...]
     forward_plan: Plan
     forward: wire.MessageLayout
     large_groups: Tuple[bool, ...]
@@ -110,6 +113,12 @@ class BucketRegions:
     @property
     def groups(self) -> int:
         return len(self.group_capacity)
+
+    @property
+    def chunks(self) -> Optional[Tuple[int, ...]]:
+        """The alltoall's bytes to each destination, where they are not all equal."""
+        sizes = tuple(layout.nbytes for layout in self.to_owners)
+        return None if len(set(sizes)) == 1 else sizes
 
     def tables(self, ops: TensorOps, like: Tensor) -> "RegionTables":
         return constant_tables(self, RegionTables.build, ops, like)
@@ -211,7 +220,7 @@ class SparseAllreduce(TwoStageMethod):
 
     def bucket_exchanges(self, plan: Plan, world_size: int) -> Tuple[Tuple[str, int], ...]:
         regions = self.regions(plan, world_size)
-        return (ALLTOALL, world_size * regions.to_owner.nbytes), (ALLGATHER, regions.forward.nbytes)
+        return (ALLTOALL, sum(layout.nbytes for layout in regions.to_owners)), (ALLGATHER, regions.forward.nbytes)
 
     def regions(self, plan: Plan, world_size: int) -> BucketRegions:
         """The sparse all-reduce of ``plan``'s bucket among ``world_size`` workers."""
@@ -224,7 +233,7 @@ class SparseAllreduce(TwoStageMethod):
         worker memories laid out as the bucket, the owner residual as ``regions.owner``."""
         plan, world = call.plan, call.world_size
         regions = self.regions(plan, world)
-        to_owner = regions.to_owner
+        to_owners = regions.to_owners
         memory = self.inner.bucket_memory()
         accumulated = memory.accumulate(ops, state, *self.inner.prepare_bucket(ops, grad, call), spare=call.spare,
                                         block=plan.block)
@@ -242,9 +251,9 @@ class SparseAllreduce(TwoStageMethod):
             for j in range(world):
                 start = ops.gather(starts, j)
                 length = ops.gather(starts, j + 1) - start
-                header = to_owner.header(call.rank, call.step, length, 0)
-                message, decoded = to_owner.encode(ops, header, ops.slice(owned, start, length), length,
-                                                   ops.gather(x, ops.slice(positions, start, length)))
+                header = to_owners[j].header(call.rank, call.step, length, 0)
+                message, decoded = to_owners[j].encode(ops, header, ops.slice(owned, start, length), length,
+                                                       ops.gather(x, ops.slice(positions, start, length)))
                 messages.append(message)
                 values.append(ops.cast(ops.slice(decoded, 0, length), ops.dtype(x)))
             large = None
@@ -254,12 +263,13 @@ class SparseAllreduce(TwoStageMethod):
             return {**state, **worker}, ops.concat(messages)
 
         def skip() -> Tuple[State, Tensor]:
-            header = to_owner.header(call.rank, call.step, 0, wire.FLAG_NONFINITE)
-            return state, ops.concat([to_owner.empty(ops, header, like=grad)] * world)
+            return state, ops.concat([layout.empty(ops, layout.header(call.rank, call.step, 0, wire.FLAG_NONFINITE),
+                                                   like=grad) for layout in to_owners])
 
         new_state, message = ops.cond(accumulated.finite, send, skip)
         handover = StageHandover(call.as_call(), call.bucket.numel, ops.dtype(grad),
-                                 {"to_owner": to_owner, "forward": regions.forward, "regions": regions})
+                                 {"to_owner": to_owners[call.rank], "forward": regions.forward, "regions": regions},
+                                 chunks=regions.chunks)
         return message, new_state, handover
 
     def first(self, ops: TensorOps, state: State, grad: Tensor,
@@ -383,7 +393,7 @@ def _regions(method: SparseAllreduce, plan: Plan, world_size: int) -> BucketRegi
         forward_ks.append(room_forwarded(k, region, world_size))
         for j in range(world_size):
             bounds.append(s.offset + min(j * region, s.numel))
-            capacity.append(room)
+            capacity.append(min(room, max(0, min(region, s.numel - j * region))))
             shift.append(o.offset - s.offset - j * region)
             order.append(j * owner.numel)
             large.append(not s.small)
@@ -395,10 +405,10 @@ def _regions(method: SparseAllreduce, plan: Plan, world_size: int) -> BucketRegi
                                                 capacity=slots, value_format=fmt))
 
     forward_plan = interned(Plan(owner, tuple(forward_ks), plan.block))
-    per_destination = sum(capacity[j] for j in range(0, len(capacity), world_size))
+    to_owners = tuple(layout(sum(capacity[j::world_size])) for j in range(world_size))
     return BucketRegions(plan=plan, world_size=world_size, owner=owner, bounds=tuple(bounds),
                          group_capacity=tuple(capacity), group_shift=tuple(shift), group_order=tuple(order),
-                         to_owner=layout(per_destination), forward_plan=forward_plan,
+                         to_owners=to_owners, forward_plan=forward_plan,
                          forward=layout(forward_plan.total), large_groups=tuple(large))
 
 

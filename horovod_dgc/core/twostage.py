@@ -30,7 +30,9 @@ class StageHandover:
     ``next_bound``: the tensor's next ``CompressCall.candidate_bound`` for a method that
     ``collects_candidates``, else None. ``destination``: a flat tensor of the update's size
     in the state dtype whose contents are no longer needed (the gradient stage 1 took), over
-    which ``finish`` may write the update, or None (an adapter sets it)."""
+    which ``finish`` may write the update, or None (an adapter sets it). ``chunks``: the
+    elements of stage 1's alltoall message for each destination, where they are not equal
+    (:meth:`~.collectives.Transport.launch`'s), else None."""
 
     call: CompressCall
     numel: int
@@ -38,6 +40,7 @@ class StageHandover:
     data: Dict[str, Any] = field(default_factory=dict)
     next_bound: Optional[Scalar] = None
     destination: Optional[Tensor] = None
+    chunks: Optional[Tuple[int, ...]] = None
 
 
 class TwoStageMethod(Method):
@@ -71,7 +74,7 @@ def simulate_step(ops: TensorOps, method: TwoStageMethod, states: List[State],
                   grads: Sequence[Tensor], calls: Sequence[CompressCall]) -> Tuple[List[Tensor], List[State]]:
     """One step of ``len(states)`` workers in this process: (each worker's result, states)."""
     firsts = [method.first(ops, state, grad, call) for state, grad, call in zip(states, grads, calls)]
-    received = emulate(ops, method.FIRST, [m for m, _, _ in firsts], method.root(calls[0]))
+    received = emulate(ops, method.FIRST, [m for m, _, _ in firsts], method.root(calls[0]), firsts[0][2].chunks)
     seconds = [method.second(ops, state, r, handover)
                for (_, state, handover), r in zip(firsts, received)]
     received = emulate(ops, method.SECOND, [m for m, _ in seconds], method.root(calls[0]))

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import threading
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import horovod.torch as hvd
 import torch
@@ -18,16 +18,18 @@ _LAUNCHED_LOCK = threading.Lock()
 
 
 def launch(kind: str, message: torch.Tensor, name: str, root: int = 0,
-           process_set: Any = hvd.global_process_set) -> int:
+           chunks: Optional[Sequence[int]] = None, process_set: Any = hvd.global_process_set) -> int:
     """Start collective ``kind`` on ``message`` under the unique name ``PREFIX + name``,
-    among ``process_set`` (``root``: a broadcast's sender, a global rank)."""
+    among ``process_set`` (``root``: a broadcast's sender, a global rank; ``chunks``: an
+    alltoall's elements for each destination, where they are not equal)."""
     name = PREFIX + name
     if kind == BROADCAST:
         handle = hvd.broadcast_async(message, root_rank=root, name=name, process_set=process_set)
     elif kind == ALLREDUCE:
         handle = hvd.allreduce_async(message, op=hvd.Average, name=name, process_set=process_set)
     elif kind == ALLTOALL:
-        handle = hvd.alltoall_async(message, name=name, process_set=process_set)
+        splits = None if chunks is None else torch.tensor(chunks, dtype=torch.int32)
+        handle = hvd.alltoall_async(message, splits=splits, name=name, process_set=process_set)
     elif kind == ALLGATHER:
         handle = hvd.allgather_async(message, name=name, process_set=process_set)
     else:

@@ -38,7 +38,7 @@ except ImportError as error:  # the DDP hook needs no Horovod; the Horovod paths
 
 from ..core.bucket import Bucket
 from ..core.callers import caller_frames, calling_object, values_among_callers
-from ..core.collectives import ALLGATHER, DEFAULT_BUCKET_CAP_MB, Transport, join, split
+from ..core.collectives import ALLGATHER, DEFAULT_BUCKET_CAP_MB, Transport, join, joined_chunks, split
 from ..core.config import keeping_yours
 from ..core.controls import CompressorControls
 from ..core.hosts import Hosts
@@ -502,8 +502,10 @@ class TwoStageCompressor(MethodCompressor):
         ops, method, transport = self.engine.ops, self.method, self.transport
         messages = [message for _, _, message, _ in firsts]
         handovers = [handover for _, _, _, handover in firsts]
-        handle = transport.launch(method.FIRST, join(ops, method.FIRST, messages, transport.size()),
-                                  f"1.{label}", method.root(handovers[0].call))
+        chunks, world = [h.chunks for h in handovers], transport.size()
+        handle = transport.launch(method.FIRST, join(ops, method.FIRST, messages, world, chunks),
+                                  f"1.{label}", method.root(handovers[0].call),
+                                  joined_chunks(ops, method.FIRST, messages, world, chunks))
         exchange = TwoStageExchange(label, [name for name, _, _, _ in firsts], handovers,
                                     [shape for _, shape, _, _ in firsts], handle,
                                     [m.numel() for m in messages], buckets=buckets)
@@ -524,7 +526,8 @@ class TwoStageCompressor(MethodCompressor):
         ops, method, transport = self.engine.ops, self.method, self.transport
         for exchange in waiting:
             received = split(ops, method.FIRST, transport.wait(exchange.first), exchange.sizes,
-                             transport.size(), exchange.names)
+                             transport.size(), exchange.names, transport.rank(),
+                             [h.chunks for h in exchange.handovers])
             messages = [self.engine.second(name, r, h) for name, r, h
                         in zip(exchange.names, received, exchange.handovers)]
             exchange.second_sizes = [m.numel() for m in messages]

@@ -10,12 +10,12 @@ its hooks in bucket order; a two-stage family launches its second stages in labe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ..core.collectives import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST
+from ..core.collectives import ALLGATHER, ALLREDUCE, ALLTOALL, BROADCAST, alltoall_chunks
 
 
 def _all_gather_single():
@@ -62,10 +62,12 @@ class DistTransport:
     def rank(self) -> int:
         return dist.get_rank(self.group)
 
-    def launch(self, kind: str, message: torch.Tensor, name: str, root: int = 0) -> Pending:
+    def launch(self, kind: str, message: torch.Tensor, name: str, root: int = 0,
+               chunks: Optional[Sequence[int]] = None) -> Pending:
         """Start collective ``kind`` on ``message`` (flat); ``root``: a broadcast's sender,
-        a rank within :attr:`group`. Every rank must hand an allgather, an all-reduce, a
-        broadcast or an alltoall a message of the same size."""
+        a rank within :attr:`group`; ``chunks``: an alltoall's elements for each destination,
+        the same on every rank, where they are not equal. Every rank must hand an allgather,
+        an all-reduce, a broadcast or an alltoall a message of the same size."""
         message = message.contiguous()
         try:
             if kind == ALLGATHER:
@@ -82,8 +84,11 @@ class DistTransport:
                 work = dist.broadcast(result, src=src, group=self.group, async_op=True)
                 return Pending(work, result, kind, name)
             if kind == ALLTOALL:
-                result = torch.empty_like(message)
-                work = dist.all_to_all_single(result, message, group=self.group, async_op=True)
+                sizes = alltoall_chunks(message.numel(), self.size(), chunks)
+                mine = sizes[self.rank()]
+                result = message.new_empty(mine * self.size())
+                work = dist.all_to_all_single(result, message, output_split_sizes=[mine] * self.size(),
+                                              input_split_sizes=sizes, group=self.group, async_op=True)
                 return Pending(work, result, kind, name)
         except RuntimeError as error:
             raise RuntimeError(f"rank {self.rank()}: the {kind} of {name!r} ({message.numel()} "

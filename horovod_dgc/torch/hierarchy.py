@@ -41,6 +41,7 @@ class _Exchange:
     message: torch.Tensor
     name: str
     between_hosts: Optional[int]
+    chunks: Optional[Sequence[int]] = None
     handover: Optional[int] = None
 
 
@@ -60,13 +61,14 @@ class HostTransport:
     def rank(self) -> int:
         return self.hosts.index
 
-    def launch(self, kind: str, message: torch.Tensor, name: str, root: int = 0) -> _Exchange:
+    def launch(self, kind: str, message: torch.Tensor, name: str, root: int = 0,
+               chunks: Optional[Sequence[int]] = None) -> _Exchange:
         hosts = self.hosts
         between = None
         if hosts.is_leader:
-            between = launch(kind, message, f"hosts.{name}", root=hosts.leader_ranks[root],
+            between = launch(kind, message, f"hosts.{name}", root=hosts.leader_ranks[root], chunks=chunks,
                              process_set=hosts.leaders)
-        exchange = _Exchange(kind, message, name, between)
+        exchange = _Exchange(kind, message, name, between, chunks)
         with self._lock:
             self._not_handed_over.append(exchange)
         return exchange
@@ -87,7 +89,8 @@ class HostTransport:
                 received = wait(exchange.between_hosts)
             else:
                 received = exchange.message.new_empty(
-                    received_numel(exchange.kind, exchange.message.numel(), hosts.count))
+                    received_numel(exchange.kind, exchange.message.numel(), hosts.count, hosts.index,
+                                   exchange.chunks))
             exchange.handover = hvd.broadcast_async(received, root_rank=hosts.leader,
                                                     name=f"{PREFIX}host.{exchange.name}",
                                                     process_set=hosts.local)
