@@ -5,8 +5,9 @@ later ``decompress(result, ctx)`` on the caller's thread. A sparse compressor th
 launches its own allgather of the message from ``compress`` (named after the parameter, so
 ranks that reach tensors in different orders still match) and hands Horovod a one-element
 placeholder; ``decompress`` waits for the allgather and rebuilds the averaged gradient.
-A float32 gradient handed to ``compress`` is consumed: its memory receives that average
-(what ``p.grad.set_`` then installs), which spares a gradient-size allocation per step.
+A float32 gradient handed to ``compress`` is consumed: sent alone, its memory receives that
+average; sent in a bucket, the average is a view of the bucket's buffer (either is what
+``p.grad.set_`` then installs), which spares a gradient-size allocation or copy per step.
 
 The family classes (:class:`SparseCompressor`, :class:`TwoStageCompressor`) run their
 collectives through a transport: Horovod's by default, ``torch.distributed``'s when
