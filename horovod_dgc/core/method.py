@@ -95,6 +95,8 @@ class BucketCall:
         spare: memories nothing needs any more, by name, whose storage the new ones may take.
         candidate_bounds: each segment's ``CompressCall.candidate_bound`` (its tensor's, from
             its last step), or None where some tensor has none.
+        keeps_bounds: whether the caller keeps the predicted bounds (``next_bound``) for the
+            next step; a traced graph (TensorFlow's engine) has no host to keep them in.
     """
 
     bucket: Bucket
@@ -107,6 +109,7 @@ class BucketCall:
     weight_decays: Optional[Tuple[float, ...]] = None
     spare: Optional[State] = None
     candidate_bounds: Optional[Tuple[float, ...]] = None
+    keeps_bounds: bool = True
 
     @property
     def unscale(self) -> Any:

@@ -177,7 +177,7 @@ class SparseMethod(Method):
         top_plan = self.top_plan(plan)
         layout = self.bucket_layout(call.bucket, plan)
         like = buffer_of(grad)
-        bounded = uses_bounds(ops, like)
+        bounded = call.keeps_bounds and uses_bounds(ops, like)
         bounds, capacity = block_bounds(ops, top_plan, call.candidate_bounds, like) if bounded else (None, 0)
         accumulated = self.bucket_memory().accumulate(ops, state, *self.prepare_bucket(ops, grad, call),
                                                       spare=call.spare, block=plan.block, bound=bounds,

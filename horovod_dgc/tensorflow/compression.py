@@ -47,7 +47,7 @@ from horovod.tensorflow.compression import Compressor
 from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext
 
 from ..core.callers import caller_frames, calling_object, values_among_callers
-from ..core.collectives import ALLGATHER
+from ..core.collectives import ALLGATHER, DEFAULT_BUCKET_CAP_MB, cut_buckets
 from ..core.config import keeping_yours
 from ..core.controls import CompressorControls
 from ..core.hosts import Hosts
@@ -590,6 +590,7 @@ class MethodCompressor(CompressorControls, Compressor):
                                               "run without the compressor")
             self._one_worker_told = True
         name, variable, occurrence = self._lookup(tensor, graph)
+        handed = tensor
         if not self._loss_scale_checked:
             self._refuse_an_untold_loss_scale()
         if not tensor.shape.is_fully_defined():
@@ -601,9 +602,12 @@ class MethodCompressor(CompressorControls, Compressor):
             update = engine.dense(name, tensor, variable)
             return update.tensor, update
         collective = collective_name(name, occurrence)
-        if self.hosts is not None:
-            tensor = host_average(self.hosts, tensor, collective)
-        step, finish = self.start_exchange(name, tensor, variable, collective)
+        exchange = self.start_bucket(handed, name, occurrence)
+        if exchange is None:
+            if self.hosts is not None:
+                tensor = host_average(self.hosts, tensor, collective)
+            exchange = self.start_exchange(name, tensor, variable, collective)
+        step, finish = exchange
         # Horovod's collectives are stateless ops to TensorFlow: Grappler would run the
         # all-reduce of a constant while optimizing the graph. The step counter is no constant.
         value = tf.where(step >= 0, _PLACEHOLDER_VALUE, 0.0)
@@ -630,10 +634,102 @@ class MethodCompressor(CompressorControls, Compressor):
         (its step counter, a function giving the averaged gradient)."""
         raise NotImplementedError
 
+    def start_bucket(self, tensor: tf.Tensor, name: str,
+                     occurrence: int) -> Optional[Tuple[tf.Tensor, Callable[[], tf.Tensor]]]:
+        """:meth:`start_exchange`'s result for a tensor exchanged in a bucket, or None where
+        it is exchanged alone (by default always)."""
+        return None
+
 
 class SparseCompressor(MethodCompressor):
     """A sparse method (DGC, Top-k, Gaussian-k): one allgather of (index, value) messages
-    per tensor; built by ``Compression.dgc()`` and friends."""
+    per tensor, or per bucket; built by ``Compression.dgc()`` and friends.
+
+    **Buckets.** Where the method compresses a bucket as one (``bucketed``: every sparse
+    method but with int8 values) and Horovod's ``allreduce_grads`` hands the gradients over
+    (its tape, its Keras and TensorFlow 1 optimizers), the compressed variables are cut into
+    buckets once, identical on every rank: in reverse order, about ``DEFAULT_BUCKET_CAP_MB``
+    of gradient each, one dtype each. The first ``compress`` of a bucket's tensor builds the
+    whole bucket's message from the gradients of that call (every member's is known there)
+    and launches its allgather; each member hands Horovod a placeholder, and its
+    ``decompress`` takes its part of the bucket's average. Horovod traces each tensor's
+    exchange in a branch of its own (``tf.cond``), and a tensor made in one branch cannot be
+    used in another: the bucket's ops are built in the graph of the gradients instead, where
+    every branch can read them. Memories stay per tensor (the checkpoints' layout), and
+    a bucket's tensors keep or drop a step's memories together (a non-finite gradient in one
+    drops the bucket's step on every rank). Outside such a call (``hvd.allreduce`` called
+    directly), on one worker, and between hosts, tensors are exchanged alone.
+    """
+
+    def __init__(self, method: Method, variables: Optional[Iterable[Any]] = None):
+        super().__init__(method, variables)
+        self._bucket_members: Optional[Dict[str, Tuple[str, ...]]] = None
+        # Per graph of gradients: the ready exchange of each bucketed gradient, by its ref.
+        self._bucketed: "weakref.WeakKeyDictionary[tf.Graph, Dict[Any, Tuple[tf.Tensor, Callable[[], tf.Tensor]]]]" = \
+            weakref.WeakKeyDictionary()
+
+    def _members(self) -> Dict[str, Tuple[str, ...]]:
+        """Per compressed variable, the names of its bucket's variables (in bucket order)."""
+        if self._bucket_members is None:
+            engine = self.engine
+            compressed = [name for name, v in self._variables
+                          if not engine.passes_through(spec := tf.TensorSpec(v.shape, v.dtype))
+                          and engine.compresses(spec)][::-1]
+            sizes = [self._variable(name).shape.num_elements() * tf.as_dtype(self._variable(name).dtype).size
+                     for name in compressed]
+            self._bucket_members = {compressed[i]: tuple(compressed[j] for j in bucket)
+                                    for bucket in cut_buckets(sizes, DEFAULT_BUCKET_CAP_MB * 2 ** 20)
+                                    for i in bucket}
+        return self._bucket_members
+
+    def _variable(self, name: str) -> Any:
+        return dict(self._variables)[name]
+
+    def start_bucket(self, tensor: tf.Tensor, name: str,
+                     occurrence: int) -> Optional[Tuple[tf.Tensor, Callable[[], tf.Tensor]]]:
+        if (not self.method.bucketed or self.hierarchical or tf.executing_eagerly()
+                or _skipped_by_horovod()):
+            return None
+        ready = self._bucketed.setdefault(tensor.graph, {})
+        if tensor.ref() in ready:
+            return ready.pop(tensor.ref())
+        reduction = _horovod_reduction(tensor)
+        members = self._members().get(name)
+        if reduction is None or members is None:
+            return None
+        _, variables, grads = reduction
+        present = {self._names.get(_identity(v)): (g, v) for v, g in zip(variables, grads)
+                   if isinstance(g, tf.Tensor)}
+        entries = [(n, *present[n]) for n in members if n in present]
+        by_dtype: Dict[tf.DType, List[Tuple[str, tf.Tensor, Any]]] = {}
+        for entry in entries:
+            by_dtype.setdefault(entry[1].dtype, []).append(entry)
+        with tensor.graph.as_default():
+            for dtype, group in by_dtype.items():
+                label = f"bucket.{members[0]}" + (f".{dtype.name}" if len(by_dtype) > 1 else "")
+                ready.update(self._launch_bucket(label, group, occurrence))
+        return ready.pop(tensor.ref())
+
+    def _launch_bucket(self, label: str, entries: Sequence[Tuple[str, tf.Tensor, Any]], occurrence: int
+                       ) -> Dict[Any, Tuple[tf.Tensor, Callable[[], tf.Tensor]]]:
+        """Compress ``entries`` (name, gradient, variable) as one bucket and launch its
+        allgather: each gradient's ref -> (step, its part of the average)."""
+        engine = self.engine
+        grads = [g if g.shape.is_fully_defined() else tf.ensure_shape(g, v.shape) for _, g, v in entries]
+        bucket = engine.bucket(label, [(n, g) for (n, _, _), g in zip(entries, grads)])
+        sent = engine.compress_bucket(bucket, grads, [v for _, _, v in entries])
+        gathered = self.collective(ALLGATHER, sent.message, collective_name(bucket.key, occurrence))
+        graph, decoded = tf.compat.v1.get_default_graph(), []
+
+        def part(i: int) -> Callable[[], tf.Tensor]:
+            def finish() -> tf.Tensor:
+                if not decoded:
+                    with graph.as_default():
+                        decoded.extend(engine.decompress_bucket(gathered, sent))
+                return decoded[i]
+            return finish
+
+        return {g.ref(): (sent.step, part(i)) for i, (_, g, _) in enumerate(entries)}
 
     def start_exchange(self, name: str, tensor: tf.Tensor, variable: Any,
                        collective: str) -> Tuple[tf.Tensor, Callable[[], tf.Tensor]]:

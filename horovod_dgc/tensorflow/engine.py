@@ -26,13 +26,14 @@ import contextlib
 import functools
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 from tensorflow.python.ops.resource_variable_ops import ResourceVariable
 
+from ..core.bucket import Bucket, Plan
 from ..core.collectives import ALLGATHER, ALLREDUCE, network_bytes
-from ..core.method import CompressCall, Method
+from ..core.method import BucketCall, CompressCall, Method
 from ..core.nonfinite import settle
 from ..core.state import check_loadable, state_frame
 from ..core.stats import CompressionStats
@@ -81,6 +82,25 @@ class TracedMessage:
     dtype: tf.DType
     old_state: Dict[str, tf.Tensor]
     new_state: Dict[str, tf.Tensor]
+    loss_scale: Any = 1.0
+
+
+@dataclass
+class TracedBucket:
+    """A bucket's sparse message in a graph, and what decompress needs to rebuild each of its
+    tensors (``layouts``: one per density of the schedule, ``densities[i]`` the members'
+    densities at index i)."""
+
+    bucket: Bucket
+    message: tf.Tensor
+    layouts: Tuple[MessageLayout, ...]
+    densities: Tuple[Tuple[float, ...], ...]
+    density_index: tf.Tensor
+    step: tf.Tensor
+    shapes: Tuple[tf.TensorShape, ...]
+    dtype: tf.DType
+    old_states: Dict[str, Dict[str, tf.Tensor]]
+    new_states: Dict[str, Dict[str, tf.Tensor]]
     loss_scale: Any = 1.0
 
 
@@ -292,11 +312,15 @@ class Engine:
         floor = self.config.density_floor(tuple(tf.TensorShape(shape).as_list()))
         return self.densities[i] if floor is None else max(self.densities[i], floor)
 
-    def _by_density(self, index: tf.Tensor, shape: Any, fn: Callable[[int], Any]) -> Any:
-        """``fn(i)`` for the density index ``index`` in force at run time, for a tensor of
-        ``shape``: one branch per distinct density it takes (a small tensor's floor merges
+    def _densities_of(self, shape: Any) -> List[float]:
+        """A tensor of ``shape``'s density at each index of the schedule."""
+        return [self._density(i, shape) for i in range(len(self.densities))]
+
+    def _by_density(self, index: tf.Tensor, densities: Sequence[Hashable], fn: Callable[[int], Any]) -> Any:
+        """``fn(i)`` for the density index ``index`` in force at run time, where
+        ``densities[i]`` is what index i means to the caller (a tensor's density, a bucket's
+        tuple of its members'): one branch per distinct value (a small tensor's floor merges
         warm-up densities; each branch is a whole exchange in the traced graph)."""
-        densities = [self._density(i, shape) for i in range(len(self.densities))]
         firsts = sorted({densities.index(d) for d in densities})
         if len(firsts) == 1:
             return fn(firsts[0])
@@ -308,7 +332,7 @@ class Engine:
         """What the tensors that share ``kind``'s trace have in common (see :meth:`_shared_call`)."""
         shape = tf.TensorShape(shape)
         return (kind, shape.num_elements(), dtype, self.config.is_small(tuple(shape.as_list())),
-                tuple(self._density(i, shape) for i in range(len(self.densities))))
+                tuple(self._densities_of(shape)))
 
     def _shared_call(self, kind: str, name: str, shape: Any, dtype: tf.DType,
                      body: Callable[..., Any], *args: Any) -> Any:
@@ -359,7 +383,7 @@ class Engine:
                 result = self.method.compress(self.ops, state, flat, call)
                 return result.message, result.state, tf.cast(result.count, tf.int64)
 
-            return self._by_density(index, grad.shape, at_density)
+            return self._by_density(index, self._densities_of(grad.shape), at_density)
 
         with tf.control_dependencies([started]):
             message, new_state, count = self._shared_call("compress", name, grad.shape, grad.dtype, body,
@@ -371,6 +395,87 @@ class Engine:
                      elements_compressed=numel, selection_time_s=elapsed)
         return TracedMessage(name, message, layouts, index, step, grad.shape, grad.dtype, state,
                              new_state, scale)
+
+    # -- a bucket: several tensors as one message ----------------------------------------------
+    def bucket(self, label: str, members: Sequence[Tuple[str, Any]]) -> Bucket:
+        """The bucket of these (name, gradient or ``tf.TensorSpec``) pairs under ``label``
+        (one dtype; fully defined shapes), its key registered for error messages."""
+        dtypes = {tf.as_dtype(grad.dtype) for _, grad in members}
+        if len(dtypes) != 1:
+            raise ValueError(f"bucket {label!r} holds gradients of several dtypes: {sorted(d.name for d in dtypes)}")
+        bucket = Bucket.of(label, [(name, grad.shape.num_elements(), self.config.is_small(tuple(grad.shape.as_list())))
+                                   for name, grad in members], dtype_name(dtypes.pop()))
+        register_names([bucket.key])
+        return bucket
+
+    def compress_bucket(self, bucket: Bucket, grads: Sequence[tf.Tensor],
+                        params: Sequence[Optional[Any]]) -> TracedBucket:
+        """One sparse message for the tensors of ``bucket`` (their gradients in its order).
+        Their memories stay per tensor (checkpoints and the per-tensor path read them as
+        ever): read into the bucket's flat layout, and split back when the step is kept."""
+        started = tf.timestamp()
+        steps = [self._traced_step(name) for name in bucket.names]
+        step = steps[0]
+        shapes = tuple(grad.shape for grad in grads)
+        densities = [tuple(d) for d in zip(*(self._densities_of(shape) for shape in shapes))]
+        layouts = tuple(self.method.bucket_layout(bucket, Plan.at(bucket, d)) for d in densities)
+        index = self._density_index_at(step)
+        old = {name: self._read_state(name) for name in bucket.names}
+        state = {key: self._flat(layout, [old[name][key] for name in bucket.names])
+                 for key, layout in self.method.state_buckets(bucket, self.world_size).items()}
+        flat, scale = self._flat(bucket, grads), self._current_loss_scale()
+        param = (self._flat(bucket, [tf.convert_to_tensor(p) for p in params])
+                 if getattr(self.config, "weight_decay", 0.0) > 0 else None)
+
+        def at_density(i: int) -> Tuple[tf.Tensor, Dict[str, tf.Tensor], tf.Tensor]:
+            call = BucketCall(bucket=bucket, rank=self.rank, world_size=self.world_size, step=step,
+                              densities=densities[i], param=param, loss_scale=scale, keeps_bounds=False)
+            result = self.method.compress_bucket(self.ops, state, flat, call)
+            return result.message, result.state, tf.cast(result.count, tf.int64)
+
+        with self.ops.guards() as guards, tf.control_dependencies([started]):
+            self.ops.check(tf.reduce_all(tf.equal(tf.stack(steps), step)), RuntimeError(
+                f"the tensors of bucket {bucket.label!r} are at different steps: a tensor of it "
+                f"was also compressed alone (hvd.allreduce(..., compression=) called directly?)"))
+            message, new_state, count = self._by_density(index, densities, at_density)
+        with tf.control_dependencies(guards + [message, count]):
+            message, elapsed = tf.identity(message), tf.timestamp() - started
+        numel = sum(s.numel for s in bucket.segments)
+        nbytes = tf.gather(tf.constant([layout.nbytes for layout in layouts], tf.int64), index)
+        self._record([(ALLGATHER, nbytes)], numel * grads[0].dtype.size, elements_sent=count,
+                     elements_compressed=numel, selection_time_s=elapsed)
+        layouts_of = self.method.state_buckets(bucket, self.world_size)
+        new = {name: {key: tf.slice(value, [layouts_of[key].segments[i].offset], [layouts_of[key].segments[i].numel])
+                      for key, value in new_state.items()}
+               for i, name in enumerate(bucket.names)}
+        return TracedBucket(bucket, message, layouts, tuple(densities), index, step, shapes, grads[0].dtype,
+                            old, new, scale)
+
+    @staticmethod
+    def _flat(layout: Bucket, tensors: Sequence[tf.Tensor]) -> tf.Tensor:
+        """``tensors`` laid out as the segments of ``layout``: one flat tensor, zero padding."""
+        return tf.concat([tf.pad(tf.reshape(t, [-1]), [[0, s.span - s.numel]])
+                          for t, s in zip(tensors, layout.segments)], 0)
+
+    def decompress_bucket(self, gathered: tf.Tensor, sent: TracedBucket) -> List[tf.Tensor]:
+        """Each member's averaged gradient, from the allgather of every rank's message for
+        ``sent``; each member's memories of this step are kept only if no rank flagged the
+        bucket (its tensors are kept or dropped together)."""
+        bucket = sent.bucket
+
+        def decode(i: int) -> Tuple[tf.Tensor, tf.Tensor]:
+            with self.ops.guards() as guards:
+                flats, finite = self.method.decompress(self.ops, gathered, [sent.layouts[i]], self.world_size,
+                                                       sent.step, [dtype_name(sent.dtype)])
+            with tf.control_dependencies(guards):
+                return tf.identity(flats[0]), tf.identity(finite)
+
+        flat, finite = self._by_density(sent.density_index, sent.densities, decode)
+        kept = [self._keep_if(finite, name, sent.old_states[name], sent.new_states[name]) for name in bucket.names]
+        with tf.control_dependencies(kept):
+            flat = flat * tf.cast(sent.loss_scale, flat.dtype)
+        return [tf.reshape(tf.slice(flat, [s.offset], [s.numel]), shape)
+                for s, shape in zip(bucket.segments, sent.shapes)]
 
     def dense(self, name: str, grad: tf.Tensor, param: Optional[Any]) -> DenseUpdate:
         """What to all-reduce for a tensor that does not compress (float32 for a bfloat16
@@ -407,7 +512,7 @@ class Engine:
                 with tf.control_dependencies(guards):
                     return tf.identity(flats[0]), tf.identity(finite)
 
-            return self._by_density(index, message.shape, decode)
+            return self._by_density(index, self._densities_of(message.shape), decode)
 
         flat, finite = self._shared_call("decompress", message.name, message.shape, message.dtype, body,
                                          gathered, message.step, message.density_index)

@@ -569,20 +569,26 @@ class TFOps(TensorOps):
         filter); a tensor built inside one branch cannot be used by the other, so the false
         branch first runs in the enclosing graph, where what it memoises is visible to both
         branches (what neither branch uses is pruned by TensorFlow). Python numbers a branch
-        returns become tensors of the dtype the other branch returns there."""
+        returns become tensors of the dtype the other branch returns there; None where both
+        branches return None stays None."""
         if isinstance(pred, bool) or tf.executing_eagerly():
             return true_fn() if bool(pred) else false_fn()
         with self._dry_run():
-            like = [false_fn()]
+            skipped = false_fn()
+        like = tf.nest.flatten(skipped)
+        holes = [value is None for value in like]
 
-        def normalised(fn: Callable[[], Any]) -> Callable[[], Any]:
-            def branch() -> Any:
-                out = tf.nest.map_structure(_as_tensor_like, fn(), like[0])
-                like[0] = out
-                return out
+        def normalised(fn: Callable[[], Any]) -> Callable[[], List[tf.Tensor]]:
+            def branch() -> List[tf.Tensor]:
+                out = tf.nest.flatten(fn())
+                if [value is None for value in out] != holes:
+                    raise ValueError("the branches of a cond return None at different places")
+                like[:] = [v if h else _as_tensor_like(v, l) for v, l, h in zip(out, like, holes)]
+                return [v for v, h in zip(like, holes) if not h]
             return branch
 
-        return tf.cond(pred, normalised(true_fn), normalised(false_fn))
+        results = iter(tf.cond(pred, normalised(true_fn), normalised(false_fn)))
+        return tf.nest.pack_sequence_as(skipped, [None if h else next(results) for h in holes])
 
 
 def _bits_of_bytes(packed: tf.Tensor) -> tf.Tensor:

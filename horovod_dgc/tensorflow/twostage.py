@@ -55,7 +55,7 @@ class TwoStageEngine(Engine):
             return stages.run(state, flat, collective, f"{collective_name}.d{i}")
 
         with tf.control_dependencies([started]):
-            update, new_state, nbytes, finite = self._by_density(index, grad.shape, at_density)
+            update, new_state, nbytes, finite = self._by_density(index, self._densities_of(grad.shape), at_density)
         with tf.control_dependencies([self._keep_if(finite, name, state, new_state)]):
             update = update * tf.cast(scale, update.dtype)
         with tf.control_dependencies([update]):

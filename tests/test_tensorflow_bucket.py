@@ -1,0 +1,148 @@
+"""The TensorFlow engine's buckets against its own tensor-by-tensor path, in one process.
+
+Two ranks are emulated (their messages concatenated as Horovod's allgather would), inside
+``tf.function``, through the warm-up (the density chosen at run time). Every tensor of a
+bucket must come back exactly as when it is exchanged alone: its k (its own density, the
+small tensors' floor), its exact top-k, its memories, bit for bit in float32. A non-finite
+gradient on one rank drops the whole bucket's step on every rank.
+"""
+import dataclasses
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from horovod_dgc.core import DGC, DGCConfig, GaussianK, GaussianKConfig, TopK, TopKConfig
+from horovod_dgc.core.selection import top_count
+from horovod_dgc.tensorflow.engine import Engine
+from tf_emulation import graph_function
+
+WORLD = 2
+STEPS = 7
+# A large tensor, a small one (the small density's floor), a one-element tensor and another
+# large one whose size is no multiple of the segments' alignment.
+SHAPES = {"conv.weight": (64, 3, 5, 5), "conv.bias": (64,), "scale": (1,), "fc.weight": (97, 31)}
+SCHEDULE = dict(warmup_epochs=2, steps_per_epoch=3)
+METHODS = {
+    "dgc": lambda: DGC(DGCConfig(density=0.01, weight_decay=1e-4, **SCHEDULE)),
+    "topk": lambda: TopK(TopKConfig(density=0.01, **SCHEDULE)),
+    "gaussiank": lambda: GaussianK(GaussianKConfig(density=0.01, **SCHEDULE)),
+}
+
+
+def _engines(method, shapes=SHAPES, dtype=tf.float32):
+    return [Engine(method, [tf.TensorSpec(shape, dtype, name) for name, shape in shapes.items()], WORLD, rank)
+            for rank in range(WORLD)]
+
+
+def _per_tensor_step(engines, shapes=SHAPES):
+    @graph_function
+    def step(grads, params):
+        results = [[] for _ in engines]
+        for i, name in enumerate(shapes):
+            sent = [e.compress(name, g[i], p[i]) for e, g, p in zip(engines, grads, params)]
+            gathered = tf.concat([m.message for m in sent], 0)
+            for r, (engine, message) in enumerate(zip(engines, sent)):
+                results[r].append(engine.decompress(gathered, message))
+        return results
+    return step
+
+
+def _bucket_step(engines, shapes=SHAPES):
+    # Buckets take their tensors in reverse order, as both Horovod paths cut them.
+    names = list(shapes)[::-1]
+
+    @graph_function
+    def step(grads, params):
+        order = [list(shapes).index(n) for n in names]
+        buckets = [e.bucket("bucket.x", [(n, g[i]) for n, i in zip(names, order)]) for e, g in zip(engines, grads)]
+        sent = [e.compress_bucket(b, [g[i] for i in order], [p[i] for i in order])
+                for e, b, g, p in zip(engines, buckets, grads, params)]
+        gathered = tf.concat([m.message for m in sent], 0)
+        results = []
+        for engine, message in zip(engines, sent):
+            averaged = dict(zip(names, engine.decompress_bucket(gathered, message)))
+            results.append([averaged[n] for n in shapes])
+        return results
+    return step
+
+
+def _inputs(rs, shapes=SHAPES, dtype=np.float32):
+    grads = [[tf.constant(rs.standard_normal(s).astype(dtype)) for s in shapes.values()] for _ in range(WORLD)]
+    params = [[tf.constant(rs.standard_normal(s).astype(dtype)) for s in shapes.values()] for _ in range(WORLD)]
+    return grads, params
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_a_bucket_gives_each_tensor_what_it_gets_alone_through_warm_up(name):
+    """Seven steps across three densities (3 steps each): every rank's averaged gradients
+    and memories equal the tensor-by-tensor path's bit for bit; the bucket's count is the
+    sum of its tensors' k (Gaussian-k: of what each sends alone)."""
+    alone, bucketed = _engines(METHODS[name]()), _engines(METHODS[name]())
+    per_tensor, bucket = _per_tensor_step(alone), _bucket_step(bucketed)
+    rs = np.random.RandomState(0)
+    for t in range(STEPS):
+        grads, params = _inputs(rs)
+        expected, got = per_tensor(grads, params), bucket(grads, params)
+        for rank in range(WORLD):
+            for tensor, e, g in zip(SHAPES, expected[rank], got[rank]):
+                assert g.shape == SHAPES[tensor]
+                np.testing.assert_array_equal(e.numpy(), g.numpy(), err_msg=f"{name} {tensor} step {t} rank {rank}")
+                for key, memory in alone[rank]._states[tensor].items():
+                    np.testing.assert_array_equal(memory.numpy(), bucketed[rank]._states[tensor][key].numpy(),
+                                                  err_msg=f"{name} {tensor}/{key} step {t}")
+        if name != "gaussiank":
+            density = 0.01 ** ((min(t // 3, 2) + 1) / 3)
+            ks = [top_count(max(density, alone[0].config.density_floor(s) or 0.0), int(np.prod(s)))
+                  for s in SHAPES.values()]
+            assert int(bucketed[0]._totals["elements_sent"].numpy()) - int(alone[0]._totals["elements_sent"].numpy()) == 0
+            assert sum(np.count_nonzero(g.numpy()) for g in got[0]) <= WORLD * sum(ks)
+    for rank in range(WORLD):
+        a, b = alone[rank].stats(), bucketed[rank].stats()
+        assert (a.steps, a.dense_bytes, a.elements_sent, a.elements_compressed) == \
+               (b.steps, b.dense_bytes, b.elements_sent, b.elements_compressed)
+        assert b.bytes_sent < a.bytes_sent  # one header for the bucket, not one per tensor
+    assert bucket.experimental_get_tracing_count() == 1
+
+
+def test_bfloat16_tensors_bucket_alike():
+    """A bucket of bfloat16 gradients (float32 memories, bfloat16 values on the wire)."""
+    shapes = {"a": (40, 50), "b": (50,)}
+    method = TopK(TopKConfig(density=0.05))
+    alone, bucketed = _engines(method, shapes, tf.bfloat16), _engines(method, shapes, tf.bfloat16)
+    per_tensor, bucket = _per_tensor_step(alone, shapes), _bucket_step(bucketed, shapes)
+    rs = np.random.RandomState(1)
+    for t in range(3):
+        grads, params = _inputs(rs, shapes)
+        grads = [[tf.cast(g, tf.bfloat16) for g in per_rank] for per_rank in grads]
+        expected, got = per_tensor(grads, params), bucket(grads, params)
+        for e, g in zip(expected[1], got[1]):
+            assert g.dtype == tf.bfloat16
+            np.testing.assert_array_equal(tf.cast(e, tf.float32).numpy(), tf.cast(g, tf.float32).numpy())
+
+
+def test_a_non_finite_gradient_on_one_rank_drops_the_whole_bucket_on_every_rank():
+    """Rank 1's bias holds a NaN: every tensor of the bucket comes back NaN on both ranks,
+    and no memory of the bucket moves (Keras' loss scaling skips such a step)."""
+    engines = _engines(DGC(DGCConfig(density=0.01)))
+    bucket = _bucket_step(engines)
+    rs = np.random.RandomState(2)
+    grads, params = _inputs(rs)
+    bucket(grads, params)
+    before = [{n: {k: v.numpy() for k, v in e._states[n].items()} for n in SHAPES} for e in engines]
+    grads, params = _inputs(rs)
+    poisoned = grads[1][1].numpy()
+    poisoned[3] = np.nan
+    grads[1][1] = tf.constant(poisoned)
+    got = bucket(grads, params)
+    for rank, engine in enumerate(engines):
+        assert all(np.isnan(g.numpy()).all() for g in got[rank])
+        for n in SHAPES:
+            for k, v in engine._states[n].items():
+                np.testing.assert_array_equal(v.numpy(), before[rank][n][k], err_msg=f"{n}/{k}")
+
+
+def test_a_bucket_refuses_gradients_of_two_dtypes():
+    engine = _engines(TopK(TopKConfig(density=0.01)), {"a": (10, 10), "b": (10,)})[0]
+    with pytest.raises(ValueError, match="several dtypes"):
+        engine.bucket("bucket.a", [("a", tf.TensorSpec((10, 10), tf.float32)), ("b", tf.TensorSpec((10,), tf.bfloat16))])
