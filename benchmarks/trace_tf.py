@@ -12,6 +12,7 @@ worker receives (its own message).
 
     .venv/bin/python -m benchmarks.trace_tf [--shape 256 64] [--tensors 1] [--repeat 5] [--methods dgc,...]
     .venv/bin/python -m benchmarks.trace_tf --keras-model ResNet50 --repeat 1 --methods dgc
+        [--layout buckets] [--runs 5]
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from typing import Any, Callable, List, Sequence, Tuple
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import tensorflow as tf  # noqa: E402 (the log level must be set before the import)
 
-from horovod_dgc.core.collectives import ALLGATHER  # noqa: E402
+from horovod_dgc.core.collectives import ALLGATHER, stock_buckets  # noqa: E402
 from horovod_dgc.core.methods import BY_NAME, METHODS  # noqa: E402
 from horovod_dgc.tensorflow.engine import Engine  # noqa: E402
 from horovod_dgc.tensorflow.twostage import TwoStageEngine  # noqa: E402
@@ -43,11 +44,15 @@ def received(kind: str, message: tf.Tensor, name: str, root: Any = 0) -> tf.Tens
 Shape = Sequence[int]
 
 
-def exchange(method_name: str, shapes: Sequence[Shape]) -> Callable[[List[tf.Tensor]], List[tf.Tensor]]:
+def exchange(method_name: str, shapes: Sequence[Shape],
+             layout: str = "tensors") -> Callable[[List[tf.Tensor]], List[tf.Tensor]]:
     """A fresh ``tf.function`` running the exchange of one gradient per shape of ``shapes``
-    (those the method compresses) with a fresh engine."""
+    (those the method compresses) with a fresh engine: tensor by tensor, or in the stock
+    path's buckets (``layout="buckets"``, for the sparse methods that compress a bucket as one)."""
     method = BY_NAME[method_name].build(WORLD_SIZE)
     specs = [tf.TensorSpec(shape, tf.float32, name=f"layer{i}/kernel") for i, shape in enumerate(shapes)]
+    if layout == "buckets":
+        return _bucketed(Engine(method, specs, WORLD_SIZE, rank=0), specs)
     if method.family == "two-stage":
         engine = TwoStageEngine(method, specs, WORLD_SIZE, rank=0)
 
@@ -67,6 +72,23 @@ def exchange(method_name: str, shapes: Sequence[Shape]) -> Callable[[List[tf.Ten
     return tf.function(tf.autograph.experimental.do_not_convert(step))
 
 
+def _bucketed(engine: Engine, specs: Sequence[tf.TensorSpec]) -> Callable[[List[tf.Tensor]], List[tf.Tensor]]:
+    """:func:`exchange` in the buckets ``SparseCompressor`` cuts (``stock_buckets``)."""
+    engine.method.require_bucketed()
+    compressed = [spec for spec in specs if engine.compresses(spec)]
+    buckets = stock_buckets([spec.name for spec in compressed], [spec.shape.num_elements() * 4 for spec in compressed])
+
+    def step(grads: List[tf.Tensor]) -> List[tf.Tensor]:
+        averaged = {spec.name: grad for spec, grad in zip(specs, grads)}
+        for names in buckets:
+            members = [averaged[name] for name in names]
+            bucket = engine.bucket(f"bucket.{names[0]}", list(zip(names, members)))
+            sent = engine.compress_bucket(bucket, members, [None] * len(names))
+            averaged.update(zip(names, engine.decompress_bucket(received(ALLGATHER, sent.message, "bench"), sent)))
+        return [averaged[spec.name] for spec in specs]
+    return tf.function(tf.autograph.experimental.do_not_convert(step))
+
+
 def graph_nodes(graph_def: Any) -> List[Any]:
     """The ops of a graph, those of the functions it calls (tf.cond branches, loop bodies)
     included."""
@@ -78,22 +100,30 @@ def graph_ops(graph_def: Any) -> int:
     return len(graph_nodes(graph_def))
 
 
-def trace(method_name: str, shape: Shape, tensors: int = DEFAULT_TENSORS) -> Tuple[int, float, float]:
-    """(ops, seconds of the trace, seconds of the first run) of the exchange of ``tensors``
-    tensors of ``shape``."""
+def trace(method_name: str, shape: Shape, tensors: int = DEFAULT_TENSORS) -> Tuple[int, float, float, float]:
+    """:func:`trace_shapes` of ``tensors`` tensors of ``shape``."""
     return trace_shapes(method_name, [shape] * tensors)
 
 
-def trace_shapes(method_name: str, shapes: Sequence[Shape]) -> Tuple[int, float, float]:
-    """(ops, seconds of the trace, seconds of the first run) of the exchange of a gradient
-    of each shape of ``shapes``."""
-    function = exchange(method_name, shapes)
+def trace_shapes(method_name: str, shapes: Sequence[Shape], layout: str = "tensors",
+                 runs: int = 0) -> Tuple[int, float, float, float]:
+    """(ops, seconds of the trace, seconds of the first run, median seconds of ``runs`` runs
+    after it (0.0 for none)) of the exchange of a gradient of each shape of ``shapes``."""
+    function = exchange(method_name, shapes, layout)
     started = time.perf_counter()
     concrete = function.get_concrete_function([tf.TensorSpec(shape, tf.float32) for shape in shapes])
     traced = time.perf_counter()
-    for result in concrete([tf.random.normal(shape) for shape in shapes]):
-        result.numpy()
-    return graph_ops(concrete.graph.as_graph_def()), traced - started, time.perf_counter() - traced
+    grads = [tf.random.normal(shape) for shape in shapes]
+
+    def run() -> float:
+        began = time.perf_counter()
+        for result in concrete(grads):
+            result.numpy()
+        return time.perf_counter() - began
+
+    first = run()
+    later = statistics.median(run() for _ in range(runs)) if runs else 0.0
+    return graph_ops(concrete.graph.as_graph_def()), traced - started, first, later
 
 
 def parse_args() -> argparse.Namespace:
@@ -109,6 +139,10 @@ def parse_args() -> argparse.Namespace:
                         help=f"traces per method, after one warm-up (default: {DEFAULT_REPEAT})")
     parser.add_argument("--methods", default=",".join(spec.name for spec in METHODS),
                         help="comma-separated methods (default: all)")
+    parser.add_argument("--layout", choices=("tensors", "buckets"), default="tensors",
+                        help="tensor by tensor, or in the stock path's buckets (dgc, topk, gaussiank)")
+    parser.add_argument("--runs", type=int, default=0,
+                        help="runs after the first, timed (median): a built step's time")
     return parser.parse_args()
 
 
@@ -127,15 +161,14 @@ def main() -> None:
     else:
         shapes = [tuple(args.shape)] * args.tensors
         what = f"{args.tensors} float32 tensor(s) of shape {tuple(args.shape)}"
-    print(f"{what}, one worker, default options; TensorFlow {tf.__version__}; {args.repeat} "
-          f"traces after one warm-up (one {DEFAULT_SHAPE} tensor)\n")
-    print(f"{'method':<12} {'ops':>6} {'trace s':>8} {'first run s':>12}   (medians)")
+    print(f"{what}, {args.layout}, one worker, default options; TensorFlow {tf.__version__}; "
+          f"{args.repeat} traces after one warm-up (one {DEFAULT_SHAPE} tensor)\n")
+    print(f"{'method':<12} {'ops':>6} {'trace s':>8} {'first run s':>12} {'run s':>8}   (medians)")
     for name in args.methods.split(","):
         trace(name, DEFAULT_SHAPE)
-        results: List[Tuple[int, float, float]] = [trace_shapes(name, shapes) for _ in range(args.repeat)]
-        traced = statistics.median(r[1] for r in results)
-        first_run = statistics.median(r[2] for r in results)
-        print(f"{name:<12} {results[-1][0]:>6} {traced:>8.3f} {first_run:>12.3f}")
+        results = [trace_shapes(name, shapes, args.layout, args.runs) for _ in range(args.repeat)]
+        traced, first_run, later = (statistics.median(r[i] for r in results) for i in (1, 2, 3))
+        print(f"{name:<12} {results[-1][0]:>6} {traced:>8.3f} {first_run:>12.3f} {later:>8.3f}")
 
 if __name__ == "__main__":
     main()

@@ -3,6 +3,7 @@ tensors, and which average each tensor gets back, against a hand-made exchange."
 import pytest
 import torch
 
+from horovod_dgc.core.collectives import stock_buckets
 from horovod_dgc.torch.queue import StockQueue
 
 
@@ -25,7 +26,9 @@ class Exchanges:
 
 def queue_of(names, sizes, cap):
     exchanges = Exchanges()
-    return StockQueue(names, sizes, cap, exchanges.launch, exchanges.finish), exchanges
+    # ``names`` in the order buckets take them (stock_buckets reverses the model's order).
+    buckets = stock_buckets(names[::-1], sizes[::-1], cap)
+    return StockQueue(buckets, exchanges.launch, exchanges.finish), exchanges
 
 
 def test_a_bucket_launches_when_its_last_tensor_arrives_whatever_the_order():

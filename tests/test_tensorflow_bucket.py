@@ -105,6 +105,21 @@ def test_a_bucket_gives_each_tensor_what_it_gets_alone_through_warm_up(name):
     assert bucket.experimental_get_tracing_count() == 1
 
 
+def test_under_a_loss_scale_a_bucket_gives_each_tensor_what_it_gets_alone():
+    """Gradients arrive multiplied by a loss scale of 8: the memories hold them unscaled and
+    the averages go back scaled, as each tensor's alone."""
+    alone, bucketed = _engines(METHODS["dgc"]()), _engines(METHODS["dgc"]())
+    for engine in alone + bucketed:
+        engine.use_loss_scale(lambda: tf.constant(8.0))
+    per_tensor, bucket = _per_tensor_step(alone), _bucket_step(bucketed)
+    rs = np.random.RandomState(3)
+    for t in range(2):
+        grads, params = _inputs(rs)
+        expected, got = per_tensor(grads, params), bucket(grads, params)
+        for e, g in zip(expected[0], got[0]):
+            np.testing.assert_array_equal(e.numpy(), g.numpy(), err_msg=f"step {t}")
+
+
 def test_bfloat16_tensors_bucket_alike():
     """A bucket of bfloat16 gradients (float32 memories, bfloat16 values on the wire)."""
     shapes = {"a": (40, 50), "b": (50,)}

@@ -9,7 +9,7 @@ exchange is written once whatever carries it.
 from __future__ import annotations
 
 from itertools import accumulate
-from typing import Any, List, Optional, Protocol, Sequence
+from typing import Any, List, Optional, Protocol, Sequence, Tuple
 
 from .ops import Tensor, TensorOps
 from .wire import MessageError
@@ -39,6 +39,15 @@ def cut_buckets(sizes_bytes: Sequence[int], cap_bytes: float) -> List[List[int]]
         buckets[-1].append(i)
         size += nbytes
     return [b for b in buckets if b]
+
+
+def stock_buckets(names: Sequence[str], sizes_bytes: Sequence[int],
+                  cap_bytes: float = DEFAULT_BUCKET_CAP_MB * 2 ** 20) -> List[Tuple[str, ...]]:
+    """The buckets of a stock Horovod path: the compressed tensors ``names`` (in the order
+    the model registers them, ``sizes_bytes`` of gradient each) reversed, as backward
+    produces them, and cut into buckets of about ``cap_bytes`` (:func:`cut_buckets`)."""
+    names, sizes_bytes = list(names)[::-1], list(sizes_bytes)[::-1]
+    return [tuple(names[i] for i in bucket) for bucket in cut_buckets(sizes_bytes, cap_bytes)]
 
 
 class Transport(Protocol):

@@ -47,7 +47,7 @@ from horovod.tensorflow.compression import Compressor
 from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext
 
 from ..core.callers import caller_frames, calling_object, values_among_callers
-from ..core.collectives import ALLGATHER, DEFAULT_BUCKET_CAP_MB, cut_buckets
+from ..core.collectives import ALLGATHER, stock_buckets
 from ..core.config import keeping_yours
 from ..core.controls import CompressorControls
 from ..core.hosts import Hosts
@@ -648,8 +648,8 @@ class SparseCompressor(MethodCompressor):
     **Buckets.** Where the method compresses a bucket as one (``bucketed``: every sparse
     method but with int8 values) and Horovod's ``allreduce_grads`` hands the gradients over
     (its tape, its Keras and TensorFlow 1 optimizers), the compressed variables are cut into
-    buckets once, identical on every rank: in reverse order, about ``DEFAULT_BUCKET_CAP_MB``
-    of gradient each, one dtype each. The first ``compress`` of a bucket's tensor builds the
+    buckets once, identical on every rank (:func:`~horovod_dgc.core.collectives.stock_buckets`),
+    split by dtype. The first ``compress`` of a bucket's tensor builds the
     whole bucket's message from the gradients of that call (every member's is known there)
     and launches its allgather; each member hands Horovod a placeholder, and its
     ``decompress`` takes its part of the bucket's average. Horovod traces each tensor's
@@ -672,18 +672,13 @@ class SparseCompressor(MethodCompressor):
         """Per compressed variable, the names of its bucket's variables (in bucket order)."""
         if self._bucket_members is None:
             engine = self.engine
-            compressed = [name for name, v in self._variables
-                          if not engine.passes_through(spec := tf.TensorSpec(v.shape, v.dtype))
-                          and engine.compresses(spec)][::-1]
-            sizes = [self._variable(name).shape.num_elements() * tf.as_dtype(self._variable(name).dtype).size
-                     for name in compressed]
-            self._bucket_members = {compressed[i]: tuple(compressed[j] for j in bucket)
-                                    for bucket in cut_buckets(sizes, DEFAULT_BUCKET_CAP_MB * 2 ** 20)
-                                    for i in bucket}
+            specs = [(name, tf.TensorSpec(v.shape, v.dtype)) for name, v in self._variables]
+            compressed = [(name, spec) for name, spec in specs
+                          if not engine.passes_through(spec) and engine.compresses(spec)]
+            buckets = stock_buckets([name for name, _ in compressed],
+                                    [spec.shape.num_elements() * spec.dtype.size for _, spec in compressed])
+            self._bucket_members = {name: bucket for bucket in buckets for name in bucket}
         return self._bucket_members
-
-    def _variable(self, name: str) -> Any:
-        return dict(self._variables)[name]
 
     def start_bucket(self, tensor: tf.Tensor, name: str,
                      occurrence: int) -> Optional[Tuple[tf.Tensor, Callable[[], tf.Tensor]]]:

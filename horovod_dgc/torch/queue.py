@@ -19,7 +19,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..core.collectives import cut_buckets
 
 # What a queued tensor brings: its name, gradient and parameter.
 Entry = Tuple[str, torch.Tensor, Optional[torch.nn.Parameter]]
@@ -52,17 +51,14 @@ class StockQueue:
     """Collects one step's tensors into fixed buckets and exchanges each bucket as one.
 
     Args:
-        order: the names of the tensors that may be queued, in the order buckets take them.
-        sizes_bytes: each one's gradient bytes.
-        cap_bytes: gradient bytes per bucket (a tensor larger than it has a bucket alone).
+        buckets: the names of the tensors each bucket takes (``collectives.stock_buckets``).
         launch: starts a bucket's exchange, ``launch(label, entries)``; ``finish(exchange)``
             returns its averaged gradients in the entries' order.
     """
 
-    def __init__(self, order: Sequence[str], sizes_bytes: Sequence[int], cap_bytes: float,
-                 launch: Callable[[str, Sequence[Entry]], Any],
+    def __init__(self, buckets: Sequence[Tuple[str, ...]], launch: Callable[[str, Sequence[Entry]], Any],
                  finish: Callable[[Any], List[torch.Tensor]]) -> None:
-        self._buckets = [tuple(order[i] for i in bucket) for bucket in cut_buckets(sizes_bytes, cap_bytes)]
+        self._buckets = [tuple(bucket) for bucket in buckets]
         self._bucket_of = {name: i for i, members in enumerate(self._buckets) for name in members}
         self._launch, self._finish = launch, finish
         self._lock = threading.Lock()

@@ -3,7 +3,8 @@
 its aggregated gradient equals the dense reference built from all ranks' sent values.
 
 Each method runs with a compressor given ``variables=`` and with one given nothing (it takes
-the variables from Horovod's call). The Keras 3 model has a layer that gets no gradient
+the variables from Horovod's call), its compressed tensors exchanged as one bucket (one
+allgather). The Keras 3 model has a layer that gets no gradient
 (Horovod skips it, the compressor must too) placed just before a layer of its shapes (pairing
 by order and shape would hand that layer's gradients the unused layer's memories), kernels
 and biases of one shape, and tensors that go dense. Then misuse: a rank with another density
@@ -80,6 +81,18 @@ def memory_names(compression, variables) -> dict:
     return {v.path: compression._names[v.value.ref()] for v in variables}
 
 
+def record_collectives(compression) -> list:
+    """The names of the collectives ``compression`` launches, as it launches them."""
+    launched, launch = [], compression.collective
+
+    def recorded(kind, message, name, *args, **options):
+        launched.append(name)
+        return launch(kind, message, name, *args, **options)
+
+    compression.collective = recorded
+    return launched
+
+
 def exact_topk_dense(x: np.ndarray, k: int) -> np.ndarray:
     flat = x.reshape(-1)
     order = sorted(range(flat.size), key=lambda i: -abs(float(flat[i])))[:k]
@@ -95,6 +108,7 @@ def run(method: str, mode: str, named: bool) -> dict:
     # float32 values: the sent values are then exactly the selected entries.
     compression = getattr(hdgc.Compression, method)(variables=variables if named else None,
                                                     density=DENSITY, value_dtype="float32")
+    launched = record_collectives(compression)
     step_fn = make_step(compression, variables, mode)
     shapes = {v.path: tuple(v.shape) for v in variables}
     results = []
@@ -130,6 +144,8 @@ def run(method: str, mode: str, named: bool) -> dict:
         assert got["unused/kernel"] is None and got["unused/bias"] is None
         results.append({k: v.numpy() for k, v in got.items() if v is not None})
     assert compression.stats().steps == 2, compression.stats()
+    # Every compressed tensor fits one bucket: one allgather a trace, none per tensor.
+    assert launched and all(".bucket." in name for name in launched), launched
     return {"results": results, "names": names}
 
 
