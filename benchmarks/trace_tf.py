@@ -36,7 +36,7 @@ DEFAULT_REPEAT = 5
 DEFAULT_TENSORS = 1
 
 
-def received(kind: str, message: tf.Tensor, name: str, root: Any = 0) -> tf.Tensor:
+def received(kind: str, message: tf.Tensor, name: str, root: Any = 0, chunks: Any = None) -> tf.Tensor:
     """A lone worker's result of any collective: its own message."""
     return message
 

@@ -4,7 +4,10 @@ Two ranks are emulated (their messages concatenated as Horovod's allgather would
 ``tf.function``, through the warm-up (the density chosen at run time). Every tensor of a
 bucket must come back exactly as when it is exchanged alone: its k (its own density, the
 small tensors' floor), its exact top-k, its memories, bit for bit in float32. A non-finite
-gradient on one rank drops the whole bucket's step on every rank.
+gradient on one rank drops the whole bucket's step on every rank. The two-stage methods'
+buckets (their collectives inside the engine) run on one worker against their own
+tensor-by-tensor exchange; the Horovod jobs check them on 2 and 3 workers against the
+N-worker simulation (``tests/workers/twostage_tensorflow.py``).
 """
 import dataclasses
 
@@ -13,9 +16,11 @@ import pytest
 import tensorflow as tf
 
 from horovod_dgc.core import DGC, DGCConfig, GaussianK, GaussianKConfig, TopK, TopKConfig
+from horovod_dgc.core.methods import BY_NAME
 from horovod_dgc.core.selection import top_count
 from horovod_dgc.tensorflow.engine import Engine
-from tf_emulation import graph_function
+from horovod_dgc.tensorflow.twostage import TwoStageEngine
+from tf_emulation import graph_function, single_worker
 
 WORLD = 2
 STEPS = 7
@@ -161,3 +166,68 @@ def test_a_bucket_refuses_gradients_of_two_dtypes():
     engine = _engines(TopK(TopKConfig(density=0.01)), {"a": (10, 10), "b": (10,)})[0]
     with pytest.raises(ValueError, match="several dtypes"):
         engine.bucket("bucket.a", [("a", tf.TensorSpec((10, 10), tf.float32)), ("b", tf.TensorSpec((10,), tf.bfloat16))])
+
+
+# blocksign sends small tensors dense: min_numel=1000 gives its bucket both kernels.
+TWO_STAGE = {"scalecom": dict(density=0.01), "blocksign": dict(min_numel=1000),
+             "dgc-sar": dict(aggregation="sparse_allreduce")}
+
+
+def _two_stage_steps(name: str, scale: float = 1.0):
+    """(tensor-by-tensor step, bucket step, their engines) of a two-stage method on one
+    worker, the bucket taking the compressed tensors in reverse order."""
+    method_name = "dgc" if name == "dgc-sar" else name
+    method = BY_NAME[method_name].build(1, **TWO_STAGE[name])
+    specs = [tf.TensorSpec(shape, tf.float32, n) for n, shape in SHAPES.items()]
+    alone, bucketed = TwoStageEngine(method, specs, 1, 0), TwoStageEngine(method, specs, 1, 0)
+    for engine in (alone, bucketed):
+        engine.use_loss_scale(lambda: tf.constant(scale))
+    compressed = [n for n, spec in zip(SHAPES, specs) if alone.compresses(spec)][::-1]
+    assert len(compressed) >= 2, compressed
+
+    @graph_function
+    def per_tensor(grads):
+        return [alone.exchange(n, g, None, single_worker, f"x.{n}")[0] if n in compressed else g
+                for n, g in zip(SHAPES, grads)]
+
+    @graph_function
+    def bucket(grads):
+        by_name = dict(zip(SHAPES, grads))
+        members = [by_name[n] for n in compressed]
+        made = bucketed.bucket("bucket.x", list(zip(compressed, members)))
+        by_name.update(zip(compressed, bucketed.exchange_bucket(made, members, [None] * len(members),
+                                                                 single_worker, "b")[0]))
+        return [by_name[n] for n in SHAPES]
+
+    return per_tensor, bucket, alone, bucketed
+
+
+@pytest.mark.parametrize("name", list(TWO_STAGE))
+def test_a_two_stage_bucket_gives_each_tensor_what_it_gets_alone(name):
+    """Four steps under a loss scale of 4: each tensor's update and memories as when it is
+    exchanged alone (to float32 rounding: a bucket's sums run in another order)."""
+    per_tensor, bucket, alone, bucketed = _two_stage_steps(name, scale=4.0)
+    rs = np.random.RandomState(4)
+    for t in range(4):
+        grads = [tf.constant(rs.standard_normal(s).astype(np.float32)) for s in SHAPES.values()]
+        for tensor, e, g in zip(SHAPES, per_tensor(grads), bucket(grads)):
+            np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-6, atol=1e-6, err_msg=f"{name} {tensor} step {t}")
+        for tensor in SHAPES:
+            for key, memory in alone._states[tensor].items():
+                np.testing.assert_allclose(bucketed._states[tensor][key].numpy(), memory.numpy(), rtol=1e-6,
+                                           atol=1e-6, err_msg=f"{name} {tensor}/{key} step {t}")
+    a, b = alone.stats(), bucketed.stats()
+    assert (a.steps, a.dense_bytes, a.elements_compressed) == (b.steps, b.dense_bytes, b.elements_compressed)
+
+
+def test_a_two_stage_bucket_keeps_every_memory_through_a_non_finite_step():
+    _, bucket, _, bucketed = _two_stage_steps("scalecom")
+    rs = np.random.RandomState(5)
+    bucket([tf.constant(rs.standard_normal(s).astype(np.float32)) for s in SHAPES.values()])
+    before = {n: {k: v.numpy() for k, v in bucketed._states[n].items()} for n in SHAPES}
+    grads = [rs.standard_normal(s).astype(np.float32) for s in SHAPES.values()]
+    grads[0][0, 0, 0, 0] = np.inf
+    bucket([tf.constant(g) for g in grads])
+    for n in SHAPES:
+        for k, v in bucketed._states[n].items():
+            np.testing.assert_array_equal(v.numpy(), before[n][k], err_msg=f"{n}/{k}")

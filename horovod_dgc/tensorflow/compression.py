@@ -8,6 +8,8 @@ skipped), always while tracing a ``tf.function``: an eagerly executed tape runs 
 ``compress`` and hands Horovod a one-element placeholder; ``decompress`` rebuilds the
 averaged gradient from the gathered messages. A two-stage compressor (ScaleCom,
 blocksign) runs its whole exchange in ``compress`` and hands the result to ``decompress``.
+Where the method allows, the tensors go in buckets, each exchanged as one tensor
+(:class:`MethodCompressor`).
 
 **Which variable a gradient belongs to.** ``compress`` gets only the gradient, and inside a
 trace a gradient tensor carries nothing that names its variable (eagerly executed tapes hand
@@ -47,6 +49,7 @@ from horovod.tensorflow.compression import Compressor
 from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext
 
 from ..core.callers import caller_frames, calling_object, values_among_callers
+from ..core.bucket import Bucket
 from ..core.collectives import ALLGATHER, stock_buckets
 from ..core.config import keeping_yours
 from ..core.controls import CompressorControls
@@ -336,6 +339,20 @@ class MethodCompressor(CompressorControls, Compressor):
             the variables Horovod's tape or Keras optimizer reduces on its first step; give
             them to restore a checkpoint before that step, or to call ``hvd.allreduce(...,
             compression=)`` directly (then in the order the gradients are compressed).
+
+    **Buckets.** Where the method compresses a bucket as one (``bucketed``) and Horovod's
+    ``allreduce_grads`` hands the gradients over (its tape, its Keras and TensorFlow 1
+    optimizers), the compressed variables are cut into buckets once, identical on every rank
+    (:func:`~horovod_dgc.core.collectives.stock_buckets`), split by dtype. The first
+    ``compress`` of a bucket's tensor exchanges the whole bucket, from the gradients of that
+    call (every member's is known there); each member hands Horovod a placeholder, and its
+    ``decompress`` takes its part of the bucket's average. Horovod traces each tensor's
+    exchange in a branch of its own (``tf.cond``), and a tensor made in one branch cannot be
+    used in another: the bucket's ops are built in the graph of the gradients instead, where
+    every branch can read them. Memories stay per tensor (the checkpoints' layout), and a
+    bucket's tensors keep or drop a step's memories together (a non-finite gradient in one
+    drops the bucket's step on every rank). Outside such a call (``hvd.allreduce`` called
+    directly), on one worker, and between hosts, tensors are exchanged alone.
     """
 
     engine_class = Engine
@@ -357,6 +374,10 @@ class MethodCompressor(CompressorControls, Compressor):
         self._one_worker_told = False
         self.hosts: Optional[Hosts] = None
         self.collective: Callable[..., tf.Tensor] = run
+        self._bucket_members: Optional[Dict[str, Tuple[str, ...]]] = None
+        # Per graph of gradients: the exchange of each gradient whose bucket was launched, by its ref.
+        self._bucketed: "weakref.WeakKeyDictionary[tf.Graph, Dict[Any, Tuple[tf.Tensor, Callable[[], tf.Tensor]]]]" = \
+            weakref.WeakKeyDictionary()
         if variables is not None:
             self.bind(variables)
 
@@ -634,40 +655,6 @@ class MethodCompressor(CompressorControls, Compressor):
         (its step counter, a function giving the averaged gradient)."""
         raise NotImplementedError
 
-    def start_bucket(self, tensor: tf.Tensor, name: str,
-                     occurrence: int) -> Optional[Tuple[tf.Tensor, Callable[[], tf.Tensor]]]:
-        """:meth:`start_exchange`'s result for a tensor exchanged in a bucket, or None where
-        it is exchanged alone (by default always)."""
-        return None
-
-
-class SparseCompressor(MethodCompressor):
-    """A sparse method (DGC, Top-k, Gaussian-k): one allgather of (index, value) messages
-    per tensor, or per bucket; built by ``Compression.dgc()`` and friends.
-
-    **Buckets.** Where the method compresses a bucket as one (``bucketed``: every sparse
-    method but with int8 values) and Horovod's ``allreduce_grads`` hands the gradients over
-    (its tape, its Keras and TensorFlow 1 optimizers), the compressed variables are cut into
-    buckets once, identical on every rank (:func:`~horovod_dgc.core.collectives.stock_buckets`),
-    split by dtype. The first ``compress`` of a bucket's tensor builds the
-    whole bucket's message from the gradients of that call (every member's is known there)
-    and launches its allgather; each member hands Horovod a placeholder, and its
-    ``decompress`` takes its part of the bucket's average. Horovod traces each tensor's
-    exchange in a branch of its own (``tf.cond``), and a tensor made in one branch cannot be
-    used in another: the bucket's ops are built in the graph of the gradients instead, where
-    every branch can read them. Memories stay per tensor (the checkpoints' layout), and
-    a bucket's tensors keep or drop a step's memories together (a non-finite gradient in one
-    drops the bucket's step on every rank). Outside such a call (``hvd.allreduce`` called
-    directly), on one worker, and between hosts, tensors are exchanged alone.
-    """
-
-    def __init__(self, method: Method, variables: Optional[Iterable[Any]] = None):
-        super().__init__(method, variables)
-        self._bucket_members: Optional[Dict[str, Tuple[str, ...]]] = None
-        # Per graph of gradients: the ready exchange of each bucketed gradient, by its ref.
-        self._bucketed: "weakref.WeakKeyDictionary[tf.Graph, Dict[Any, Tuple[tf.Tensor, Callable[[], tf.Tensor]]]]" = \
-            weakref.WeakKeyDictionary()
-
     def _members(self) -> Dict[str, Tuple[str, ...]]:
         """Per compressed variable, the names of its bucket's variables (in bucket order)."""
         if self._bucket_members is None:
@@ -682,6 +669,8 @@ class SparseCompressor(MethodCompressor):
 
     def start_bucket(self, tensor: tf.Tensor, name: str,
                      occurrence: int) -> Optional[Tuple[tf.Tensor, Callable[[], tf.Tensor]]]:
+        """:meth:`start_exchange`'s result for a tensor exchanged in its bucket (see
+        :class:`MethodCompressor`), or None where it is exchanged alone."""
         if (not self.method.bucketed or self.hierarchical or tf.executing_eagerly()
                 or _skipped_by_horovod()):
             return None
@@ -702,18 +691,32 @@ class SparseCompressor(MethodCompressor):
         with tensor.graph.as_default():
             for dtype, group in by_dtype.items():
                 label = f"bucket.{members[0]}" + (f".{dtype.name}" if len(by_dtype) > 1 else "")
-                ready.update(self._launch_bucket(label, group, occurrence))
+                grads = [g if g.shape.is_fully_defined() else tf.ensure_shape(g, v.shape) for _, g, v in group]
+                bucket = self.engine.bucket(label, [(n, g) for (n, _, _), g in zip(group, grads)])
+                step, finishes = self.launch_bucket(bucket, grads, [v for _, _, v in group],
+                                                    collective_name(bucket.key, occurrence))
+                ready.update({g.ref(): (step, finish) for (_, g, _), finish in zip(group, finishes)})
         return ready.pop(tensor.ref())
 
-    def _launch_bucket(self, label: str, entries: Sequence[Tuple[str, tf.Tensor, Any]], occurrence: int
-                       ) -> Dict[Any, Tuple[tf.Tensor, Callable[[], tf.Tensor]]]:
-        """Compress ``entries`` (name, gradient, variable) as one bucket and launch its
-        allgather: each gradient's ref -> (step, its part of the average)."""
+    def launch_bucket(self, bucket: Bucket, grads: Sequence[tf.Tensor], variables: Sequence[Any],
+                      collective: str) -> Tuple[tf.Tensor, List[Callable[[], tf.Tensor]]]:
+        """Launch the exchange of ``bucket``'s gradients (in its order) under the collective
+        name ``collective``: (the step counter, per member a function giving its averaged
+        gradient)."""
+        raise NotImplementedError
+
+
+class SparseCompressor(MethodCompressor):
+    """A sparse method (DGC, Top-k, Gaussian-k): one allgather of (index, value) messages
+    per tensor, or per bucket; built by ``Compression.dgc()`` and friends.
+    A bucket (see :class:`MethodCompressor`) is one message and one allgather; the first
+    member's ``decompress`` decodes it, in the gradients' graph, for all of them."""
+
+    def launch_bucket(self, bucket: Bucket, grads: Sequence[tf.Tensor], variables: Sequence[Any],
+                      collective: str) -> Tuple[tf.Tensor, List[Callable[[], tf.Tensor]]]:
         engine = self.engine
-        grads = [g if g.shape.is_fully_defined() else tf.ensure_shape(g, v.shape) for _, g, v in entries]
-        bucket = engine.bucket(label, [(n, g) for (n, _, _), g in zip(entries, grads)])
-        sent = engine.compress_bucket(bucket, grads, [v for _, _, v in entries])
-        gathered = self.collective(ALLGATHER, sent.message, collective_name(bucket.key, occurrence))
+        sent = engine.compress_bucket(bucket, grads, variables)
+        gathered = self.collective(ALLGATHER, sent.message, collective)
         graph, decoded = tf.compat.v1.get_default_graph(), []
 
         def part(i: int) -> Callable[[], tf.Tensor]:
@@ -724,7 +727,7 @@ class SparseCompressor(MethodCompressor):
                 return decoded[i]
             return finish
 
-        return {g.ref(): (sent.step, part(i)) for i, (_, g, _) in enumerate(entries)}
+        return sent.step, [part(i) for i in range(len(grads))]
 
     def start_exchange(self, name: str, tensor: tf.Tensor, variable: Any,
                        collective: str) -> Tuple[tf.Tensor, Callable[[], tf.Tensor]]:
@@ -744,6 +747,11 @@ class TwoStageCompressor(MethodCompressor):
                        collective: str) -> Tuple[tf.Tensor, Callable[[], tf.Tensor]]:
         update, step = self.engine.exchange(name, tensor, variable, self.collective, collective)
         return step, lambda: update
+
+    def launch_bucket(self, bucket: Bucket, grads: Sequence[tf.Tensor], variables: Sequence[Any],
+                      collective: str) -> Tuple[tf.Tensor, List[Callable[[], tf.Tensor]]]:
+        updates, step = self.engine.exchange_bucket(bucket, grads, variables, self.collective, collective)
+        return step, [lambda update=update: update for update in updates]
 
 
 COMPRESSORS = {"sparse": SparseCompressor, "two-stage": TwoStageCompressor}

@@ -105,6 +105,45 @@ class TracedBucket:
 
 
 @dataclass
+class BucketStep:
+    """A bucket's exchange as it starts (``Engine._bucket_step``): the members' step and
+    memories read, each memory laid out flat as ``state_layouts`` says, and what a
+    ``BucketCall`` at each density of the schedule needs."""
+
+    bucket: Bucket
+    step: tf.Tensor
+    guards: List[tf.Operation]
+    shapes: Tuple[tf.TensorShape, ...]
+    dtype: tf.DType
+    densities: Tuple[Tuple[float, ...], ...]
+    index: tf.Tensor
+    old_states: Dict[str, Dict[str, tf.Tensor]]
+    state_layouts: Dict[str, Bucket]
+    state: Dict[str, tf.Tensor]
+    flat: tf.Tensor
+    param: Optional[tf.Tensor]
+    loss_scale: Any
+
+    @property
+    def numel(self) -> int:
+        """The members' elements (no padding)."""
+        return sum(s.numel for s in self.bucket.segments)
+
+    def call(self, engine: "Engine", i: int) -> BucketCall:
+        """The bucket's call at the ``i``-th density of the schedule."""
+        return BucketCall(bucket=self.bucket, rank=engine.rank, world_size=engine.world_size, step=self.step,
+                          densities=self.densities[i], param=self.param, loss_scale=self.loss_scale,
+                          keeps_bounds=False)
+
+    def member_states(self, flat_state: Dict[str, tf.Tensor]) -> Dict[str, Dict[str, tf.Tensor]]:
+        """Each member's part of the flat memories ``flat_state``."""
+        return {name: {key: tf.slice(value, [self.state_layouts[key].segments[i].offset],
+                                     [self.state_layouts[key].segments[i].numel])
+                       for key, value in flat_state.items()}
+                for i, name in enumerate(self.bucket.names)}
+
+
+@dataclass
 class DenseUpdate:
     """A tensor that travels dense: what to all-reduce, and how to give the result back."""
 
@@ -408,48 +447,50 @@ class Engine:
         register_names([bucket.key])
         return bucket
 
+    def _bucket_step(self, bucket: Bucket, grads: Sequence[tf.Tensor], params: Sequence[Optional[Any]]
+                     ) -> "BucketStep":
+        """What a bucket's exchange starts from: every member's step counter advanced (checked
+        to agree), their memories read into the bucket's flat layout, the flat gradient."""
+        steps = [self._traced_step(name) for name in bucket.names]
+        step = steps[0]
+        with self.ops.guards() as guards:
+            self.ops.check(tf.reduce_all(tf.equal(tf.stack(steps), step)), RuntimeError(
+                f"the tensors of bucket {bucket.label!r} are at different steps: a tensor of it "
+                f"was also compressed alone (hvd.allreduce(..., compression=) called directly?)"))
+        shapes = tuple(grad.shape for grad in grads)
+        old = {name: self._read_state(name) for name in bucket.names}
+        layouts = self.method.state_buckets(bucket, self.world_size)
+        param = (self._flat(bucket, [tf.convert_to_tensor(p) for p in params])
+                 if getattr(self.config, "weight_decay", 0.0) > 0 else None)
+        return BucketStep(
+            bucket=bucket, step=step, guards=guards, shapes=shapes, dtype=grads[0].dtype,
+            densities=tuple(tuple(d) for d in zip(*(self._densities_of(shape) for shape in shapes))),
+            index=self._density_index_at(step), old_states=old, state_layouts=layouts,
+            state={key: self._flat(layout, [old[name][key] for name in bucket.names]) for key, layout in layouts.items()},
+            flat=self._flat(bucket, grads), param=param, loss_scale=self._current_loss_scale())
+
     def compress_bucket(self, bucket: Bucket, grads: Sequence[tf.Tensor],
                         params: Sequence[Optional[Any]]) -> TracedBucket:
         """One sparse message for the tensors of ``bucket`` (their gradients in its order).
         Their memories stay per tensor (checkpoints and the per-tensor path read them as
         ever): read into the bucket's flat layout, and split back when the step is kept."""
         started = tf.timestamp()
-        steps = [self._traced_step(name) for name in bucket.names]
-        step = steps[0]
-        shapes = tuple(grad.shape for grad in grads)
-        densities = [tuple(d) for d in zip(*(self._densities_of(shape) for shape in shapes))]
-        layouts = tuple(self.method.bucket_layout(bucket, Plan.at(bucket, d)) for d in densities)
-        index = self._density_index_at(step)
-        old = {name: self._read_state(name) for name in bucket.names}
-        state = {key: self._flat(layout, [old[name][key] for name in bucket.names])
-                 for key, layout in self.method.state_buckets(bucket, self.world_size).items()}
-        flat, scale = self._flat(bucket, grads), self._current_loss_scale()
-        param = (self._flat(bucket, [tf.convert_to_tensor(p) for p in params])
-                 if getattr(self.config, "weight_decay", 0.0) > 0 else None)
+        with tf.control_dependencies([started]):
+            begun = self._bucket_step(bucket, grads, params)
 
         def at_density(i: int) -> Tuple[tf.Tensor, Dict[str, tf.Tensor], tf.Tensor]:
-            call = BucketCall(bucket=bucket, rank=self.rank, world_size=self.world_size, step=step,
-                              densities=densities[i], param=param, loss_scale=scale, keeps_bounds=False)
-            result = self.method.compress_bucket(self.ops, state, flat, call)
+            result = self.method.compress_bucket(self.ops, begun.state, begun.flat, begun.call(self, i))
             return result.message, result.state, tf.cast(result.count, tf.int64)
 
-        with self.ops.guards() as guards, tf.control_dependencies([started]):
-            self.ops.check(tf.reduce_all(tf.equal(tf.stack(steps), step)), RuntimeError(
-                f"the tensors of bucket {bucket.label!r} are at different steps: a tensor of it "
-                f"was also compressed alone (hvd.allreduce(..., compression=) called directly?)"))
-            message, new_state, count = self._by_density(index, densities, at_density)
-        with tf.control_dependencies(guards + [message, count]):
+        message, new_state, count = self._by_density(begun.index, begun.densities, at_density)
+        with tf.control_dependencies(begun.guards + [message, count]):
             message, elapsed = tf.identity(message), tf.timestamp() - started
-        numel = sum(s.numel for s in bucket.segments)
-        nbytes = tf.gather(tf.constant([layout.nbytes for layout in layouts], tf.int64), index)
-        self._record([(ALLGATHER, nbytes)], numel * grads[0].dtype.size, elements_sent=count,
-                     elements_compressed=numel, selection_time_s=elapsed)
-        layouts_of = self.method.state_buckets(bucket, self.world_size)
-        new = {name: {key: tf.slice(value, [layouts_of[key].segments[i].offset], [layouts_of[key].segments[i].numel])
-                      for key, value in new_state.items()}
-               for i, name in enumerate(bucket.names)}
-        return TracedBucket(bucket, message, layouts, tuple(densities), index, step, shapes, grads[0].dtype,
-                            old, new, scale)
+        layouts = tuple(self.method.bucket_layout(bucket, Plan.at(bucket, d)) for d in begun.densities)
+        nbytes = tf.gather(tf.constant([layout.nbytes for layout in layouts], tf.int64), begun.index)
+        self._record([(ALLGATHER, nbytes)], begun.numel * begun.dtype.size, elements_sent=count,
+                     elements_compressed=begun.numel, selection_time_s=elapsed)
+        return TracedBucket(bucket, message, layouts, begun.densities, begun.index, begun.step, begun.shapes,
+                            begun.dtype, begun.old_states, begun.member_states(new_state), begun.loss_scale)
 
     @staticmethod
     def _flat(layout: Bucket, tensors: Sequence[tf.Tensor]) -> tf.Tensor:

@@ -7,7 +7,7 @@ asynchronous kernels, so tensors never wait on each other's steps.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
@@ -46,13 +46,16 @@ class BetweenHosts:
     def __init__(self, hosts: Hosts):
         self.hosts = hosts
 
-    def __call__(self, kind: str, message: tf.Tensor, name: str, root: Any = 0) -> tf.Tensor:
+    def __call__(self, kind: str, message: tf.Tensor, name: str, root: Any = 0,
+                 chunks: Optional[Sequence[int]] = None) -> tf.Tensor:
         hosts = self.hosts
         if hosts.is_leader:
             received = run(kind, message, f"{PREFIX}hosts.{name}", root,
-                           process_set=hosts.leaders, rank=hosts.index)
+                           process_set=hosts.leaders, rank=hosts.index, chunks=chunks)
         else:
-            numel = received_numel(kind, tf.size(message), hosts.count)
+            # Chunks come with a message of a size known when traced (a bucket's).
+            size = tf.size(message) if chunks is None else message.shape.num_elements()
+            numel = received_numel(kind, size, hosts.count, hosts.index, chunks)
             # Made of the message's run-time values (only the leader's are broadcast): Grappler
             # runs a collective of anything it can fold (zeros of a known shape) while
             # optimizing the graph, before the leader can answer.

@@ -7,22 +7,25 @@ so this module knows nothing of Horovod. Inside a ``tf.function`` the step count
 ScaleCom's leader, ``step mod N``) is a run-time value: the core writes it into the headers
 and checks every received header against it. Each stage is traced once per tensor size and
 shared, as the sparse methods' compress and decompress are (``engine.py``); the collectives
-between the stages stay per tensor, named after it.
+between the stages stay per tensor, named after it. :meth:`TwoStageEngine.exchange_bucket`
+runs a bucket's exchange as one (``first_bucket``, then the bucket as one tensor), inline.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
+from ..core.bucket import Bucket, Plan
 from ..core.collectives import BROADCAST
 from ..core.method import CompressCall
 from ..core.twostage import StageHandover, TwoStageMethod
 from .engine import Engine
 from .ops import dtype_name
 
-# collective(kind, message, name, root) -> what this rank receives; ``root`` is the rank
-# whose message a BROADCAST sends (a tensor in a graph).
+# collective(kind, message, name, root, chunks=None) -> what this rank receives; ``root`` is
+# the rank whose message a BROADCAST sends (a tensor in a graph); ``chunks``: an ALLTOALL's
+# elements for each destination, where they differ.
 Collective = Callable[[str, tf.Tensor, str, Any], tf.Tensor]
 
 
@@ -65,6 +68,51 @@ class TwoStageEngine(Engine):
                      numel * grad.dtype.size, elements_sent=tf.round(density * numel),
                      elements_compressed=numel, selection_time_s=elapsed)
         return tf.reshape(update, grad.shape), step
+
+
+    def exchange_bucket(self, bucket: Bucket, grads: Sequence[tf.Tensor], params: Sequence[Optional[Any]],
+                        collective: Collective, collective_name: str) -> Tuple[List[tf.Tensor], tf.Tensor]:
+        """(each member's averaged update, shaped like it; the step counter) of the tensors
+        of ``bucket`` exchanged as one (``first_bucket``, then the bucket as one tensor);
+        collectives named ``collective_name`` + stage and density. A bucket's members keep or
+        drop the step's memories together."""
+        started = tf.timestamp()
+        with tf.control_dependencies([started]):
+            begun = self._bucket_step(bucket, grads, params)
+        method = self.method
+
+        def at_density(i: int) -> Tuple[tf.Tensor, Dict[str, tf.Tensor], tf.Tensor, tf.Tensor]:
+            message, state, handover = method.first_bucket(self.ops, begun.state, begun.flat, begun.call(self, i))
+            root = method.root(handover.call)
+            received = collective(method.FIRST, message, f"{collective_name}.d{i}.1", root, chunks=handover.chunks)
+            second, state = method.second(self.ops, state, received, handover)
+            received = collective(method.SECOND, second, f"{collective_name}.d{i}.2", root)
+            update, finite = method.finish(self.ops, received, handover)
+            return update, state, _stage_bytes(method, message, second, root, self.rank), finite
+
+        update, new_state, nbytes, finite = self._by_density(begun.index, begun.densities, at_density)
+        with tf.control_dependencies(begun.guards):
+            kept = [self._keep_if(finite, name, begun.old_states[name], state)
+                    for name, state in begun.member_states(new_state).items()]
+        with tf.control_dependencies(kept):
+            update = update * tf.cast(begun.loss_scale, update.dtype)
+        with tf.control_dependencies([update]):
+            elapsed = tf.timestamp() - started
+        density = tf.gather(tf.constant([Plan.at(bucket, d).total / begun.numel for d in begun.densities],
+                                        tf.float64), begun.index)
+        self._record([(method.FIRST, nbytes[0]), (method.SECOND, nbytes[1])], begun.numel * begun.dtype.size,
+                     elements_sent=tf.round(density * begun.numel), elements_compressed=begun.numel,
+                     selection_time_s=elapsed)
+        return [tf.reshape(tf.slice(update, [s.offset], [s.numel]), shape)
+                for s, shape in zip(bucket.segments, begun.shapes)], begun.step
+
+
+def _stage_bytes(method: TwoStageMethod, first: tf.Tensor, second: tf.Tensor, root: Any, rank: int) -> tf.Tensor:
+    """Bytes this rank hands to the FIRST and the SECOND collective (a BROADCAST's: the root's only)."""
+    first_bytes = tf.size(first, out_type=tf.int64) * first.dtype.size
+    if method.FIRST == BROADCAST:
+        first_bytes = tf.where(tf.equal(tf.cast(root, tf.int64), rank), first_bytes, 0)
+    return tf.stack([first_bytes, tf.size(second, out_type=tf.int64) * second.dtype.size])
 
 
 class _Stages:
@@ -128,8 +176,4 @@ class _Stages:
         second_message, state, data = self._shared("second", second, state, received, data)
         received = collective(method.SECOND, second_message, f"{collective_name}.2", root)
         update, finite = self._shared("finish", finish, received, data)
-        first_bytes = tf.size(message, out_type=tf.int64) * message.dtype.size
-        if method.FIRST == BROADCAST:
-            first_bytes = tf.where(tf.equal(tf.cast(root, tf.int64), self.engine.rank), first_bytes, 0)
-        second_bytes = tf.size(second_message, out_type=tf.int64) * second_message.dtype.size
-        return update, state, tf.stack([first_bytes, second_bytes]), finite
+        return update, state, _stage_bytes(method, message, second_message, root, self.engine.rank), finite

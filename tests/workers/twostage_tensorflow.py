@@ -5,7 +5,8 @@ aggregated gradient against the core's in-process simulation of all the workers,
 its memories equal the simulated worker's.
 
 The variables include a small tensor (a bias: dense for blocksign, its own density for
-ScaleCom) and two kernels of one shape. Eagerly the compressor is given ``variables=``;
+ScaleCom), a one-element tensor and two kernels of one shape, the compressed ones exchanged
+as one bucket. Eagerly the compressor is given ``variables=``;
 inside ``tf.function`` it is given nothing and takes them from Horovod's call.
 """
 import argparse
@@ -15,6 +16,7 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 
 import horovod_dgc.tensorflow as hdgc
+from aggregate_tensorflow import record_collectives
 from horovod_dgc.core.twostage import simulate_step
 from horovod_dgc.core.method import CompressCall
 from horovod_dgc.tensorflow import TFOps
@@ -28,7 +30,7 @@ KINDS = {"scalecom": ("scalecom", dict(density=0.01)), "blocksign": ("blocksign"
 
 
 def variables():
-    shapes = {"first/kernel": (64, 300), "first/bias": (300,), "second/kernel": (64, 300)}
+    shapes = {"first/kernel": (64, 300), "first/bias": (300,), "second/kernel": (64, 300), "scale": (1,)}
     return [tf.Variable(tf.zeros(shape), name=name) for name, shape in shapes.items()]
 
 
@@ -45,6 +47,7 @@ def run(kind: str, mode: str) -> None:
     given = model_vars if mode == "eager" else None
     compression = getattr(hdgc.Compression, method_name)(variables=given, **options)
     assert compression.method.family == "two-stage", kind
+    launched = record_collectives(compression)
 
     def step_fn(grads):
         with tf.GradientTape() as tape:
@@ -85,6 +88,8 @@ def run(kind: str, mode: str) -> None:
             np.testing.assert_allclose(variable.numpy(), states[name][rank][key].numpy(), rtol=1e-5, atol=1e-5,
                                        err_msg=f"rank {rank} {kind}/{mode} {name} memory {key}")
     assert compression.stats().steps == STEPS, compression.stats()
+    # The compressed tensors fit one bucket: its collectives only, none per tensor.
+    assert launched and all(".bucket." in name for name in launched), (kind, launched)
     print(f"rank {rank}/{size} {kind} {mode} twostage ok", flush=True)
 
 
