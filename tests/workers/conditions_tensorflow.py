@@ -12,6 +12,9 @@ scalecom, blocksign: every kind of exchange), stepped in one ``tf.function`` (th
 stepped in a function of its own: Horovod's stock tape takes this, as TensorFlow names its
 ops apart.
 
+A model of float32 and bfloat16 layers has its compressed tensors exchanged in two buckets,
+one per dtype, and trains to identical weights on every rank.
+
 A Keras 3 ``LossScaleOptimizer`` whose scale the compressor was not given is refused at the
 first step (the memories would keep scaled gradients); ``attach_loss_scale(None)`` is taken.
 DGC under a tape whose loop holds one Keras optimizer, Adam or an SGD with momentum, is
@@ -25,6 +28,7 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 
 import horovod_dgc.tensorflow as hdgc
+from aggregate_tensorflow import record_collectives
 
 STEPS = 3
 # (method, options, whether the output bias travels dense)
@@ -116,6 +120,39 @@ def twins(method: str, together: bool) -> np.ndarray:
     return np.concatenate([weights(net) for net in nets])
 
 
+def mixed_dtypes(method: str) -> None:
+    """A model whose hidden layer is float32 and whose output layer is bfloat16: its
+    compressed tensors go in two buckets, one per dtype; 3 steps leave the weights finite,
+    changed and identical on every rank."""
+    keras.utils.set_random_seed(0)
+    net = keras.Sequential([keras.Input((32,)), keras.layers.Dense(256, activation="relu", name="hidden"),
+                            keras.layers.Dense(10, name="logits", dtype="bfloat16")], name="net")
+    assert sorted({v.dtype for v in net.trainable_variables}) == ["bfloat16", "float32"]
+    compression = getattr(hdgc.Compression, method)(density=0.05)
+    launched = record_collectives(compression)
+    sgd = keras.optimizers.SGD(0.05)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(tf.cast(net(x), tf.float32) - y))
+        grads = hdgc.DistributedGradientTape(tape, compression=compression).gradient(loss, net.trainable_variables)
+        sgd.apply_gradients(zip(grads, net.trainable_variables))
+
+    before = weights(net)
+    for s in range(STEPS):
+        rs = np.random.RandomState(100 * s + hvd.rank())
+        step(rs.standard_normal((16, 32)).astype(np.float32), rs.standard_normal((16, 10)).astype(np.float32))
+    after = weights(net)
+    label = f"mixed.{method}"
+    assert np.isfinite(after).all() and not np.array_equal(after, before), label
+    for other in hvd.allgather_object(after, name=label):
+        assert np.array_equal(other, after), f"{label}: ranks hold different weights"
+    stages = 1 if compression.method.family == "sparse" else 2
+    assert len(launched) == 2 * stages and all(".bucket." in n for n in launched), (label, launched)
+    assert any("bfloat16" in n for n in launched) and any("float32" in n for n in launched), (label, launched)
+
+
 def loss_scale_not_told() -> None:
     """A Keras 3 LossScaleOptimizer in the custom-loop recipe, the compressor not given its
     scale: the memories would keep scaled gradients (every change of scale would multiply
@@ -198,6 +235,8 @@ if __name__ == "__main__":
     for method, options, bias_dense in RUNS:
         run(method, options, bias_dense)
     keras.mixed_precision.set_dtype_policy("float32")
+    for method in ("dgc", "scalecom"):
+        mixed_dtypes(method)
     loss_scale_not_told()
     dgc_refuses_adam_under_a_tape()
     xla_refused()
