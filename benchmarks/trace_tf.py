@@ -25,6 +25,7 @@ from typing import Any, Callable, List, Sequence, Tuple
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import tensorflow as tf  # noqa: E402 (the log level must be set before the import)
 
+from horovod_dgc.core.bucket import Bucket  # noqa: E402
 from horovod_dgc.core.collectives import ALLGATHER, stock_buckets  # noqa: E402
 from horovod_dgc.core.methods import BY_NAME, METHODS  # noqa: E402
 from horovod_dgc.tensorflow.engine import Engine  # noqa: E402
@@ -52,7 +53,8 @@ def exchange(method_name: str, shapes: Sequence[Shape],
     method = BY_NAME[method_name].build(WORLD_SIZE)
     specs = [tf.TensorSpec(shape, tf.float32, name=f"layer{i}/kernel") for i, shape in enumerate(shapes)]
     if layout == "buckets":
-        return _bucketed(Engine(method, specs, WORLD_SIZE, rank=0), specs)
+        engine_class = TwoStageEngine if method.family == "two-stage" else Engine
+        return _bucketed(engine_class(method, specs, WORLD_SIZE, rank=0), specs)
     if method.family == "two-stage":
         engine = TwoStageEngine(method, specs, WORLD_SIZE, rank=0)
 
@@ -73,18 +75,23 @@ def exchange(method_name: str, shapes: Sequence[Shape],
 
 
 def _bucketed(engine: Engine, specs: Sequence[tf.TensorSpec]) -> Callable[[List[tf.Tensor]], List[tf.Tensor]]:
-    """:func:`exchange` in the buckets ``SparseCompressor`` cuts (``stock_buckets``)."""
+    """:func:`exchange` in the buckets the compressors cut (``stock_buckets``)."""
     engine.method.require_bucketed()
     compressed = [spec for spec in specs if engine.compresses(spec)]
     buckets = stock_buckets([spec.name for spec in compressed], [spec.shape.num_elements() * 4 for spec in compressed])
+
+    def exchanged(bucket: Bucket, members: List[tf.Tensor]) -> List[tf.Tensor]:
+        if isinstance(engine, TwoStageEngine):
+            return engine.exchange_bucket(bucket, members, [None] * len(members), received, "bench")[0]
+        sent = engine.compress_bucket(bucket, members, [None] * len(members))
+        return engine.decompress_bucket(received(ALLGATHER, sent.message, "bench"), sent)
 
     def step(grads: List[tf.Tensor]) -> List[tf.Tensor]:
         averaged = {spec.name: grad for spec, grad in zip(specs, grads)}
         for names in buckets:
             members = [averaged[name] for name in names]
             bucket = engine.bucket(f"bucket.{names[0]}", list(zip(names, members)))
-            sent = engine.compress_bucket(bucket, members, [None] * len(names))
-            averaged.update(zip(names, engine.decompress_bucket(received(ALLGATHER, sent.message, "bench"), sent)))
+            averaged.update(zip(names, exchanged(bucket, members)))
         return [averaged[spec.name] for spec in specs]
     return tf.function(tf.autograph.experimental.do_not_convert(step))
 
