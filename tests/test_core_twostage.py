@@ -129,7 +129,7 @@ def test_messages_joined_into_one_collective_arrive_as_if_each_was_sent_alone(ki
              for t in range(len(sizes))]
     joined = emulate(ops, kind, [join(ops, kind, messages[w], world) for w in range(world)], root=1)
     for w in range(world):
-        parts = split(ops, kind, joined[w], sizes, world, ["a", "b", "c"])
+        parts = split(ops, kind, joined[w], sizes, world, ["a", "b", "c"], w)
         for t in range(len(sizes)):
             torch.testing.assert_close(parts[t], alone[t][w], rtol=0, atol=1e-6)
 
@@ -171,3 +171,11 @@ def test_a_joined_collective_of_the_wrong_size_names_its_tensors(device):
 
     with pytest.raises(MessageError, match=r"allgather of tensors \['a', 'b'\] delivered 17"):
         split(ops, "allgather", torch.zeros(17, device=device), [4, 5], 2, ["a", "b"])
+
+
+def test_splitting_an_alltoall_without_the_receiving_rank_is_refused(device):
+    from horovod_dgc.core.collectives import split
+
+    # Each receiver's share of an alltoall is its own: no rank to default to.
+    with pytest.raises(ValueError, match="needs the receiving rank"):
+        split(ops, "alltoall", torch.zeros(8, device=device), [4, 4], 2, ["a", "b"])

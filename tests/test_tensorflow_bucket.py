@@ -9,7 +9,6 @@ buckets (their collectives inside the engine) run on one worker against their ow
 tensor-by-tensor exchange; the Horovod jobs check them on 2 and 3 workers against the
 N-worker simulation (``tests/workers/twostage_tensorflow.py``).
 """
-import dataclasses
 
 import numpy as np
 import pytest

@@ -161,11 +161,14 @@ def _chunks_of(ops: TensorOps, messages: Sequence[Tensor], world_size: int,
 
 
 def split(ops: TensorOps, kind: str, received: Tensor, sizes: Sequence[int], world_size: int,
-          names: Sequence[str], rank: int = 0,
+          names: Sequence[str], rank: Optional[int] = None,
           chunks: Optional[Sequence[Optional[Sequence[int]]]] = None) -> List[Tensor]:
     """For each tensor whose message of ``sizes[t]`` elements (``chunks[t]``: an alltoall's,
     as :func:`join` took them) went into :func:`join`, what a collective of that message alone
-    would have delivered to worker ``rank`` (its headers are checked later, by the method)."""
+    would have delivered to worker ``rank`` (its headers are checked later, by the method).
+    ``rank`` is needed for an alltoall only, whose share depends on the receiver."""
+    if kind == ALLTOALL and rank is None:
+        raise ValueError("split() of an alltoall needs the receiving rank")
     if len(sizes) == 1:
         return [received]
     given = chunks if chunks is not None else [None] * len(sizes)
