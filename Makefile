@@ -7,7 +7,7 @@ DEVICE ?= cpu
 # gpu-check's interpreter: one whose PyTorch has CUDA (Horovod is not needed).
 GPU_PYTHON ?= python3
 
-.PHONY: setup test test-slow docs mutation-check demo imagenet-demo bench-compress bench-model-step bench-optimizer-step gpu-check bench-trace-tf bench-convergence bench-regions bench-scalecom-leader cluster-bench cluster-scaling cluster-negotiation cluster-faults traffic-model compose-test horovod-examples stress-hierarchical clean-venv
+.PHONY: setup test test-slow docs mutation-check demo imagenet-demo bench-compress bench-model-step bench-optimizer-step bench-tf-step gpu-check bench-trace-tf bench-convergence bench-regions bench-scalecom-leader cluster-bench cluster-scaling cluster-negotiation cluster-faults traffic-model compose-test horovod-examples stress-hierarchical clean-venv
 
 setup:
 	@bash scripts/setup_env.sh
@@ -64,6 +64,10 @@ bench-model-step: setup
 bench-optimizer-step: setup
 	TF_CPP_MIN_LOG_LEVEL=3 $(VENV)/bin/horovodrun -np 2 -H localhost:2 --gloo \
 		$(PYTHON) -m benchmarks.optimizer_step
+
+bench-tf-step: setup
+	TF_CPP_MIN_LOG_LEVEL=3 $(VENV)/bin/horovodrun -np 2 -H localhost:2 --gloo \
+		$(PYTHON) -m benchmarks.tf_step
 
 ## On a GPU machine (no .venv, no Horovod): the core and adapter tests on CUDA, bench-compress
 ## on CUDA and the host synchronisations per step; results in results/gpu/.
