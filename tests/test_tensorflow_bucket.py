@@ -230,3 +230,34 @@ def test_a_two_stage_bucket_keeps_every_memory_through_a_non_finite_step():
     for n in SHAPES:
         for k, v in bucketed._states[n].items():
             np.testing.assert_array_equal(v.numpy(), before[n][k], err_msg=f"{n}/{k}")
+
+
+def test_a_rank_whose_bucket_holds_another_density_is_named_in_graph_mode():
+    """Rank 1 compresses at twice rank 0's density: every rank's decode fails the step with
+    an error naming rank 1 and the bucket."""
+    engines = [_engines(TopK(TopKConfig(density=d)))[rank] for rank, d in enumerate((0.01, 0.02))]
+    rs = np.random.RandomState(6)
+    grads, params = _inputs(rs)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"rank 1 sent a malformed message for tensor \W*bucket\.x#"):
+        _bucket_step(engines)(grads, params)
+
+
+def test_a_two_stage_bucket_message_of_another_rank_is_checked_in_graph_mode():
+    """A ScaleCom bucket whose received positions message was cut short fails the step,
+    naming the bucket."""
+    _, _, _, bucketed = _two_stage_steps("scalecom")
+    compressed = [n for n in SHAPES if bucketed.compresses(tf.TensorSpec(SHAPES[n], tf.float32))][::-1]
+
+    def truncated(kind, message, name, root, chunks=None):
+        return message[:-8] if name.endswith(".1") else message
+
+    @graph_function
+    def bucket(grads):
+        by_name = dict(zip(SHAPES, grads))
+        members = [by_name[n] for n in compressed]
+        made = bucketed.bucket("bucket.x", list(zip(compressed, members)))
+        return bucketed.exchange_bucket(made, members, [None] * len(members), truncated, "b")[0]
+
+    rs = np.random.RandomState(7)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"bucket\.x#"):
+        bucket([tf.constant(rs.standard_normal(s).astype(np.float32)) for s in SHAPES.values()])

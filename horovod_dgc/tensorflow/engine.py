@@ -482,7 +482,7 @@ class Engine:
             result = self.method.compress_bucket(self.ops, begun.state, begun.flat, begun.call(self, i))
             return result.message, result.state, tf.cast(result.count, tf.int64)
 
-        message, new_state, count = self._by_density(begun.index, begun.densities, at_density)
+        message, new_state, count = self._by_density(begun.index, begun.densities, self._checked(at_density))
         with tf.control_dependencies(begun.guards + [message, count]):
             message, elapsed = tf.identity(message), tf.timestamp() - started
         layouts = tuple(self.method.bucket_layout(bucket, Plan.at(bucket, d)) for d in begun.densities)

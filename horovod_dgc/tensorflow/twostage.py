@@ -90,7 +90,7 @@ class TwoStageEngine(Engine):
             update, finite = method.finish(self.ops, received, handover)
             return update, state, _stage_bytes(method, message, second, root, self.rank), finite
 
-        update, new_state, nbytes, finite = self._by_density(begun.index, begun.densities, at_density)
+        update, new_state, nbytes, finite = self._by_density(begun.index, begun.densities, self._checked(at_density))
         with tf.control_dependencies(begun.guards):
             kept = [self._keep_if(finite, name, begun.old_states[name], state)
                     for name, state in begun.member_states(new_state).items()]
