@@ -26,7 +26,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import tensorflow as tf  # noqa: E402 (the log level must be set before the import)
 
 from horovod_dgc.core.bucket import Bucket  # noqa: E402
-from horovod_dgc.core.collectives import ALLGATHER, stock_buckets  # noqa: E402
+from horovod_dgc.core.collectives import ALLGATHER, backward_buckets  # noqa: E402
 from horovod_dgc.core.methods import BY_NAME, METHODS  # noqa: E402
 from horovod_dgc.tensorflow.engine import Engine  # noqa: E402
 from horovod_dgc.tensorflow.twostage import TwoStageEngine  # noqa: E402
@@ -49,7 +49,7 @@ def exchange(method_name: str, shapes: Sequence[Shape],
              layout: str = "tensors") -> Callable[[List[tf.Tensor]], List[tf.Tensor]]:
     """A fresh ``tf.function`` running the exchange of one gradient per shape of ``shapes``
     (those the method compresses) with a fresh engine: tensor by tensor, or in the stock
-    path's buckets (``layout="buckets"``, for the sparse methods that compress a bucket as one)."""
+    path's buckets (``layout="buckets"``, for a method that compresses a bucket as one)."""
     method = BY_NAME[method_name].build(WORLD_SIZE)
     specs = [tf.TensorSpec(shape, tf.float32, name=f"layer{i}/kernel") for i, shape in enumerate(shapes)]
     if layout == "buckets":
@@ -75,10 +75,10 @@ def exchange(method_name: str, shapes: Sequence[Shape],
 
 
 def _bucketed(engine: Engine, specs: Sequence[tf.TensorSpec]) -> Callable[[List[tf.Tensor]], List[tf.Tensor]]:
-    """:func:`exchange` in the buckets the compressors cut (``stock_buckets``)."""
+    """:func:`exchange` in the buckets the compressors cut (``backward_buckets``)."""
     engine.method.require_bucketed()
     compressed = [spec for spec in specs if engine.compresses(spec)]
-    buckets = stock_buckets([spec.name for spec in compressed], [spec.shape.num_elements() * 4 for spec in compressed])
+    buckets = backward_buckets([spec.name for spec in compressed], [spec.shape.num_elements() * 4 for spec in compressed])
 
     def exchanged(bucket: Bucket, members: List[tf.Tensor]) -> List[tf.Tensor]:
         if isinstance(engine, TwoStageEngine):
@@ -147,7 +147,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--methods", default=",".join(spec.name for spec in METHODS),
                         help="comma-separated methods (default: all)")
     parser.add_argument("--layout", choices=("tensors", "buckets"), default="tensors",
-                        help="tensor by tensor, or in the stock path's buckets (dgc, topk, gaussiank)")
+                        help="tensor by tensor, or in the stock path's buckets (every method at its defaults)")
     parser.add_argument("--runs", type=int, default=0,
                         help="runs after the first, timed (median): a built step's time")
     return parser.parse_args()

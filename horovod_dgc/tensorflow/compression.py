@@ -50,7 +50,7 @@ from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext
 
 from ..core.callers import caller_frames, calling_object, values_among_callers
 from ..core.bucket import Bucket
-from ..core.collectives import ALLGATHER, stock_buckets
+from ..core.collectives import ALLGATHER, backward_buckets
 from ..core.config import keeping_yours
 from ..core.controls import CompressorControls
 from ..core.hosts import Hosts
@@ -343,7 +343,7 @@ class MethodCompressor(CompressorControls, Compressor):
     **Buckets.** Where the method compresses a bucket as one (``bucketed``) and Horovod's
     ``allreduce_grads`` hands the gradients over (its tape, its Keras and TensorFlow 1
     optimizers), the compressed variables are cut into buckets once, identical on every rank
-    (:func:`~horovod_dgc.core.collectives.stock_buckets`), split by dtype. The first
+    (:func:`~horovod_dgc.core.collectives.backward_buckets`), split by dtype. The first
     ``compress`` of a bucket's tensor exchanges the whole bucket, from the gradients of that
     call (every member's is known there); each member hands Horovod a placeholder, and its
     ``decompress`` takes its part of the bucket's average. Horovod traces each tensor's
@@ -655,14 +655,14 @@ class MethodCompressor(CompressorControls, Compressor):
         (its step counter, a function giving the averaged gradient)."""
         raise NotImplementedError
 
-    def _members(self) -> Dict[str, Tuple[str, ...]]:
+    def _buckets_by_member(self) -> Dict[str, Tuple[str, ...]]:
         """Per compressed variable, the names of its bucket's variables (in bucket order)."""
         if self._bucket_members is None:
             engine = self.engine
             specs = [(name, tf.TensorSpec(v.shape, v.dtype)) for name, v in self._variables]
             compressed = [(name, spec) for name, spec in specs
                           if not engine.passes_through(spec) and engine.compresses(spec)]
-            buckets = stock_buckets([name for name, _ in compressed],
+            buckets = backward_buckets([name for name, _ in compressed],
                                     [spec.shape.num_elements() * spec.dtype.size for _, spec in compressed])
             self._bucket_members = {name: bucket for bucket in buckets for name in bucket}
         return self._bucket_members
@@ -678,7 +678,7 @@ class MethodCompressor(CompressorControls, Compressor):
         if tensor.ref() in ready:
             return ready.pop(tensor.ref())
         reduction = _horovod_reduction(tensor)
-        members = self._members().get(name)
+        members = self._buckets_by_member().get(name)
         if reduction is None or members is None:
             return None
         _, variables, grads = reduction

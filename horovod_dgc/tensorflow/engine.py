@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Sequ
 import tensorflow as tf
 from tensorflow.python.ops.resource_variable_ops import ResourceVariable
 
-from ..core.bucket import Bucket, Plan
+from ..core.bucket import Bucket, Plan, flat_views
 from ..core.collectives import ALLGATHER, ALLREDUCE, network_bytes
 from ..core.method import BucketCall, CompressCall, Method
 from ..core.nonfinite import settle
@@ -135,12 +135,10 @@ class BucketStep:
                           densities=self.densities[i], param=self.param, loss_scale=self.loss_scale,
                           keeps_bounds=False)
 
-    def member_states(self, flat_state: Dict[str, tf.Tensor]) -> Dict[str, Dict[str, tf.Tensor]]:
+    def member_states(self, ops: TFOps, flat_state: Dict[str, tf.Tensor]) -> Dict[str, Dict[str, tf.Tensor]]:
         """Each member's part of the flat memories ``flat_state``."""
-        return {name: {key: tf.slice(value, [self.state_layouts[key].segments[i].offset],
-                                     [self.state_layouts[key].segments[i].numel])
-                       for key, value in flat_state.items()}
-                for i, name in enumerate(self.bucket.names)}
+        parts = {key: flat_views(ops, value, self.state_layouts[key]) for key, value in flat_state.items()}
+        return {name: {key: parts[key][i] for key in parts} for i, name in enumerate(self.bucket.names)}
 
 
 @dataclass
@@ -490,7 +488,7 @@ class Engine:
         self._record([(ALLGATHER, nbytes)], begun.numel * begun.dtype.size, elements_sent=count,
                      elements_compressed=begun.numel, selection_time_s=elapsed)
         return TracedBucket(bucket, message, layouts, begun.densities, begun.index, begun.step, begun.shapes,
-                            begun.dtype, begun.old_states, begun.member_states(new_state), begun.loss_scale)
+                            begun.dtype, begun.old_states, begun.member_states(self.ops, new_state), begun.loss_scale)
 
     @staticmethod
     def _flat(layout: Bucket, tensors: Sequence[tf.Tensor]) -> tf.Tensor:
@@ -515,8 +513,11 @@ class Engine:
         kept = [self._keep_if(finite, name, sent.old_states[name], sent.new_states[name]) for name in bucket.names]
         with tf.control_dependencies(kept):
             flat = flat * tf.cast(sent.loss_scale, flat.dtype)
-        return [tf.reshape(tf.slice(flat, [s.offset], [s.numel]), shape)
-                for s, shape in zip(bucket.segments, sent.shapes)]
+        return self._members(bucket, flat, sent.shapes)
+
+    def _members(self, bucket: Bucket, flat: tf.Tensor, shapes: Sequence[tf.TensorShape]) -> List[tf.Tensor]:
+        """Each member's part of ``flat`` (laid out as ``bucket``), shaped by ``shapes``."""
+        return [tf.reshape(part, shape) for part, shape in zip(flat_views(self.ops, flat, bucket), shapes)]
 
     def dense(self, name: str, grad: tf.Tensor, param: Optional[Any]) -> DenseUpdate:
         """What to all-reduce for a tensor that does not compress (float32 for a bfloat16

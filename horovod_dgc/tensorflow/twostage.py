@@ -69,7 +69,6 @@ class TwoStageEngine(Engine):
                      elements_compressed=numel, selection_time_s=elapsed)
         return tf.reshape(update, grad.shape), step
 
-
     def exchange_bucket(self, bucket: Bucket, grads: Sequence[tf.Tensor], params: Sequence[Optional[Any]],
                         collective: Collective, collective_name: str) -> Tuple[List[tf.Tensor], tf.Tensor]:
         """(each member's averaged update, shaped like it; the step counter) of the tensors
@@ -93,7 +92,7 @@ class TwoStageEngine(Engine):
         update, new_state, nbytes, finite = self._by_density(begun.index, begun.densities, self._checked(at_density))
         with tf.control_dependencies(begun.guards):
             kept = [self._keep_if(finite, name, begun.old_states[name], state)
-                    for name, state in begun.member_states(new_state).items()]
+                    for name, state in begun.member_states(self.ops, new_state).items()]
         with tf.control_dependencies(kept):
             update = update * tf.cast(begun.loss_scale, update.dtype)
         with tf.control_dependencies([update]):
@@ -103,8 +102,7 @@ class TwoStageEngine(Engine):
         self._record([(method.FIRST, nbytes[0]), (method.SECOND, nbytes[1])], begun.numel * begun.dtype.size,
                      elements_sent=tf.round(density * begun.numel), elements_compressed=begun.numel,
                      selection_time_s=elapsed)
-        return [tf.reshape(tf.slice(update, [s.offset], [s.numel]), shape)
-                for s, shape in zip(bucket.segments, begun.shapes)], begun.step
+        return self._members(bucket, update, begun.shapes), begun.step
 
 
 def _stage_bytes(method: TwoStageMethod, first: tf.Tensor, second: tf.Tensor, root: Any, rank: int) -> tf.Tensor:
