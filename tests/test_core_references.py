@@ -9,7 +9,7 @@ import torch
 
 from horovod_dgc.core import (CompressCall, DGC, DGCConfig, ScaleCom,
                               ScaleComConfig, TopK, TopKConfig)
-from horovod_dgc.core.collectives import cut_buckets, emulate, stock_buckets
+from horovod_dgc.core.collectives import cut_buckets, emulate, backward_buckets
 from horovod_dgc.core.selection import gaussian_threshold, top_count
 from horovod_dgc.core.blocksign import BlockSign, BlockSignConfig, block_scales
 from horovod_dgc.core.ops import TensorOps
@@ -267,8 +267,8 @@ def test_buckets_close_before_the_item_that_would_pass_the_cap():
     assert cut_buckets([], 100) == []
 
 
-def test_stock_buckets_take_the_tensors_in_reverse_order_as_backward_produces_them():
+def test_buckets_take_the_tensors_in_reverse_order_as_backward_produces_them():
     # Registered a, b, c, d (forward order); backward yields d first: d + c fill 100, b and
     # a follow in a bucket of their own.
-    assert stock_buckets(["a", "b", "c", "d"], [30, 40, 50, 50], 100) == [("d", "c"), ("b", "a")]
-    assert stock_buckets([], [], 100) == []
+    assert backward_buckets(["a", "b", "c", "d"], [30, 40, 50, 50], 100) == [("d", "c"), ("b", "a")]
+    assert backward_buckets([], [], 100) == []

@@ -3,7 +3,7 @@ tensors, and which average each tensor gets back, against a hand-made exchange."
 import pytest
 import torch
 
-from horovod_dgc.core.collectives import stock_buckets
+from horovod_dgc.core.collectives import backward_buckets
 from horovod_dgc.torch.queue import StockQueue
 
 
@@ -26,8 +26,8 @@ class Exchanges:
 
 def queue_of(names, sizes, cap):
     exchanges = Exchanges()
-    # ``names`` in the order buckets take them (stock_buckets reverses the model's order).
-    buckets = stock_buckets(names[::-1], sizes[::-1], cap)
+    # ``names`` in the order buckets take them (backward_buckets reverses the model's order).
+    buckets = backward_buckets(names[::-1], sizes[::-1], cap)
     return StockQueue(buckets, exchanges.launch, exchanges.finish), exchanges
 
 

@@ -9,10 +9,12 @@ exchange is written once whatever carries it.
 from __future__ import annotations
 
 from itertools import accumulate
-from typing import Any, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, List, Optional, Protocol, Sequence, Tuple, TypeVar
 
 from .ops import Tensor, TensorOps
 from .wire import MessageError
+
+T = TypeVar("T")
 
 BROADCAST = "broadcast"  # everyone receives the root's message
 ALLREDUCE = "allreduce"  # everyone receives the average of all messages
@@ -41,13 +43,13 @@ def cut_buckets(sizes_bytes: Sequence[int], cap_bytes: float) -> List[List[int]]
     return [b for b in buckets if b]
 
 
-def stock_buckets(names: Sequence[str], sizes_bytes: Sequence[int],
-                  cap_bytes: float = DEFAULT_BUCKET_CAP_MB * 2 ** 20) -> List[Tuple[str, ...]]:
-    """The buckets of a stock Horovod path: the compressed tensors ``names`` (in the order
-    the model registers them, ``sizes_bytes`` of gradient each) reversed, as backward
+def backward_buckets(items: Sequence[T], sizes_bytes: Sequence[int],
+                     cap_bytes: float = DEFAULT_BUCKET_CAP_MB * 2 ** 20) -> List[Tuple[T, ...]]:
+    """The buckets of both Horovod paths: ``items`` (tensors or their names, in the order the
+    model registers them, ``sizes_bytes`` of gradient each) reversed, roughly as backward
     produces them, and cut into buckets of about ``cap_bytes`` (:func:`cut_buckets`)."""
-    names, sizes_bytes = list(names)[::-1], list(sizes_bytes)[::-1]
-    return [tuple(names[i] for i in bucket) for bucket in cut_buckets(sizes_bytes, cap_bytes)]
+    items, sizes_bytes = list(items)[::-1], list(sizes_bytes)[::-1]
+    return [tuple(items[i] for i in bucket) for bucket in cut_buckets(sizes_bytes, cap_bytes)]
 
 
 class Transport(Protocol):

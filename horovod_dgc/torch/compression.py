@@ -39,7 +39,7 @@ except ImportError as error:  # the DDP hook needs no Horovod; the Horovod paths
 
 from ..core.bucket import Bucket
 from ..core.callers import caller_frames, calling_object, values_among_callers
-from ..core.collectives import ALLGATHER, Transport, join, joined_chunks, split, stock_buckets
+from ..core.collectives import ALLGATHER, Transport, backward_buckets, join, joined_chunks, split
 from ..core.config import keeping_yours
 from ..core.controls import CompressorControls
 from ..core.hosts import Hosts
@@ -242,12 +242,12 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
     def _stock_queue(self) -> Optional[StockQueue]:
         """The stock path's buckets (:mod:`.queue`), for a method whose tensors compress as
         one (``bucketed``) outside the hierarchical mode: the compressed parameters cut as
-        ``collectives.stock_buckets`` says."""
+        ``collectives.backward_buckets`` says."""
         if self._queue is None and self.method.bucketed and not self.hierarchical:
             with self._lock:
                 params = [(n, p) for n, p in self._parameters().items() if p.requires_grad
                           and not Engine.passes_through(p) and self.engine.compresses(p)]
-            buckets = stock_buckets([n for n, _ in params], [p.numel() * p.element_size() for _, p in params])
+            buckets = backward_buckets([n for n, _ in params], [p.numel() * p.element_size() for _, p in params])
             self._queue = StockQueue(buckets, self.launch, self.finish)
         return self._queue
 

@@ -28,7 +28,7 @@ import horovod.torch as hvd
 import torch
 
 from ..core.callers import caller_frames
-from ..core.collectives import DEFAULT_BUCKET_CAP_MB, cut_buckets
+from ..core.collectives import DEFAULT_BUCKET_CAP_MB, backward_buckets
 from ..core.methods import spec_of
 from .collectives import PREFIX, wait
 from .compression import Compression, MethodCompressor, check_optimizer_compatible, check_plain_optimizer
@@ -90,10 +90,9 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         the order backward produces them), cut into buckets of about ``cap_mb`` dense
         megabytes."""
         engine = self._compression.engine
-        params = [p for p in reversed(self._params)
-                  if (engine.compresses(p) and not Engine.passes_through(p)) == compressed]
-        return [[params[i] for i in bucket]
-                for bucket in cut_buckets([p.numel() * p.element_size() for p in params], cap_mb * 2 ** 20)]
+        params = [p for p in self._params if (engine.compresses(p) and not Engine.passes_through(p)) == compressed]
+        return [list(bucket)
+                for bucket in backward_buckets(params, [p.numel() * p.element_size() for p in params], cap_mb * 2 ** 20)]
 
     def _reset_step(self) -> None:
         """Ready for a new step: nothing submitted or in flight, every parameter's backward

@@ -51,7 +51,7 @@ class StockQueue:
     """Collects one step's tensors into fixed buckets and exchanges each bucket as one.
 
     Args:
-        buckets: the names of the tensors each bucket takes (``collectives.stock_buckets``).
+        buckets: the names of the tensors each bucket takes (``collectives.backward_buckets``).
         launch: starts a bucket's exchange, ``launch(label, entries)``; ``finish(exchange)``
             returns its averaged gradients in the entries' order.
     """
