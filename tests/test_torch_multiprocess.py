@@ -105,6 +105,17 @@ def test_fused_and_stock_paths_give_the_same_parameters_for_every_method():
         assert out.count(f"{method} paths agree") == 2, out
 
 
+def test_forced_switches_lose_no_gradient_and_every_rank_decides_alike_on_both_paths():
+    """tests/workers/adaptive_torch.py: every method through dense steps and back (the
+    parameters against the sum of the mean gradients minus what the memories owe), and the
+    adaptive decisions with the link given by hand and probed, identical on every rank."""
+    out = horovodrun("adaptive_torch.py", 2)
+    for path in ("own", "stock"):
+        for kind in ("topk", "gaussiank", "dgc", "dgc-sar", "scalecom", "blocksign"):
+            assert out.count(f"{kind} {path} forced switches ok") == 2, out
+        assert out.count(f"{path} decisions agree") == 2, out
+
+
 def test_gradient_accumulation_compresses_once_a_step_on_both_paths():
     """backward_passes_per_step=2 gives the parameters of one pass of the two gradients'
     sum, every method, stock and fused paths (tests/workers/accumulation_torch.py)."""

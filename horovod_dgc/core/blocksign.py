@@ -30,7 +30,7 @@ from . import wire
 from .bucket import ALIGN, Bucket, Plan, constant_tables, shards_of
 from .collectives import ALLGATHER, ALLTOALL
 from .config import CompressionConfig
-from .method import BucketCall, CompressCall, State, StateLayout, shard_entries, state_dtype
+from .method import BucketCall, CompressCall, State, StateLayout, emptied, shard_entries, state_dtype
 from .memory import reuse
 from .nonfinite import flag, nan_unless, none_flagged, received_finite
 from .ops import Scalar, Tensor, TensorOps
@@ -353,6 +353,18 @@ class BlockSign(TwoStageMethod):
             return grad, unscale, state
         momentum = ops.add(state["momentum"], grad, mu, unscale)
         return ops.add(grad, momentum, unscale, mu), 1.0, {**state, "momentum": momentum}
+
+    pending_memory = "residual"
+
+    def flush_worker(self, ops: TensorOps, state: State, grad: Tensor,
+                     call: CompressCall) -> Tuple[Tensor, State]:
+        """The residual plus the step's direction (``g + mu * m``, the momentum updated)."""
+        direction, factor, state = self._momentum_step(ops, state, grad, call.unscale)
+        return ops.add(state["residual"], direction, 1.0, factor), emptied(ops, state, "residual")
+
+    def flush_worker_bucket(self, ops: TensorOps, state: State, grad: Tensor,
+                            call: BucketCall) -> Tuple[Tensor, State]:
+        return self.flush_worker(ops, state, grad, call.as_call())
 
     def dense(self, ops: TensorOps, state: State, grad: Tensor, call: CompressCall) -> Tuple[Tensor, State]:
         direction, factor, state = self._momentum_step(ops, state, grad, call.unscale)

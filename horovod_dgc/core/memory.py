@@ -16,13 +16,17 @@ and the inverse of a mixed-precision loss scale, so that memories hold unscaled 
 ``spare`` (``CompressCall.spare``) offers storage for the new state, by name. ``block``: the
 selection's block length, whose per-block maxima the accumulation computes in the same pass
 (0: none).
+
+``flush`` is the step of a compressed tensor sent dense (an adaptive switch): the gradient
+with all the memory held back, after which the memory named ``pending`` holds nothing (a
+momentum goes on as dense momentum SGD's). Sent in full, it keeps the same invariant.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from .method import State
+from .method import State, emptied
 from .ops import Bound, Candidates, Scalar, Tensor, TensorOps
 
 
@@ -56,6 +60,7 @@ class ResidualMemory:
 
     state_names: Tuple[str, ...] = ("residual",)
     dense_state_names: Tuple[str, ...] = ()
+    pending: str = "residual"
 
     def accumulate(self, ops: TensorOps, state: State, grad: Tensor, grad_scale: Scalar = 1.0,
                    spare: Optional[State] = None, block: int = 0, bound: Bound = None,
@@ -75,6 +80,10 @@ class ResidualMemory:
             return ops.copy(grad), state
         return ops.scale(ops.copy(grad), grad_scale), state
 
+    def flush(self, ops: TensorOps, state: State, grad: Tensor, grad_scale: Scalar = 1.0) -> Tuple[Tensor, State]:
+        """``e + grad_scale * g``; the residual emptied."""
+        return ops.add(state["residual"], grad, 1.0, grad_scale), emptied(ops, state, "residual")
+
 
 class MomentumCorrectionMemory:
     """DGC's momentum correction with momentum factor masking (docs/algorithms.md#dgc).
@@ -90,6 +99,7 @@ class MomentumCorrectionMemory:
 
     state_names: Tuple[str, ...] = ("momentum", "velocity")
     dense_state_names: Tuple[str, ...] = ("momentum",)
+    pending: str = "velocity"
 
     def __init__(self, momentum: float, nesterov: bool, masked: bool = True):
         self.momentum = momentum
@@ -123,6 +133,13 @@ class MomentumCorrectionMemory:
             update = ops.copy(momentum)
         return update, {"momentum": momentum}
 
+    def flush(self, ops: TensorOps, state: State, grad: Tensor, grad_scale: Scalar = 1.0) -> Tuple[Tensor, State]:
+        """The velocity plus :meth:`dense`'s update (``u = m * u + g``, unmasked; send
+        ``v + u``, Nesterov ``v + u + g``); the velocity emptied, the momentum kept."""
+        update, dense_state = self.dense(ops, state, grad, grad_scale)
+        return (ops.add(update, state["velocity"]),
+                emptied(ops, {**state, **dense_state}, "velocity"))
+
 
 class LowPassMemory:
     """ScaleCom's low-pass filtered memory: ``p = m + g``; after sending ``s`` at I,
@@ -131,6 +148,7 @@ class LowPassMemory:
 
     state_names: Tuple[str, ...] = ("memory",)
     dense_state_names: Tuple[str, ...] = ()
+    pending: str = "memory"
 
     def __init__(self, beta: float):
         self.beta = beta
@@ -153,3 +171,7 @@ class LowPassMemory:
             # A copy: ``sent`` may be the very values the caller sends (scale may work in place).
             sent = ops.scale(ops.copy(sent), self.beta)
         return {"memory": ops.scatter_sub(state["memory"], indices, sent)}
+
+    def flush(self, ops: TensorOps, state: State, grad: Tensor, grad_scale: Scalar = 1.0) -> Tuple[Tensor, State]:
+        """``m + grad_scale * g``; the memory emptied."""
+        return ops.add(state["memory"], grad, 1.0, grad_scale), emptied(ops, state, "memory")

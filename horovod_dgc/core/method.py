@@ -9,15 +9,22 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, Optional, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 from .bucket import Bucket, Plan, shards_of
 from .collectives import network_bytes
 from .config import CompressionConfig
-from .ops import Tensor, TensorOps
+from .ops import Scalar, Tensor, TensorOps
 from .wire import tensor_id
 
 State = Dict[str, Tensor]
+
+
+def emptied(ops: TensorOps, state: State, name: str) -> State:
+    """``state`` with memory ``name`` replaced by zeros (new storage: the old state may be
+    kept if the step is dropped)."""
+    held = state[name]
+    return {**state, name: ops.zeros(ops.numel(held), ops.dtype(held), like=held)}
 
 
 @dataclass(frozen=True)
@@ -251,3 +258,93 @@ class Method(ABC):
               call: CompressCall) -> Tuple[Tensor, State]:
         """What to all-reduce for a tensor that is not compressed, and the new state."""
         return grad, state
+
+    # -- a compressed tensor sent dense (an adaptive switch, docs/algorithms.md#adaptive) -------
+    @property
+    def pending_memory(self) -> str:
+        """The per-worker memory that holds what a worker has not sent yet (the residual;
+        DGC's velocity), which a flush empties."""
+        raise NotImplementedError(f"{type(self).__name__} cannot send a compressed tensor dense")
+
+    def flush_worker(self, ops: TensorOps, state: State, grad: Tensor,
+                     call: CompressCall) -> Tuple[Tensor, State]:
+        """(the gradient, prepared as a compress prepares it, plus what the per-worker memories
+        hold back; the state with :attr:`pending_memory` emptied), in the state's dtype and
+        unscaled units."""
+        raise NotImplementedError(f"{type(self).__name__} cannot send a compressed tensor dense")
+
+    def flush_worker_bucket(self, ops: TensorOps, state: State, grad: Tensor,
+                            call: BucketCall) -> Tuple[Tensor, State]:
+        """:meth:`flush_worker` of a bucket's flat gradient and memories."""
+        raise NotImplementedError(f"{type(self).__name__} cannot send a compressed bucket dense")
+
+    def flush(self, ops: TensorOps, state: State, grad: Tensor, call: CompressCall,
+              wire_dtype: str) -> Tuple[Tensor, State]:
+        """A compressed tensor's dense step: what this worker hands to an averaging all-reduce,
+        in ``wire_dtype`` and the loss scale's units, and the new state (the memories the
+        compressed steps keep, laid out as they are).
+
+        The average of every worker's flush is every update the tensor owes: each worker's
+        gradient and per-worker memories, and (a sharded memory such as blocksign's server
+        residual or the sparse all-reduce's owner residual) ``world_size`` times this rank's
+        shard added where the shard lies. The memories are then empty but for what
+        ``wire_dtype`` rounds away (kept in :attr:`pending_memory`, so that nothing is lost),
+        and a momentum continues. A bucket that stays dense flushes every step: its memories
+        hold only that rounding, and its updates are momentum SGD's (or SGD's)."""
+        total, state = self.flush_worker(ops, state, grad, call)
+        n = ops.numel(grad)
+        if self.state_layout(True).sharded:
+            total, state = self._spread_shards(ops, total, state, [(0, n, 0, self.shard_length(n, call.world_size))],
+                                               call.world_size, call.rank)
+        return self._on_the_wire(ops, total, state, wire_dtype, call.loss_scale)
+
+    def flush_bucket(self, ops: TensorOps, state: State, grad: Tensor, call: BucketCall,
+                     wire_dtype: str) -> Tuple[Tensor, State]:
+        """:meth:`flush` of a bucket's flat gradient and memories (laid out as
+        :meth:`state_buckets` says)."""
+        total, state = self.flush_worker_bucket(ops, state, grad, call)
+        layout = self.state_layout(True)
+        if layout.sharded:
+            shards = self.state_buckets(call.bucket, call.world_size)[layout.sharded[0]]
+            parts = [(s.offset, s.numel, shard.offset, shard.numel)
+                     for s, shard in zip(call.bucket.segments, shards.segments)]
+            total, state = self._spread_shards(ops, total, state, parts, call.world_size, call.rank)
+        return self._on_the_wire(ops, total, state, wire_dtype, call.loss_scale)
+
+    def _spread_shards(self, ops: TensorOps, total: Tensor, state: State,
+                       parts: List[Tuple[int, int, int, int]], world_size: int,
+                       rank: int) -> Tuple[Tensor, State]:
+        """``total`` with ``world_size`` times this rank's shard of every sharded memory added
+        where it lies, and those memories emptied. ``parts``, per tensor: (its offset in
+        ``total``, its elements, its shard's offset in the sharded memory, the shard's
+        length)."""
+        sharded = self.state_layout(True).sharded
+        pieces, cursor = [], 0
+        for offset, numel, shard_offset, shard in parts:
+            length = shard_entries(numel, shard, rank)
+            if length == 0:
+                continue
+            start = offset + rank * shard
+            if start > cursor:
+                pieces.append(ops.slice(total, cursor, start - cursor))
+            part = ops.slice(total, start, length)
+            for name in sharded:
+                part = ops.add(part, ops.slice(state[name], shard_offset, length), 1.0, world_size)
+            pieces.append(part)
+            cursor = start + length
+        if cursor < ops.numel(total):
+            pieces.append(ops.slice(total, cursor, ops.numel(total) - cursor))
+        for name in sharded:
+            state = emptied(ops, state, name)
+        return ops.concat(pieces), state
+
+    def _on_the_wire(self, ops: TensorOps, total: Tensor, state: State, wire_dtype: str,
+                     loss_scale: Scalar) -> Tuple[Tensor, State]:
+        """``total`` in ``wire_dtype`` and the loss scale's units, and the state whose
+        :attr:`pending_memory` keeps what that rounds away."""
+        unscaled = isinstance(loss_scale, (int, float)) and loss_scale == 1.0
+        if unscaled and wire_dtype == ops.dtype(total):
+            return total, state
+        sent = ops.cast(total if unscaled else ops.scale(ops.copy(total), loss_scale), wire_dtype)
+        arrived = ops.cast(sent, ops.dtype(total))
+        return sent, {**state, self.pending_memory: ops.add(total, arrived, 1.0, -1.0 / loss_scale)}

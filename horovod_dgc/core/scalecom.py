@@ -83,6 +83,18 @@ class ScaleCom(TwoStageMethod):
     def state_layout(self, compressed: bool) -> StateLayout:
         return StateLayout(self.memory.state_names if compressed else ())
 
+    @property
+    def pending_memory(self) -> str:
+        return self.memory.pending
+
+    def flush_worker(self, ops: TensorOps, state: State, grad: Tensor,
+                     call: CompressCall) -> Tuple[Tensor, State]:
+        return self.memory.flush(ops, state, grad, call.unscale)
+
+    def flush_worker_bucket(self, ops: TensorOps, state: State, grad: Tensor,
+                            call: BucketCall) -> Tuple[Tensor, State]:
+        return self.memory.flush(ops, state, grad, call.unscale)
+
     def index_layout(self, name: str, numel: int, density: float) -> wire.MessageLayout:
         """The leader's message: its k positions, coded (no values)."""
         return self._positions_layout(name, numel, top_count(density, numel))

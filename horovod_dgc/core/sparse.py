@@ -268,6 +268,18 @@ class SparseMethod(Method):
         """What to all-reduce for a tensor that is not compressed, and the new state."""
         return self.memory.dense(ops, state, *self.prepare(ops, grad, call), spare=call.spare)
 
+    @property
+    def pending_memory(self) -> str:
+        return self.memory.pending
+
+    def flush_worker(self, ops: TensorOps, state: State, grad: Tensor,
+                     call: CompressCall) -> Tuple[Tensor, State]:
+        return self.memory_for(call).flush(ops, state, *self.prepare(ops, grad, call))
+
+    def flush_worker_bucket(self, ops: TensorOps, state: State, grad: Tensor,
+                            call: BucketCall) -> Tuple[Tensor, State]:
+        return self.bucket_memory().flush(ops, state, *self.prepare_bucket(ops, ops.gathered(grad), call))
+
     def decompress(self, ops: TensorOps, gathered: Tensor, layouts: Sequence[wire.MessageLayout],
                    world_size: int, step: Any, out_dtypes: Sequence[str],
                    outs: Optional[Sequence[Optional[Tensor]]] = None,

@@ -211,6 +211,18 @@ class SparseAllreduce(TwoStageMethod):
     def dense(self, ops: TensorOps, state: State, grad: Tensor, call: CompressCall) -> Tuple[Tensor, State]:
         return self.inner.dense(ops, state, grad, call)
 
+    @property
+    def pending_memory(self) -> str:
+        return self.inner.pending_memory
+
+    def flush_worker(self, ops: TensorOps, state: State, grad: Tensor,
+                     call: CompressCall) -> Tuple[Tensor, State]:
+        return self.inner.flush_worker(ops, state, grad, call)
+
+    def flush_worker_bucket(self, ops: TensorOps, state: State, grad: Tensor,
+                            call: BucketCall) -> Tuple[Tensor, State]:
+        return self.inner.flush_worker_bucket(ops, state, grad, call)
+
     # -- a whole bucket at once ------------------------------------------------------------
     @property
     def bucketed(self) -> bool:

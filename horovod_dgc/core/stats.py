@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,8 @@ class CompressionStats:
         elements_sent: values sent by the sparse path (padding excluded).
         elements_compressed: elements of the tensors that went through the sparse path.
         selection_time_s: seconds spent in compress (accumulate, select, encode).
+        buckets: with ``adaptive=True``, each bucket's mode and why (``adaptive.Decision``),
+            as of the newest decision; a sum of spans keeps the later span's.
     """
 
     steps: int = 0
@@ -34,6 +36,7 @@ class CompressionStats:
     elements_sent: int = 0
     elements_compressed: int = 0
     selection_time_s: float = 0.0
+    buckets: Tuple[str, ...] = ()
 
     @property
     def ratio(self) -> float:
@@ -73,15 +76,17 @@ class CompressionStats:
 
     def __add__(self, other: "CompressionStats") -> "CompressionStats":
         """Totals of two spans of steps (e.g. epochs) taken one after the other."""
-        return CompressionStats(*(a + b for a, b in zip(dataclasses.astuple(self),
-                                                        dataclasses.astuple(other))))
+        counts = [f.name for f in dataclasses.fields(self) if f.name != "buckets"]
+        return CompressionStats(**{name: getattr(self, name) + getattr(other, name) for name in counts},
+                                buckets=other.buckets or self.buckets)
 
     def summary(self) -> str:
         return (f"{self.steps} steps: {self.bytes_sent_per_step / 1e3:.1f} kB/step handed to "
                 f"Horovod ({self.handed_ratio:.1f}x fewer than dense), "
                 f"{self.network_bytes_per_step / 1e3:.1f} kB/step sent on the network "
                 f"({self.ratio:.1f}x fewer), density {self.density:.4%}, compress "
-                f"{self.selection_time_per_step_s * 1e3:.2f} ms/step")
+                f"{self.selection_time_per_step_s * 1e3:.2f} ms/step"
+                + "".join(f"\n  {line}" for line in self.buckets))
 
 
 class StatsRecorder:

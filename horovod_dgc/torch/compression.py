@@ -37,6 +37,7 @@ try:
 except ImportError as error:  # the DDP hook needs no Horovod; the Horovod paths raise this
     HorovodCompression, HorovodCompressor, HOROVOD_MISSING = None, object, error
 
+from ..core.adaptive import Adaptive, Decision
 from ..core.bucket import Bucket
 from ..core.callers import caller_frames, calling_object, values_among_callers
 from ..core.collectives import ALLGATHER, Transport, backward_buckets, join, joined_chunks, split
@@ -46,7 +47,9 @@ from ..core.hosts import Hosts
 from ..core.method import Method
 from ..core.methods import METHODS, MethodSpec, spec_of
 from ..core.one_worker import refuse_or_warn
+from ..core.stats import CompressionStats
 from ..core.twostage import StageHandover
+from .adaptive import AdaptiveExchanges, FlushExchange
 from .engine import DenseUpdate, Engine, OutgoingMessage
 from .queue import Queued, StockQueue
 
@@ -59,6 +62,8 @@ _NO_TRANSPORT = ("this compressor exchanges through Horovod unless it is registe
                  "it (set_epoch, attach_grad_scaler, ...) under DDP")
 
 NamedParameters = Iterable[Tuple[str, torch.nn.Parameter]]
+# The key under which a compressor's state carries its buckets' modes (adaptive=).
+ADAPTIVE_STATE_KEY = "adaptive"
 # What one tensor brings to an exchange: its name, gradient and parameter.
 Entry = Tuple[str, torch.Tensor, Optional[torch.nn.Parameter]]
 
@@ -76,7 +81,8 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
             every rank. If given, pass a fresh ``model.named_parameters()``.
     """
 
-    def __init__(self, method: Method, named_parameters: Optional[NamedParameters] = None):
+    def __init__(self, method: Method, named_parameters: Optional[NamedParameters] = None,
+                 adaptive: "bool | Adaptive" = False):
         self.method = method
         self.config = method.config
         self._params: Dict[str, torch.nn.Parameter] = {}
@@ -94,6 +100,9 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
         self._transport: Optional[Transport] = None
         self._host_reductions: Optional[HostReductions] = None
         self._queue: Optional[StockQueue] = None
+        self._adaptive = AdaptiveExchanges(self, Adaptive.of(adaptive))
+        if adaptive:
+            method.require_bucketed()
         if named_parameters is not None:
             self.bind(named_parameters)
 
@@ -176,15 +185,49 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
         self.engine.use_loss_scale(lambda: 1.0 if scaler is None else scaler.get_scale())
 
     def state_dict(self) -> dict:
-        """This rank's memories, step counters and epoch, for checkpoints: save every rank's."""
-        return self.engine.state_dict()
+        """This rank's memories, step counters and epoch, for checkpoints: save every rank's.
+        With ``adaptive``, each bucket's mode too (under ``"adaptive"``)."""
+        state = self.engine.state_dict()
+        if self.adaptive is not None:
+            state[ADAPTIVE_STATE_KEY] = self._adaptive.switch.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Restore this rank's part (same method, config, world size and rank, and tensors
-        of the same sizes; ValueError otherwise)."""
+        of the same sizes; ValueError otherwise). A state without modes (saved without
+        ``adaptive``) starts every bucket compressed."""
         with self._lock:
             numels = {name: p.numel() for name, p in self._parameters().items()}
+        state = dict(state)
+        modes = state.pop(ADAPTIVE_STATE_KEY, None)
         self.engine.load_state_dict(state, numels)
+        self._adaptive.switch.load_state_dict(modes)
+
+    # -- the adaptive switch (horovod_dgc.core.adaptive) -------------------------------------------
+    @property
+    def adaptive(self) -> Optional[Adaptive]:
+        """The adaptive switch's settings (None: every bucket always compressed)."""
+        return self._adaptive.switch.settings
+
+    def end_step(self) -> List[Decision]:
+        """After every exchange of an optimizer step (``synchronize()`` calls it): the
+        adaptive switch's bookkeeping, and its decision at a decision step (collectives: every
+        rank calls it at the same step). Returns the decisions taken (none on other steps)."""
+        return self._adaptive.end_step()
+
+    def force_mode(self, mode: Optional[str], labels: Optional[Sequence[str]] = None) -> None:
+        """Hold buckets in ``mode`` (``"compressed"`` or ``"dense"``; None: back to the
+        adaptive decisions, or compressed without ``adaptive``), from their next exchange;
+        ``labels``: the buckets' collective names (None: every bucket exchanged so far).
+        Call it with the same arguments on every rank, between steps."""
+        if self.hierarchical:
+            raise ValueError("bucket modes are not supported with hierarchical=True")
+        if labels is None:
+            labels = self._adaptive.labels
+        self._adaptive.switch.force(mode, list(labels))
+
+    def stats(self) -> CompressionStats:
+        return dataclasses.replace(self.engine.stats(), buckets=self._adaptive.switch.lines())
 
     def _parameters(self) -> Dict[str, torch.nn.Parameter]:
         """The named parameters; without ``named_parameters=``, those of the one
@@ -286,6 +329,10 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
             self._exchanged.add(name)
         return False
 
+    def _end_stock_step(self, *_hook_arguments: Any) -> None:
+        """The stock optimizer stepped: every exchange of the step is finished."""
+        self.end_step()
+
     def _forget_the_exchanged(self, *_hook_arguments: Any) -> None:
         self._exchanged.clear()
         self._averages_delivered = False
@@ -308,6 +355,10 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
         self._check_place_in_the_world()
         if self.hierarchical:
             return self._host_reductions.launch(label, entries)
+        if self._adaptive.dense(label):
+            return self._adaptive.launch(label, entries)
+        if self.adaptive is not None:
+            self._adaptive.note(label, [bucket for bucket, _ in self._buckets(label, entries)])
         return self._launch(label, entries)
 
     def _check_place_in_the_world(self) -> None:
@@ -325,6 +376,8 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
 
     def finish(self, exchange) -> List[torch.Tensor]:
         """The averaged gradients of an exchange's tensors, shaped like them."""
+        if isinstance(exchange, FlushExchange):
+            return self._adaptive.finish(exchange)
         if not self.hierarchical:
             return self._finish(exchange)
         if exchange.exchange is None:
@@ -390,6 +443,7 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
         for optimizer in _optimizers_holding(self):
             check_optimizer_compatible(optimizer, self.config, getattr(optimizer, "op", hvd.Average))
             optimizer.register_step_post_hook(self._forget_the_exchanged)
+            optimizer.register_step_post_hook(self._end_stock_step)
             process_set = getattr(optimizer, "process_set", hvd.global_process_set)
             if process_set is not hvd.global_process_set and process_set.size() != hvd.size():
                 raise ValueError(
@@ -485,8 +539,9 @@ class TwoStageCompressor(MethodCompressor):
     different orders never wait on a collective another rank has not launched.
     """
 
-    def __init__(self, method: Method, named_parameters: Optional[NamedParameters] = None):
-        super().__init__(method, named_parameters)
+    def __init__(self, method: Method, named_parameters: Optional[NamedParameters] = None,
+                 adaptive: "bool | Adaptive" = False):
+        super().__init__(method, named_parameters, adaptive)
         self._in_flight: Dict[str, TwoStageExchange] = {}
 
     def _launch(self, label: str, entries: Sequence[Entry]) -> TwoStageExchange:
@@ -722,20 +777,24 @@ def _watch_for_skipped_compressors() -> None:
 
 def _factory(spec: MethodSpec) -> Callable[..., MethodCompressor]:
     def factory(named_parameters: Optional[NamedParameters] = None, hierarchical: bool = False,
-                **options) -> MethodCompressor:
+                adaptive: "bool | Adaptive" = False, **options) -> MethodCompressor:
         _watch_for_skipped_compressors()
+        if hierarchical and adaptive:
+            raise ValueError("adaptive=True is not supported with hierarchical=True yet")
         hosts = None
         if hierarchical:
             from .hierarchy import find_hosts
             hosts = find_hosts()
         method = spec.build(_workers() if hosts is None else hosts.count, **options)
-        compressor = COMPRESSORS[method.family](method, named_parameters)
+        compressor = COMPRESSORS[method.family](method, named_parameters, adaptive)
         if hosts is not None:
             compressor.exchange_between_hosts(hosts)
         return compressor
 
     factory.__name__ = spec.name
-    factory.__doc__ = spec.factory_doc
+    factory.__doc__ = (spec.factory_doc + " ``adaptive=True`` (or an "
+                       ":class:`~horovod_dgc.core.adaptive.Adaptive`): each bucket goes dense where "
+                       "that is predicted faster (docs/algorithms.md#adaptive).")
     return factory
 
 

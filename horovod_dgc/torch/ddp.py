@@ -322,6 +322,9 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, compression: 
                         f"horovod_dgc.torch), got {type(compression).__module__}."
                         f"{type(compression).__qualname__}; for no compression or float16 use "
                         f"DDP's own hooks (torch.distributed.algorithms.ddp_comm_hooks)")
+    if compression.adaptive is not None:
+        raise ValueError("adaptive= is not supported by the DDP hook yet: it runs on Horovod's paths "
+                         "(hvd.DistributedOptimizer and horovod_dgc.torch.DistributedOptimizer)")
     sparse = [name for name, module in ddp_model.module.named_modules()
               if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse]
     if sparse:

@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set,
 
 import torch
 
-from ..core.bucket import Bucket
+from ..core.bucket import Bucket, Plan
 from ..core.collectives import ALLGATHER, ALLREDUCE, network_bytes
 from ..core.method import BucketCall, CompressCall, Method
 from ..core.ops import Pieces
@@ -110,6 +110,7 @@ class Engine:
         self._flats: Dict[Tuple[str, str], Tuple[torch.Tensor, List[torch.Tensor]]] = {}
         self._loss_scale: Callable[[], float] = lambda: 1.0
         self._weight_decays: Dict[str, float] = {}
+        self._compute_s: Dict[str, float] = {}
 
     def set_weight_decays(self, decays: Dict[str, float]) -> None:
         """Per-tensor weight decays (by name), in place of the config's: the fused
@@ -165,6 +166,9 @@ class Engine:
 
     def _state(self, name: str, flat: torch.Tensor, compressed: bool) -> dict:
         with self._lock:
+            if name not in self._states:
+                # A bucket's memories (its dense steps keep them so) become its tensors' again.
+                self._split_buckets_holding([name])
             if name not in self._states:
                 self._states[name] = self.method.init_state(self.ops, flat, compressed,
                                                             self.world_size)
@@ -351,12 +355,54 @@ class Engine:
         like it (views of one flat update)."""
         return self._segments(bucket, shapes, self.finish(received, handover, torch.Size([bucket.numel])))
 
+    def flush_bucket(self, bucket: Bucket, grads: Sequence[torch.Tensor],
+                     params: Sequence[Optional[torch.Tensor]]) -> DenseUpdate:
+        """A compressed bucket's dense step (``Method.flush_bucket``: its gradients with every
+        update its memories owe): what to all-reduce (averaged), flat; give the result to
+        :meth:`flushed`."""
+        call, flat = self._bucket_call(bucket, grads, params)
+        wire = REDUCIBLE.get(grads[0].dtype, grads[0].dtype)
+        update, state = self.method.flush_bucket(self.ops, self._bucket_state(bucket, flat), flat, call,
+                                                 dtype_name(wire))
+        self._stage(bucket.key, state)
+        self._record(call.step, ALLREDUCE, update.numel() * update.element_size(), None,
+                     dense_bytes=sum(s.numel for s in bucket.segments) * flat.element_size())
+        return DenseUpdate(bucket.key, update, grads[0].dtype, call.loss_scale)
+
+    def flushed(self, sent: DenseUpdate, averaged: torch.Tensor, bucket: Bucket,
+                shapes: Sequence[torch.Size]) -> List[torch.Tensor]:
+        """A flushed bucket's averaged gradients, one per member shaped like it (see
+        :meth:`dense_received`)."""
+        return self._segments(bucket, shapes, self.dense_received(sent, averaged))
+
     def _record_bucket(self, call: BucketCall, kind: str, nbytes: int, flat: torch.Tensor, sent: int,
                        started: float) -> None:
         numel = sum(s.numel for s in call.bucket.segments)
+        elapsed = time.perf_counter() - started
+        self._spend([call.bucket.key], elapsed)
         self._record(call.step, kind, nbytes, None, dense_bytes=numel * flat.element_size(),
-                     elements_sent=sent, elements_compressed=numel,
-                     selection_time_s=time.perf_counter() - started)
+                     elements_sent=sent, elements_compressed=numel, selection_time_s=elapsed)
+
+    # -- what each bucket's compute costs (the adaptive switch's input) -------------------------
+    def _spend(self, keys: Sequence[str], seconds: float) -> None:
+        """Count ``seconds`` of compute, shared evenly by ``keys``."""
+        with self._lock:
+            for key in keys:
+                self._compute_s[key] = self._compute_s.get(key, 0.0) + seconds / len(keys)
+
+    def take_compute_s(self) -> Dict[str, float]:
+        """Seconds of compute per bucket key (or tensor) since the last call: the host's time
+        in the engine's calls (on a GPU, the time to launch the kernels, not to run them)."""
+        with self._lock:
+            spent, self._compute_s = self._compute_s, {}
+        return spent
+
+    def bucket_exchanges(self, bucket: Bucket) -> Tuple[Tuple[str, int], ...]:
+        """``Method.bucket_exchanges`` of ``bucket`` at the densities of its next step."""
+        step = max((self._steps.get(n, 0) for n in bucket.names), default=0)
+        return self.method.bucket_exchanges(
+            Plan.at(bucket, [self.config.density_for(step, self.epoch, s.small) for s in bucket.segments]),
+            self.world_size)
 
     def _bucket_call(self, bucket: Bucket, grads: Sequence[torch.Tensor], params: Sequence[Optional[torch.Tensor]],
                      gather: bool = True) -> Tuple[BucketCall, torch.Tensor]:
@@ -488,19 +534,24 @@ class Engine:
             self._conclude([name], False)
             raise
         self._stage(name, state)
+        elapsed = time.perf_counter() - started
+        self._spend([name], elapsed)
         self._record(handover.call.step, self.method.SECOND, message.numel() * message.element_size(),
-                     None, selection_time_s=time.perf_counter() - started)
+                     None, selection_time_s=elapsed)
         return message
 
     def finish(self, received: torch.Tensor, handover: StageHandover, shape: torch.Size) -> torch.Tensor:
         """The averaged update of a two-stage method, shaped like the gradient."""
+        started = time.perf_counter()
         try:
             update, finite = self.method.finish(self.ops, received, handover)
         except NonFiniteGradientError:
             self._conclude([handover.call.name], False)
             raise
         self._conclude([handover.call.name], finite)
-        return _rescaled(update, handover.call.loss_scale).reshape(shape)
+        update = _rescaled(update, handover.call.loss_scale).reshape(shape)
+        self._spend([handover.call.name], time.perf_counter() - started)
+        return update
 
     def record_placeholder(self, step: int, nbytes: int) -> None:
         """Count the bytes of the placeholder Horovod all-reduces beside a sparse message."""
@@ -521,6 +572,7 @@ class Engine:
         """Averaged dense gradients of ``outgoing`` from the allgather of every rank's
         messages (concatenated in the same order on every rank): one per message, a bucket's
         message giving one per member tensor, in its order."""
+        started = time.perf_counter()
         layouts = [o.layout for o in outgoing]
         dtypes = [dtype_name(o.dtype) for o in outgoing]
         steps = {o.step for o in outgoing}
@@ -542,6 +594,7 @@ class Engine:
                 averaged.append(flat.reshape(o.shape))
             else:
                 averaged += self._segments(o.bucket, o.shapes, flat)
+        self._spend(names, time.perf_counter() - started)
         return averaged
 
     def _segments(self, bucket: Bucket, shapes: Sequence[torch.Size], flat: torch.Tensor) -> List[torch.Tensor]:
@@ -563,6 +616,13 @@ class Engine:
                     parts = self._member_parts(bucket)[name]
                     return {k: v[parts[k]] for k, v in self._states[key].items()}
         raise KeyError(name)
+
+    @property
+    def steps_taken(self) -> int:
+        """Steps of the most advanced tensor (the same on every rank: restored by checkpoints
+        and elastic resets)."""
+        with self._lock:
+            return max(self._steps.values(), default=0)
 
     # -- checkpointing --------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -216,6 +216,7 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         self._finish_dense()
         self._reset_step()
         self._compression.check_grad_scaler_use()  # with nothing left in flight
+        self._compression.end_step()
         self._synchronized = True
 
     def abandon_step(self) -> None:

@@ -1,0 +1,236 @@
+"""Compression that steps aside where it does not pay: each bucket's predicted time
+compressed and dense, and the decision between them (docs/algorithms.md#adaptive).
+
+A bucket's compressed exchange costs its compute (compress and decode, measured on this
+machine) plus its collectives' bytes over the link; its dense exchange costs an averaging
+all-reduce of the whole bucket. The link is a latency per collective plus a time per byte
+each worker sends through its NIC (``collectives.network_bytes``: Gloo's ring collectives),
+measured by probes or given by hand. Every rank feeds the same averaged measurements to
+:func:`decide`, so every rank takes the same decision at the same step.
+
+The model is serial: it does not credit either mode with overlapping the backward pass, so
+it favours neither. A switch moves a bucket's whole pending update (its memories) into the
+first dense step (``Method.flush``), so that nothing is lost.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+from .collectives import ALLREDUCE, network_bytes
+from .validation import optional_positive, require_momentum, require_non_negative, require_positive_int
+
+COMPRESSED, DENSE = "compressed", "dense"
+MODES = (COMPRESSED, DENSE)
+
+
+@dataclass(frozen=True)
+class Adaptive:
+    """When and how the compressor re-decides each bucket's mode.
+
+    Attributes:
+        recheck_steps: optimizer steps between decisions. Each decision costs two timed
+            all-reduces (one element, and the largest bucket's dense size: the link's probe,
+            unless ``link_bytes_per_s`` is given) and one all-reduce of the measurements.
+        first_decision_step: the step of the first decision (after the first steps'
+            one-off costs: memory allocation, plans, candidate bounds settling).
+        sample_steps: steps before each decision whose compute times are measured; their
+            median per bucket is the bucket's compute cost.
+        margin: a bucket switches only where the other mode is predicted faster by more than
+            this fraction of its current mode's time (hysteresis against noise).
+        link_bytes_per_s: the link's rate, bytes per second each worker sends, given by hand:
+            no probe is then run. None: measured at every decision.
+        latency_s: the time of one collective besides its bytes, with ``link_bytes_per_s``.
+    """
+
+    recheck_steps: int = 200
+    first_decision_step: int = 20
+    sample_steps: int = 5
+    margin: float = 0.1
+    link_bytes_per_s: Optional[float] = None
+    latency_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        require_positive_int("recheck_steps", self.recheck_steps)
+        require_positive_int("sample_steps", self.sample_steps)
+        require_positive_int("first_decision_step", self.first_decision_step)
+        if self.sample_steps > min(self.first_decision_step, self.recheck_steps):
+            raise ValueError(f"sample_steps ({self.sample_steps}) must be at most first_decision_step "
+                             f"({self.first_decision_step}) and recheck_steps ({self.recheck_steps})")
+        require_momentum("margin", self.margin)
+        optional_positive("link_bytes_per_s", self.link_bytes_per_s)
+        require_non_negative("latency_s", self.latency_s)
+
+    @classmethod
+    def of(cls, setting: "bool | Adaptive") -> Optional["Adaptive"]:
+        """The settings of a compressor's ``adaptive`` argument (None: off)."""
+        if isinstance(setting, Adaptive):
+            return setting
+        if setting is True:
+            return cls()
+        if setting is False or setting is None:
+            return None
+        raise ValueError(f"adaptive must be True, False or an Adaptive(...), got {setting!r}")
+
+    def decides_at(self, step: int) -> bool:
+        """Whether the decision runs after optimizer step ``step`` (0-based)."""
+        return step >= self.first_decision_step and (step - self.first_decision_step) % self.recheck_steps == 0
+
+    def samples_at(self, step: int) -> bool:
+        """Whether step ``step``'s compute times are among the next decision's samples."""
+        ahead = step + self.sample_steps
+        return any(self.decides_at(s) for s in range(step + 1, ahead + 1))
+
+
+@dataclass(frozen=True)
+class Link:
+    """A collective's time: ``latency_s`` plus the bytes each worker sends times
+    ``seconds_per_byte``."""
+
+    latency_s: float
+    seconds_per_byte: float
+
+    def time_s(self, kind: str, nbytes: int, world_size: int) -> float:
+        return self.latency_s + network_bytes(kind, nbytes, world_size) * self.seconds_per_byte
+
+    @classmethod
+    def from_probes(cls, small_s: float, large_s: float, large_bytes: int, world_size: int) -> "Link":
+        """The link of an all-reduce of one element taking ``small_s`` and one of
+        ``large_bytes`` taking ``large_s``."""
+        sent = network_bytes(ALLREDUCE, large_bytes, world_size)
+        return cls(small_s, max(large_s - small_s, 0.0) / sent if sent else 0.0)
+
+    @classmethod
+    def given(cls, settings: Adaptive) -> Optional["Link"]:
+        """The link given by hand, if it was."""
+        if settings.link_bytes_per_s is None:
+            return None
+        return cls(settings.latency_s, 1.0 / settings.link_bytes_per_s)
+
+
+@dataclass(frozen=True)
+class BucketCost:
+    """What a bucket's two modes move and compute.
+
+    Attributes:
+        label: the bucket's collective name.
+        dense_bytes: its gradients' bytes (an all-reduce's message).
+        exchanges: its compressed collectives and the bytes each worker hands to each
+            (``Method.bucket_exchanges``).
+        compute_s: seconds per step of its compress and decode on this machine (averaged
+            over the ranks).
+    """
+
+    label: str
+    dense_bytes: int
+    exchanges: Tuple[Tuple[str, int], ...]
+    compute_s: float
+
+    def predicted_s(self, link: Link, world_size: int) -> Tuple[float, float]:
+        """(compressed, dense) seconds per step."""
+        compressed = self.compute_s + sum(link.time_s(kind, nbytes, world_size) for kind, nbytes in self.exchanges)
+        return compressed, link.time_s(ALLREDUCE, self.dense_bytes, world_size)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A bucket's mode after a decision, and the predictions it was taken on."""
+
+    label: str
+    mode: str
+    compressed_s: float
+    dense_s: float
+    step: int
+
+    def __str__(self) -> str:
+        saved = abs(self.compressed_s - self.dense_s) * 1e3
+        faster = "saved" if (self.mode == DENSE) == (self.dense_s < self.compressed_s) else "lost (within the margin)"
+        return (f"{self.label}: {self.mode}, {saved:.2f} ms {faster} per step "
+                f"(predicted {self.compressed_s * 1e3:.2f} ms compressed, {self.dense_s * 1e3:.2f} ms dense; "
+                f"decided at step {self.step})")
+
+
+def decide(current: str, compressed_s: float, dense_s: float, margin: float) -> str:
+    """The mode after a decision: the other one where it is predicted faster by more than
+    ``margin`` of the current mode's time, else the current one."""
+    if current == COMPRESSED and dense_s < (1.0 - margin) * compressed_s:
+        return DENSE
+    if current == DENSE and compressed_s < (1.0 - margin) * dense_s:
+        return COMPRESSED
+    return current
+
+
+class Switch:
+    """Each bucket's mode, the compute samples of the coming decision, and the decisions
+    taken; framework-free (an adapter times the probes and all-reduces the measurements).
+
+    Every bucket starts compressed. A forced mode (:meth:`force`) holds until forced again
+    and suspends decisions for that bucket.
+    """
+
+    def __init__(self, settings: Optional[Adaptive]) -> None:
+        self.settings = settings
+        self.modes: Dict[str, str] = {}
+        self.forced: Dict[str, str] = {}
+        self.decisions: Dict[str, Decision] = {}
+        self.compute_s: Dict[str, float] = {}  # each bucket's last agreed compute cost
+        self._samples: Dict[str, List[float]] = {}
+
+    def mode(self, label: str) -> str:
+        return self.forced.get(label, self.modes.get(label, COMPRESSED))
+
+    def force(self, mode: Optional[str], labels: Sequence[str]) -> None:
+        """Hold ``labels`` in ``mode`` (None: release them to the decisions)."""
+        if mode is not None and mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES} or None, got {mode!r}")
+        for label in labels:
+            if mode is None:
+                self.forced.pop(label, None)
+            else:
+                self.forced[label] = mode
+
+    def sample(self, step: int, compute_s: Mapping[str, float]) -> None:
+        """Keep step ``step``'s compute seconds per compressed bucket if the next decision
+        samples it."""
+        if self.settings is None or not self.settings.samples_at(step):
+            return
+        for label, seconds in compute_s.items():
+            if self.mode(label) == COMPRESSED:
+                self._samples.setdefault(label, []).append(seconds)
+
+    def local_compute_s(self, labels: Sequence[str]) -> List[float]:
+        """This rank's compute cost per bucket of ``labels`` for the decision: the median of
+        its samples, else the last agreed one (a dense bucket's), else 0."""
+        measured = {label: statistics.median(s) for label, s in self._samples.items() if s}
+        return [measured.get(label, self.compute_s.get(label, 0.0)) for label in labels]
+
+    def decide(self, step: int, costs: Sequence[BucketCost], link: Link, world_size: int) -> List[Decision]:
+        """Every bucket's mode from ``costs`` (identical on every rank) and the link."""
+        self._samples.clear()
+        taken = []
+        for cost in costs:
+            self.compute_s[cost.label] = cost.compute_s
+            compressed_s, dense_s = cost.predicted_s(link, world_size)
+            mode = decide(self.modes.get(cost.label, COMPRESSED), compressed_s, dense_s, self.settings.margin)
+            self.modes[cost.label] = mode
+            taken.append(Decision(cost.label, mode, compressed_s, dense_s, step))
+        self.decisions.update((d.label, d) for d in taken)
+        return taken
+
+    def lines(self) -> Tuple[str, ...]:
+        """Each bucket's mode and why: one line per bucket decided or forced, in label order."""
+        labels = sorted(set(self.decisions) | set(self.forced))
+        return tuple(f"{label}: {self.forced[label]} (forced)" if label in self.forced
+                     else str(self.decisions[label]) for label in labels)
+
+    def state_dict(self) -> dict:
+        return {"modes": dict(self.modes), "compute_s": dict(self.compute_s)}
+
+    def load_state_dict(self, state: Optional[dict]) -> None:
+        """Modes saved by :meth:`state_dict` (None: a state saved without them, every bucket
+        compressed)."""
+        state = state or {}
+        self.modes = dict(state.get("modes", {}))
+        self.compute_s = dict(state.get("compute_s", {}))
+        self._samples.clear()

@@ -1,0 +1,138 @@
+"""The adaptive switch on PyTorch's Horovod paths (``adaptive=`` of every compressor): a
+bucket's dense step, and the decisions taken at the end of a step (:mod:`..core.adaptive`).
+
+A bucket in dense mode is flushed (``Engine.flush_bucket``: its gradients with every update
+its memories owe) and averaged by one all-reduce under a name of its own. At a decision step
+every rank times the same probes, and one all-reduce averages every rank's measurements, so
+that every rank feeds the same numbers to the same rule and takes the same decision.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..core.adaptive import DENSE, Adaptive, BucketCost, Decision, Link, Switch
+from ..core.bucket import Bucket
+from ..core.collectives import ALLREDUCE
+from .engine import REDUCIBLE, DenseUpdate
+
+if TYPE_CHECKING:
+    from .compression import Entry, MethodCompressor
+
+# How often each probe runs at a decision: the fastest counts (the first may pay for
+# Horovod's negotiation of a name it has not seen).
+PROBE_REPEATS = 2
+
+
+@dataclass
+class FlushExchange:
+    """A label's dense step in flight: per bucket, the all-reduce, what was sent, the bucket,
+    its members' shapes and their places among the entries."""
+
+    launched: List[Tuple[Any, DenseUpdate, Bucket, Tuple[torch.Size, ...], List[int]]]
+    step: int
+
+
+class AdaptiveExchanges:
+    """One compressor's switch (:class:`~horovod_dgc.core.adaptive.Switch`) and what it needs
+    from the compressor: the buckets of each label, their dense steps and the probes."""
+
+    def __init__(self, compressor: "MethodCompressor", settings: Optional[Adaptive]) -> None:
+        self.compressor = compressor
+        self.switch = Switch(settings)
+        self._buckets: Dict[str, List[Bucket]] = {}
+
+    @property
+    def labels(self) -> List[str]:
+        """Every label exchanged so far."""
+        return sorted(self._buckets)
+
+    def note(self, label: str, buckets: Sequence[Bucket]) -> None:
+        """``label``'s buckets, as it last exchanged them."""
+        self._buckets[label] = list(buckets)
+
+    def dense(self, label: str) -> bool:
+        return self.switch.mode(label) == DENSE
+
+    def launch(self, label: str, entries: Sequence["Entry"]) -> FlushExchange:
+        """Every bucket of ``label`` flushed and its all-reduce launched."""
+        compressor, launched = self.compressor, []
+        engine, transport = compressor.engine, compressor.transport
+        buckets = compressor._buckets(label, entries)
+        self.note(label, [bucket for bucket, _ in buckets])
+        for bucket, members in buckets:
+            update = engine.flush_bucket(bucket, [entries[i][1] for i in members], [entries[i][2] for i in members])
+            handle = transport.launch(ALLREDUCE, update.tensor, f"flush.{bucket.key}")
+            launched.append((handle, update, bucket, tuple(entries[i][1].shape for i in members), members))
+        return FlushExchange(launched, engine.steps_taken - 1)
+
+    def finish(self, exchange: FlushExchange) -> List[torch.Tensor]:
+        engine, transport = self.compressor.engine, self.compressor.transport
+        ordered: List[Optional[torch.Tensor]] = [None] * sum(len(m) for *_, m in exchange.launched)
+        for handle, update, bucket, shapes, members in exchange.launched:
+            for place, averaged in zip(members, engine.flushed(update, transport.wait(handle), bucket, shapes)):
+                ordered[place] = averaged
+        return ordered
+
+    def end_step(self) -> List[Decision]:
+        """After every exchange of a step: keep its compute times if the next decision samples
+        them, and decide if this is a decision step (every rank alike: collectives)."""
+        settings, engine = self.switch.settings, self.compressor.engine
+        if settings is None:
+            return []
+        spent = engine.take_compute_s()
+        step = engine.steps_taken - 1
+        self.switch.sample(step, {label: sum(spent.get(b.key, 0.0) for b in buckets)
+                                  for label, buckets in self._buckets.items()})
+        if not settings.decides_at(step):
+            return []
+        return self._decide(step)
+
+    def _decide(self, step: int) -> List[Decision]:
+        compressor = self.compressor
+        engine, transport, settings = compressor.engine, compressor.transport, self.switch.settings
+        labels = sorted(self._buckets)
+        dense_bytes = [sum(b.numel * _wire_bytes(b) for b in self._buckets[label]) for label in labels]
+        link = Link.given(settings)
+        probes = [0.0, 0.0] if link is not None else self._probe(max(dense_bytes, default=4))
+        local = probes + self.switch.local_compute_s(labels)
+        agreed = transport.wait(transport.launch(ALLREDUCE, torch.tensor(local, dtype=torch.float64),
+                                                 "adaptive.measurements")).tolist()
+        world = transport.size()
+        if link is None:
+            link = Link.from_probes(agreed[0], agreed[1], max(dense_bytes, default=4), world)
+        costs = [BucketCost(label, nbytes, tuple(e for b in self._buckets[label] for e in engine.bucket_exchanges(b)),
+                            compute_s)
+                 for label, nbytes, compute_s in zip(labels, dense_bytes, agreed[2:])]
+        before = {label: self.switch.mode(label) for label in labels}
+        decisions = self.switch.decide(step, costs, link, world)
+        if transport.rank() == 0:
+            for decision in decisions:
+                if decision.mode != before[decision.label]:
+                    print(f"horovod_dgc: {decision}", file=sys.stderr, flush=True)
+        return decisions
+
+    def _probe(self, nbytes: int) -> List[float]:
+        """Seconds of an averaging all-reduce of one element and of ``nbytes`` (float32), the
+        fastest of PROBE_REPEATS each."""
+        transport = self.compressor.transport
+        timed = []
+        for name, numel in (("small", 1), ("large", max(1, nbytes // 4))):
+            probe, fastest = torch.zeros(numel), float("inf")
+            for _ in range(PROBE_REPEATS):
+                started = time.perf_counter()
+                transport.wait(transport.launch(ALLREDUCE, probe, f"adaptive.probe.{name}"))
+                fastest = min(fastest, time.perf_counter() - started)
+            timed.append(fastest)
+        return timed
+
+
+def _wire_bytes(bucket: Bucket) -> int:
+    """Bytes per element of a bucket's gradients on an all-reduce (bfloat16 travels as
+    float32: Horovod reduces no bfloat16)."""
+    dtype = getattr(torch, bucket.dtype)
+    return torch.empty((), dtype=REDUCIBLE.get(dtype, dtype)).element_size()

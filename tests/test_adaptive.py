@@ -1,0 +1,235 @@
+"""The adaptive switch: a compressed bucket's dense step (the flush) against the equations
+written out here, the conservation law across forced switches for every method, and the
+decision rule and its cost model against hand-computed predictions."""
+import math
+
+import pytest
+import torch
+
+from horovod_dgc.core.adaptive import COMPRESSED, DENSE, Adaptive, BucketCost, Link, Switch, decide
+from horovod_dgc.core.collectives import ALLGATHER, ALLREDUCE, emulate
+from horovod_dgc.core.methods import BY_NAME
+from horovod_dgc.torch.engine import Engine
+
+SHAPES = [(40, 3, 3, 3), (40,), (1,), (64, 80), (1000,), (5, 2048), (3, 5)]
+NAMES = [f"t{i}" for i in range(len(SHAPES))]
+# Every method with the memories whose conservation law is a plain sum (no momentum, no
+# low-pass filter), so that the law can be written out over a step that switches.
+PLAIN = {
+    "topk": ("topk", {}),
+    "gaussiank": ("gaussiank", {}),
+    "dgc": ("dgc", {"momentum": 0.0}),
+    "dgc-sar": ("dgc", {"momentum": 0.0, "aggregation": "sparse_allreduce"}),
+    "scalecom": ("scalecom", {"beta": 1.0}),
+    "blocksign": ("blocksign", {"momentum": 0.0}),
+}
+
+
+def engines_of(method: str, world: int, **options):
+    return [Engine(BY_NAME[method].build(**options), world, r) for r in range(world)]
+
+
+def compressed_step(engines, grads):
+    """Every rank's averages of one compressed step of the bucket of ``grads[rank]``."""
+    buckets = [e.bucket("layer", list(zip(NAMES, gs))) for e, gs in zip(engines, grads)]
+    nones = [None] * len(NAMES)
+    if engines[0].method.family == "two-stage":
+        ops, method = engines[0].ops, engines[0].method
+        firsts = [e.first_bucket(b, [g.clone() for g in gs], nones) for e, b, gs in zip(engines, buckets, grads)]
+        root = method.root(firsts[0][1].call)
+        received = emulate(ops, method.FIRST, [m for m, _ in firsts], root, firsts[0][1].chunks)
+        seconds = [e.second(b.key, got, h) for e, b, got, (_, h) in zip(engines, buckets, received, firsts)]
+        received = emulate(ops, method.SECOND, seconds, root)
+        return [[t.clone() for t in e.finish_bucket(got, h, b, [g.shape for g in gs])]
+                for e, b, got, (_, h), gs in zip(engines, buckets, received, firsts, grads)]
+    sent = [e.compress_bucket(b, [g.clone() for g in gs], nones) for e, b, gs in zip(engines, buckets, grads)]
+    gathered = torch.cat([o.message for o in sent])
+    return [[t.clone() for t in e.decompress(gathered, [o])] for e, o in zip(engines, sent)]
+
+
+def dense_step(engines, grads):
+    """Every rank's averages of one flushed step: an averaging all-reduce, written out."""
+    buckets = [e.bucket("layer", list(zip(NAMES, gs))) for e, gs in zip(engines, grads)]
+    updates = [e.flush_bucket(b, [g.clone() for g in gs], [None] * len(NAMES))
+               for e, b, gs in zip(engines, buckets, grads)]
+    average = sum(u.tensor for u in updates) / len(engines)
+    return [[t.clone() for t in e.flushed(u, average.clone(), b, [g.shape for g in gs])]
+            for e, u, b, gs in zip(engines, updates, buckets, grads)]
+
+
+def owed(engines, name: str, numel: int) -> torch.Tensor:
+    """What the memories still owe tensor ``name``'s average: the mean of the workers' pending
+    memories plus its sharded memory (every rank's shard, in rank order)."""
+    method = engines[0].method
+    pending = sum(e.memories(name)[method.pending_memory].double() for e in engines) / len(engines)
+    for key in method.state_layout(True).sharded:
+        pending = pending + torch.cat([e.memories(name)[key].double() for e in engines])[:numel]
+    return pending
+
+
+@pytest.mark.parametrize("kind", sorted(PLAIN))
+def test_no_gradient_is_lost_over_500_steps_that_switch_every_50(kind):
+    """(1/N) sum of every gradient = every average applied + what the memories owe, per
+    tensor, after 500 steps whose mode alternates every 50 (a float64 sum, independent of
+    the core); the ranks apply identical averages; a dense step leaves float32 memories
+    empty."""
+    method, options = PLAIN[kind]
+    world = 3
+    engines = engines_of(method, world, **options)
+    gen = torch.Generator().manual_seed(0)
+    applied = [torch.zeros(math.prod(s), dtype=torch.float64) for s in SHAPES]
+    mean_grads = [torch.zeros(math.prod(s), dtype=torch.float64) for s in SHAPES]
+    for t in range(500):
+        grads = [[torch.randn(s, generator=gen) * (1 + t % 5) for s in SHAPES] for _ in range(world)]
+        dense = (t // 50) % 2 == 1
+        results = (dense_step if dense else compressed_step)(engines, grads)
+        assert all(torch.equal(a, b) for rank in results[1:] for a, b in zip(results[0], rank))
+        for i in range(len(SHAPES)):
+            applied[i] += results[0][i].double().reshape(-1)
+            mean_grads[i] += sum(g[i].double().reshape(-1) for g in grads) / world
+        if dense:
+            assert all(float(owed(engines, n, math.prod(s)).abs().max()) == 0.0 for n, s in zip(NAMES, SHAPES))
+    for name, s, a, g in zip(NAMES, SHAPES, applied, mean_grads):
+        error = (a + owed(engines, name, math.prod(s)) - g).norm() / g.norm()
+        assert error < 1e-5, (name, float(error))
+
+
+def test_a_dense_step_of_float16_gradients_keeps_what_the_wire_rounds_away():
+    """A float16 bucket travels in float16; each rank's residual (float32) keeps exactly what
+    that rounding took from its flush, ``e + g - float16(e + g)``."""
+    world, engines = 2, engines_of("topk", 2)
+    gen = torch.Generator().manual_seed(1)
+    compressed_step(engines, [[(torch.randn(s, generator=gen) / 3).half() for s in SHAPES] for _ in range(world)])
+    before = [[e.memories(n)["residual"].clone() for n in NAMES] for e in engines]
+    grads = [[(torch.randn(s, generator=gen) / 3).half() for s in SHAPES] for _ in range(world)]
+    buckets = [e.bucket("layer", list(zip(NAMES, gs))) for e, gs in zip(engines, grads)]
+    updates = [e.flush_bucket(b, gs, [None] * len(NAMES)) for e, b, gs in zip(engines, buckets, grads)]
+    average = sum(u.tensor.float() for u in updates) / world
+    for e, u, b, gs in zip(engines, updates, buckets, grads):
+        e.flushed(u, average.half(), b, [g.shape for g in gs])
+    rounded = 0
+    for r, engine in enumerate(engines):
+        assert updates[r].tensor.dtype == torch.float16
+        for i, (name, segment) in enumerate(zip(NAMES, buckets[r].segments)):
+            total = before[r][i] + grads[r][i].float().reshape(-1)
+            sent = updates[r].tensor[segment.offset:segment.end].float()
+            assert torch.equal(engine.memories(name)["residual"], total - sent)
+            rounded += int(engine.memories(name)["residual"].count_nonzero())
+    assert rounded > 0
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_dgc_flushes_its_velocity_and_keeps_its_momentum(nesterov):
+    """DGC's dense step sends ``v + u'`` (Nesterov ``v + u' + g``) with ``u' = m u + g``
+    (Nesterov ``m (u + g)``): the velocity empties, the momentum goes on."""
+    world, m = 2, 0.9
+    engines = engines_of("dgc", world, momentum=m, nesterov=nesterov)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        compressed_step(engines, [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(world)])
+    before = [{n: {k: v.clone() for k, v in e.memories(n).items()} for n in NAMES} for e in engines]
+    grads = [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(world)]
+    results = dense_step(engines, grads)
+    for i, name in enumerate(NAMES):
+        sends, momenta = [], []
+        for r in range(world):
+            u, v, g = before[r][name]["momentum"], before[r][name]["velocity"], grads[r][i].reshape(-1)
+            momentum = m * (u + g) if nesterov else m * u + g
+            sends.append(v + momentum + (g if nesterov else 0))
+            momenta.append(momentum)
+        torch.testing.assert_close(results[0][i].reshape(-1), sum(sends) / world)
+        for r, engine in enumerate(engines):
+            torch.testing.assert_close(engine.memories(name)["momentum"], momenta[r])
+            assert not engine.memories(name)["velocity"].any()
+
+
+def test_a_dense_step_undoes_and_restores_the_loss_scale():
+    """Memories hold unscaled gradients; the average goes back in the loss scale's units."""
+    world, scale = 2, 8.0
+    engines = engines_of("topk", world)
+    for engine in engines:
+        engine.use_loss_scale(lambda: scale)
+    gen = torch.Generator().manual_seed(3)
+    grads = [[torch.randn(s, generator=gen) * scale for s in SHAPES] for _ in range(world)]
+    compressed_step(engines, grads)
+    before = [[engine.memories(n)["residual"].clone() for n in NAMES] for engine in engines]
+    grads = [[torch.randn(s, generator=gen) * scale for s in SHAPES] for _ in range(world)]
+    results = dense_step(engines, grads)
+    for i in range(len(NAMES)):
+        want = sum(before[r][i] + grads[r][i].reshape(-1) / scale for r in range(world)) / world * scale
+        torch.testing.assert_close(results[0][i].reshape(-1), want)
+
+
+def test_a_step_not_finite_on_one_rank_leaves_every_memory_as_it_was():
+    world, engines = 2, engines_of("dgc", 2)
+    gen = torch.Generator().manual_seed(4)
+    compressed_step(engines, [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(world)])
+    before = [{n: {k: v.clone() for k, v in e.memories(n).items()} for n in NAMES} for e in engines]
+    grads = [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(world)]
+    grads[1][3][0, 0] = float("nan")
+    results = dense_step(engines, grads)
+    assert torch.isnan(results[0][3]).any()
+    for r, engine in enumerate(engines):
+        for name in NAMES:
+            for key, memory in engine.memories(name).items():
+                assert torch.equal(memory, before[r][name][key]), (r, name, key)
+
+
+# -- the decision rule and its cost model --------------------------------------------------------
+def test_the_link_fits_a_latency_and_a_time_per_byte_to_two_probes():
+    """A ring all-reduce of B bytes among N workers sends 2 (N - 1) / N * B per worker."""
+    link = Link.from_probes(small_s=0.001, large_s=0.011, large_bytes=10_000_000, world_size=4)
+    assert link.latency_s == 0.001
+    assert link.seconds_per_byte == pytest.approx(0.010 / (2 * 3 / 4 * 10_000_000))
+    assert link.time_s(ALLREDUCE, 10_000_000, 4) == pytest.approx(0.011)
+
+
+def test_a_bucket_cost_adds_compute_to_each_collectives_time():
+    link = Link(latency_s=0.002, seconds_per_byte=1e-8)
+    cost = BucketCost("b", dense_bytes=4_000_000, exchanges=((ALLGATHER, 10_000),), compute_s=0.005)
+    compressed, dense = cost.predicted_s(link, 4)
+    # Allgather: each worker sends its message to N - 1 others through the ring.
+    assert compressed == pytest.approx(0.005 + 0.002 + 3 * 10_000 * 1e-8)
+    assert dense == pytest.approx(0.002 + 2 * 3 / 4 * 4_000_000 * 1e-8)
+
+
+@pytest.mark.parametrize("current,compressed_s,dense_s,want", [
+    (COMPRESSED, 10.0, 8.9, DENSE), (COMPRESSED, 10.0, 9.1, COMPRESSED),
+    (DENSE, 8.9, 10.0, COMPRESSED), (DENSE, 9.1, 10.0, DENSE), (DENSE, 20.0, 10.0, DENSE)])
+def test_a_bucket_switches_only_past_the_margin(current, compressed_s, dense_s, want):
+    assert decide(current, compressed_s, dense_s, margin=0.1) == want
+
+
+def test_decisions_run_at_the_first_step_and_then_every_recheck_and_sample_the_steps_before():
+    settings = Adaptive(recheck_steps=100, first_decision_step=20, sample_steps=5)
+    assert [s for s in range(400) if settings.decides_at(s)] == [20, 120, 220, 320]
+    assert [s for s in range(130) if settings.samples_at(s)] == [15, 16, 17, 18, 19, 115, 116, 117, 118, 119]
+
+
+def test_the_switch_keeps_a_dense_buckets_last_compute_cost_and_a_forced_mode_wins():
+    switch = Switch(Adaptive(recheck_steps=10, first_decision_step=5, sample_steps=3))
+    for step in range(2, 5):
+        switch.sample(step, {"a": 0.010 + step * 1e-3, "b": 0.001})
+    assert switch.local_compute_s(["a", "b"]) == [pytest.approx(0.013), 0.001]
+    slow_link = Link(0.0, 1e-6)
+    decisions = switch.decide(5, [BucketCost("a", 1000, ((ALLGATHER, 10),), 0.013),
+                                  BucketCost("b", 10_000_000, ((ALLGATHER, 1000),), 0.001)], slow_link, 2)
+    assert [d.mode for d in decisions] == [DENSE, COMPRESSED]
+    assert str(decisions[0]).startswith("a: dense, ") and "saved" in str(decisions[0])
+    switch.sample(14, {"a": 5.0, "b": 0.002})  # a is dense: not sampled
+    assert switch.local_compute_s(["a", "b"]) == [0.013, 0.002]
+    switch.force(COMPRESSED, ["a"])
+    assert switch.mode("a") == COMPRESSED and switch.lines()[0] == "a: compressed (forced)"
+    switch.force(None, ["a"])
+    assert switch.mode("a") == DENSE
+
+
+def test_settings_are_checked_at_construction():
+    with pytest.raises(ValueError, match="sample_steps"):
+        Adaptive(sample_steps=30, first_decision_step=20)
+    with pytest.raises(ValueError, match="margin"):
+        Adaptive(margin=1.5)
+    with pytest.raises(ValueError, match="link_bytes_per_s"):
+        Adaptive(link_bytes_per_s=0)
+    with pytest.raises(ValueError, match="adaptive must be"):
+        Adaptive.of("yes")
