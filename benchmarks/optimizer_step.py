@@ -10,7 +10,9 @@ backward pass, so every tensor reaches the optimizer at ``step()``) and times
 
 * ``dense``: the stock ``hvd.DistributedOptimizer``, Horovod's ``Compression.none``;
 * ``<method>-stock``: the stock ``hvd.DistributedOptimizer`` with ``compression=`` the method;
-* ``<method>-fused``: ``horovod_dgc.torch.DistributedOptimizer``.
+* ``<method>-fused``: ``horovod_dgc.torch.DistributedOptimizer``;
+* ``<method>-adaptive``: the same with ``adaptive=`` (first decision within the untimed
+  steps: ``ADAPTIVE``), each bucket's mode printed.
 
 Every optimizer is plain SGD (lr 0, so the parameters stay as they are). Rounds interleave
 the optimizers (one step of each per round, the order reversed every other round); rank 0
@@ -31,9 +33,14 @@ import horovod.torch as hvd
 import torch
 
 import horovod_dgc.torch as hdgc
+from horovod_dgc.core.adaptive import Adaptive
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from _resnet import resnet50  # noqa: E402
+
+
+# Decided on the 10th step, from the 5 before it: within the default 20 untimed steps.
+ADAPTIVE = Adaptive(first_decision_step=10, sample_steps=5)
 
 
 def optimizers(methods: Sequence[str]) -> Dict[str, Callable[[], torch.optim.Optimizer]]:
@@ -51,6 +58,7 @@ def optimizers(methods: Sequence[str]) -> Dict[str, Callable[[], torch.optim.Opt
         runs[f"{method}-stock"] = build(hvd.DistributedOptimizer,
                                         lambda model, f=factory: f(named_parameters=model.named_parameters()))
         runs[f"{method}-fused"] = build(hdgc.DistributedOptimizer, lambda model, f=factory: f())
+        runs[f"{method}-adaptive"] = build(hdgc.DistributedOptimizer, lambda model, f=factory: f(adaptive=ADAPTIVE))
     return runs
 
 
@@ -93,6 +101,9 @@ def main(argv: Sequence[str] = None) -> None:
         for name, seconds in times.items():
             median = statistics.median(seconds)
             print(f"| {name} | {median * 1e3:.1f} | {median / dense:.2f} |")
+        for name, optimizer in runs.items():
+            if name.endswith("-adaptive"):
+                print(f"\n{name}'s buckets:\n" + "\n".join(optimizer._compression.stats().buckets))
 
 
 if __name__ == "__main__":

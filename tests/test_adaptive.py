@@ -224,6 +224,29 @@ def test_the_switch_keeps_a_dense_buckets_last_compute_cost_and_a_forced_mode_wi
     assert switch.mode("a") == DENSE
 
 
+def test_a_change_of_scale_between_decisions_brings_the_decision_forward():
+    settings = Adaptive(recheck_steps=200, first_decision_step=20, watch_steps=25, rescale=2.0)
+    assert [s for s in range(100) if settings.watches_at(s)] == [45, 70, 95]
+    switch = Switch(settings)
+    assert not switch.rescaled(0.010)  # the first watch after a decision sets the level
+    assert not switch.rescaled(0.019) and not switch.rescaled(0.0051)
+    assert switch.rescaled(0.020) and switch.rescaled(0.005)
+    switch.decide(45, [], Link(0.0, 0.0), 2)
+    assert not switch.rescaled(0.040)  # a new level after the decision
+
+
+def test_modes_and_their_decisions_survive_a_checkpoint_and_an_older_state_starts_compressed():
+    switch = Switch(Adaptive())
+    switch.decide(20, [BucketCost("a", 10 ** 7, ((ALLGATHER, 10),), 0.5)], Link(0.0, 1e-9), 2)
+    switch.force(DENSE, ["b"])
+    loaded = Switch(Adaptive())
+    loaded.load_state_dict(switch.state_dict())
+    assert loaded.mode("a") == DENSE and loaded.lines() == switch.lines()[:1]
+    assert loaded.mode("b") == COMPRESSED
+    loaded.load_state_dict(None)
+    assert loaded.mode("a") == COMPRESSED and loaded.lines() == ()
+
+
 def test_settings_are_checked_at_construction():
     with pytest.raises(ValueError, match="sample_steps"):
         Adaptive(sample_steps=30, first_decision_step=20)
@@ -231,5 +254,7 @@ def test_settings_are_checked_at_construction():
         Adaptive(margin=1.5)
     with pytest.raises(ValueError, match="link_bytes_per_s"):
         Adaptive(link_bytes_per_s=0)
+    with pytest.raises(ValueError, match="rescale"):
+        Adaptive(rescale=1.0)
     with pytest.raises(ValueError, match="adaptive must be"):
         Adaptive.of("yes")

@@ -14,6 +14,7 @@ first dense step (``Method.flush``), so that nothing is lost.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
@@ -42,6 +43,11 @@ class Adaptive:
         link_bytes_per_s: the link's rate, bytes per second each worker sends, given by hand:
             no probe is then run. None: measured at every decision.
         latency_s: the time of one collective besides its bytes, with ``link_bytes_per_s``.
+        watch_steps: between decisions, every this many steps the ranks average the time
+            their exchanges took to finish over those steps (one all-reduce of one number);
+            where it changed by ``rescale`` times or more since the first watch after the last
+            decision (a link slowed down or freed up), the decision runs at once.
+        rescale: the change of scale that brings a decision forward, > 1.
     """
 
     recheck_steps: int = 200
@@ -50,6 +56,8 @@ class Adaptive:
     margin: float = 0.1
     link_bytes_per_s: Optional[float] = None
     latency_s: float = 0.0
+    watch_steps: int = 25
+    rescale: float = 2.0
 
     def __post_init__(self) -> None:
         require_positive_int("recheck_steps", self.recheck_steps)
@@ -61,6 +69,9 @@ class Adaptive:
         require_momentum("margin", self.margin)
         optional_positive("link_bytes_per_s", self.link_bytes_per_s)
         require_non_negative("latency_s", self.latency_s)
+        require_positive_int("watch_steps", self.watch_steps)
+        if not isinstance(self.rescale, (int, float)) or not self.rescale > 1.0:
+            raise ValueError(f"rescale must be > 1, got {self.rescale!r}")
 
     @classmethod
     def of(cls, setting: "bool | Adaptive") -> Optional["Adaptive"]:
@@ -76,6 +87,10 @@ class Adaptive:
     def decides_at(self, step: int) -> bool:
         """Whether the decision runs after optimizer step ``step`` (0-based)."""
         return step >= self.first_decision_step and (step - self.first_decision_step) % self.recheck_steps == 0
+
+    def watches_at(self, step: int) -> bool:
+        """Whether the ranks compare their exchanges' time after step ``step``."""
+        return step > self.first_decision_step and (step - self.first_decision_step) % self.watch_steps == 0
 
     def samples_at(self, step: int) -> bool:
         """Whether step ``step``'s compute times are among the next decision's samples."""
@@ -176,6 +191,8 @@ class Switch:
         self.decisions: Dict[str, Decision] = {}
         self.compute_s: Dict[str, float] = {}  # each bucket's last agreed compute cost
         self._samples: Dict[str, List[float]] = {}
+        # The exchanges' seconds per step at the first watch after the last decision.
+        self.level_s: Optional[float] = None
 
     def mode(self, label: str) -> str:
         return self.forced.get(label, self.modes.get(label, COMPRESSED))
@@ -205,9 +222,19 @@ class Switch:
         measured = {label: statistics.median(s) for label, s in self._samples.items() if s}
         return [measured.get(label, self.compute_s.get(label, 0.0)) for label in labels]
 
+    def rescaled(self, exchange_s: float) -> bool:
+        """Whether the exchanges' seconds per step (averaged over the ranks, at a watch)
+        moved by ``rescale`` times or more since the first watch after the last decision."""
+        level, factor = self.level_s, self.settings.rescale
+        if level is None or level <= 0.0:
+            self.level_s = exchange_s
+            return False
+        return not level / factor < exchange_s < level * factor
+
     def decide(self, step: int, costs: Sequence[BucketCost], link: Link, world_size: int) -> List[Decision]:
         """Every bucket's mode from ``costs`` (identical on every rank) and the link."""
         self._samples.clear()
+        self.level_s = None
         taken = []
         for cost in costs:
             self.compute_s[cost.label] = cost.compute_s
@@ -225,7 +252,10 @@ class Switch:
                      else str(self.decisions[label]) for label in labels)
 
     def state_dict(self) -> dict:
-        return {"modes": dict(self.modes), "compute_s": dict(self.compute_s)}
+        """Each bucket's mode, the decision it came from, and its last agreed compute cost
+        (forced modes are the caller's to set again)."""
+        return {"modes": dict(self.modes), "compute_s": dict(self.compute_s),
+                "decisions": {label: dataclasses.asdict(d) for label, d in self.decisions.items()}}
 
     def load_state_dict(self, state: Optional[dict]) -> None:
         """Modes saved by :meth:`state_dict` (None: a state saved without them, every bucket
@@ -233,4 +263,6 @@ class Switch:
         state = state or {}
         self.modes = dict(state.get("modes", {}))
         self.compute_s = dict(state.get("compute_s", {}))
+        self.decisions = {label: Decision(**d) for label, d in state.get("decisions", {}).items()}
         self._samples.clear()
+        self.level_s = None

@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 # How often each probe runs at a decision: the fastest counts (the first may pay for
 # Horovod's negotiation of a name it has not seen).
 PROBE_REPEATS = 2
+# The large probe's size: the largest bucket's, at most this (enough to see the link's rate
+# past its latency; a 25 MB probe would take seconds on a slow link).
+PROBE_MOST_BYTES = 4 * 2 ** 20
 
 
 @dataclass
@@ -45,6 +48,9 @@ class AdaptiveExchanges:
         self.compressor = compressor
         self.switch = Switch(settings)
         self._buckets: Dict[str, List[Bucket]] = {}
+        # Seconds this rank's exchanges took to finish, summed since the last watch.
+        self.exchange_s = 0.0
+        self._watched_steps = 0
 
     @property
     def labels(self) -> List[str]:
@@ -88,9 +94,19 @@ class AdaptiveExchanges:
         step = engine.steps_taken - 1
         self.switch.sample(step, {label: sum(spent.get(b.key, 0.0) for b in buckets)
                                   for label, buckets in self._buckets.items()})
-        if not settings.decides_at(step):
-            return []
-        return self._decide(step)
+        self._watched_steps += 1
+        if settings.decides_at(step) or (settings.watches_at(step) and self._rescaled()):
+            return self._decide(step)
+        return []
+
+    def _rescaled(self) -> bool:
+        """The watch: the exchanges' seconds per step, averaged over the ranks, against the
+        level the switch keeps (every rank alike)."""
+        transport = self.compressor.transport
+        local = torch.tensor([self.exchange_s / max(self._watched_steps, 1)], dtype=torch.float64)
+        self.exchange_s, self._watched_steps = 0.0, 0
+        agreed = float(transport.wait(transport.launch(ALLREDUCE, local, "adaptive.watch"))[0])
+        return self.switch.rescaled(agreed)
 
     def _decide(self, step: int) -> List[Decision]:
         compressor = self.compressor
@@ -98,18 +114,19 @@ class AdaptiveExchanges:
         labels = sorted(self._buckets)
         dense_bytes = [sum(b.numel * _wire_bytes(b) for b in self._buckets[label]) for label in labels]
         link = Link.given(settings)
-        probes = [0.0, 0.0] if link is not None else self._probe(max(dense_bytes, default=4))
+        probes = [0.0, 0.0] if link is not None else self._probe(_probe_bytes(dense_bytes))
         local = probes + self.switch.local_compute_s(labels)
         agreed = transport.wait(transport.launch(ALLREDUCE, torch.tensor(local, dtype=torch.float64),
                                                  "adaptive.measurements")).tolist()
         world = transport.size()
         if link is None:
-            link = Link.from_probes(agreed[0], agreed[1], max(dense_bytes, default=4), world)
+            link = Link.from_probes(agreed[0], agreed[1], _probe_bytes(dense_bytes), world)
         costs = [BucketCost(label, nbytes, tuple(e for b in self._buckets[label] for e in engine.bucket_exchanges(b)),
                             compute_s)
                  for label, nbytes, compute_s in zip(labels, dense_bytes, agreed[2:])]
         before = {label: self.switch.mode(label) for label in labels}
         decisions = self.switch.decide(step, costs, link, world)
+        self.exchange_s, self._watched_steps = 0.0, 0
         if transport.rank() == 0:
             for decision in decisions:
                 if decision.mode != before[decision.label]:
@@ -121,7 +138,7 @@ class AdaptiveExchanges:
         fastest of PROBE_REPEATS each."""
         transport = self.compressor.transport
         timed = []
-        for name, numel in (("small", 1), ("large", max(1, nbytes // 4))):
+        for name, numel in (("small", 1), ("large", nbytes // 4)):
             probe, fastest = torch.zeros(numel), float("inf")
             for _ in range(PROBE_REPEATS):
                 started = time.perf_counter()
@@ -136,3 +153,9 @@ def _wire_bytes(bucket: Bucket) -> int:
     float32: Horovod reduces no bfloat16)."""
     dtype = getattr(torch, bucket.dtype)
     return torch.empty((), dtype=REDUCIBLE.get(dtype, dtype)).element_size()
+
+
+def _probe_bytes(dense_bytes: Sequence[int]) -> int:
+    """The large probe's bytes (float32 elements): the largest bucket's, at most
+    PROBE_MOST_BYTES."""
+    return max(4, min(max(dense_bytes, default=4), PROBE_MOST_BYTES) // 4 * 4)

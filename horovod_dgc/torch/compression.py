@@ -23,6 +23,7 @@ import itertools
 import os
 import sys
 import threading
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -376,8 +377,15 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
 
     def finish(self, exchange) -> List[torch.Tensor]:
         """The averaged gradients of an exchange's tensors, shaped like them."""
-        if isinstance(exchange, FlushExchange):
-            return self._adaptive.finish(exchange)
+        started = time.perf_counter()
+        try:
+            if isinstance(exchange, FlushExchange):
+                return self._adaptive.finish(exchange)
+            return self._finish_exchange(exchange)
+        finally:
+            self._adaptive.exchange_s += time.perf_counter() - started
+
+    def _finish_exchange(self, exchange) -> List[torch.Tensor]:
         if not self.hierarchical:
             return self._finish(exchange)
         if exchange.exchange is None:
