@@ -20,6 +20,8 @@ REFERENCE_METHOD = "dense"
 MIN_DGC_REDUCTION = 300.0  # bytes on the interfaces, dense over dgc, 4 workers, ResNet-50
 ESTIMATE_TOLERANCE = 0.15  # |estimate / interface bytes - 1| allowed
 ESTIMATED_METHODS = ("dense", "dgc", "scalecom", "blocksign", "dgc-ddp")
+# dgc with adaptive= may be this much slower than the faster of dense and fixed dgc.
+ADAPTIVE_SLACK = 1.1
 COLUMNS = ("link", "method", "optimizer", "setting", "workers", "model", "params", "batch_size",
            "image_size", "warmup_steps", "steps", "median_step_s", "images_per_s", "tx_bytes_per_step",
            "tx_bytes_per_step_max", "handed_bytes_per_step", "estimated_bytes_per_step",
@@ -132,11 +134,30 @@ def claims(rows: List[dict], min_speedup_100mbit: float = 3.0) -> List[Claim]:
         _claim(f"dgc sends at least {MIN_DGC_REDUCTION:g}x fewer bytes per step than dense "
                f"(reduction)", dense_bytes / dgc_bytes if dense_bytes and dgc_bytes else None,
                lambda v: v >= MIN_DGC_REDUCTION),
-    ] + [_claim(f"{method}: stats()'s network estimate within {ESTIMATE_TOLERANCE:.0%} of the "
+    ] + adaptive_claims(get) + [_claim(f"{method}: stats()'s network estimate within {ESTIMATE_TOLERANCE:.0%} of the "
                 f"interface bytes (estimate / sent)",
                 get(REFERENCE_LINK, method, "estimate_vs_sent"),
                 lambda v: abs(v - 1.0) <= ESTIMATE_TOLERANCE)
          for method in ESTIMATED_METHODS]
+
+
+def adaptive_claims(get: Callable[[str, str, str], Optional[float]]) -> List[Claim]:
+    """dgc with ``adaptive=`` against dense and fixed dgc, link by link (median steps)."""
+    def step(link: str, method: str) -> Optional[float]:
+        return get(link, method, "median_step_s")
+
+    def ratio(link: str, *others: str) -> Optional[float]:
+        mine, theirs = step(link, "dgc-adaptive"), [step(link, m) for m in others]
+        return mine / min(theirs) if mine and all(theirs) else None
+
+    return [
+        _claim(f"unshaped: dgc adaptive's step within {ADAPTIVE_SLACK:g}x of dense's (ratio)",
+               ratio("unshaped", "dense"), lambda v: v <= ADAPTIVE_SLACK),
+        _claim(f"1 Gbit/s: dgc adaptive's step within {ADAPTIVE_SLACK:g}x of the faster of dense and dgc (ratio)",
+               ratio("1gbit", "dense", "dgc"), lambda v: v <= ADAPTIVE_SLACK),
+        _claim(f"100 Mbit/s: dgc adaptive's step within {ADAPTIVE_SLACK:g}x of dgc's (ratio)",
+               ratio("100mbit", "dgc"), lambda v: v <= ADAPTIVE_SLACK),
+    ]
 
 
 def plot(rows: List[dict], out_dir: Path) -> List[Path]:

@@ -33,7 +33,7 @@ from .job import ROOT
 from .netns import NetnsCluster, parse_link
 from .report import load_records, negotiation_bytes
 from .run import BENCH, DEFAULT_CYCLE_TIME_MS, in_namespaces, launch
-from .step import VARIANTS
+from .step import COMPRESSOR_OPTIONS, VARIANTS
 
 # The sparse all-reduce's bytes at the most hosts over the fewest: every all-reduce's (N - 1)/N
 # alone grows 1.75x from 2 to 8 workers, and each stage's N headers per bucket grow too.
@@ -66,6 +66,7 @@ def model_bytes(model: str, method: str, workers: int) -> Optional[float]:
     name, options, _ = VARIANTS.get(method, (method, {}, ""))
     if name not in BY_NAME:
         return None
+    options = {key: value for key, value in options.items() if key not in COMPRESSOR_OPTIONS}
     return per_worker_bytes(BY_NAME[name].build(**options), resnet50_shapes(), workers)
 
 

@@ -58,6 +58,7 @@ from torch import nn
 
 import horovod_dgc.torch as hdgc
 from horovod_dgc.torch import ddp as dgc_ddp
+from horovod_dgc.core.adaptive import Adaptive
 from horovod_dgc.core.collectives import ALLREDUCE, network_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -73,8 +74,14 @@ POWERSGD_START_ITER = 2  # PowerSGD's smallest start with error feedback; earlie
 TORCH_DIST_TIMEOUT_S = 120
 SPARSE_METHODS = ("dgc", "topk", "gaussiank", "scalecom", "blocksign")
 # Our methods with other than their default options: (method, options, setting label).
+# Decided after the first timed step, from the last warm-up step's compute (the benchmark's
+# 2 + 5 steps), and then every 200 steps.
+ADAPTIVE = Adaptive(first_decision_step=2, sample_steps=1)
 VARIANTS = {"dgc-sar": ("dgc", {"aggregation": "sparse_allreduce"}, "sparse all-reduce"),
-            "dgc-hier": ("dgc", {"hierarchical": True}, "between hosts only")}
+            "dgc-hier": ("dgc", {"hierarchical": True}, "between hosts only"),
+            "dgc-adaptive": ("dgc", {"adaptive": ADAPTIVE}, "adaptive")}
+# Options of a compressor that are not its method's (the traffic model builds methods only).
+COMPRESSOR_OPTIONS = ("hierarchical", "adaptive")
 METHODS = ("dense", "fp16", *SPARSE_METHODS, *VARIANTS, "dgc-ddp", "powersgd")
 HOST_METHODS = ("dgc-hier",)  # need several workers per host: never run by default
 DEFAULT_METHODS = tuple(m for m in METHODS if m not in HOST_METHODS)
@@ -139,6 +146,7 @@ class Record:
     idle_bytes_per_s: float
     step_s: Tuple[float, ...]
     workers_per_host: int = 1
+    buckets: Tuple[str, ...] = ()  # with adaptive=, each bucket's mode and why
 
 
 class TinyNet(nn.Module):
@@ -350,7 +358,8 @@ def bench_method(method: str, args: argparse.Namespace) -> Record:
                   tx_bytes_per_step=statistics.mean(per_step), tx_bytes_per_step_max=max(per_step),
                   handed_bytes_per_step=handed, estimated_bytes_per_step=estimated,
                   idle_bytes_per_s=idle,
-                  step_s=tuple(slowest), workers_per_host=hvd.local_size())
+                  step_s=tuple(slowest), workers_per_host=hvd.local_size(),
+                  buckets=compression.stats().buckets if hasattr(compression, "stats") else ())
 
 
 def main(argv: Optional[List[str]] = None) -> None:
