@@ -74,12 +74,18 @@ POWERSGD_START_ITER = 2  # PowerSGD's smallest start with error feedback; earlie
 TORCH_DIST_TIMEOUT_S = 120
 SPARSE_METHODS = ("dgc", "topk", "gaussiank", "scalecom", "blocksign")
 # Our methods with other than their default options: (method, options, setting label).
-# Decided after the first timed step, from the last warm-up step's compute (the benchmark's
-# 2 + 5 steps), and then every 200 steps.
-ADAPTIVE = Adaptive(first_decision_step=2, sample_steps=1)
+
+def adaptive_for(warmup_steps: int) -> Adaptive:
+    """dgc-adaptive's settings: decided after the last warm-up step from the ones before it
+    but the first (its one-off costs), or with 2 warm-up steps after the first timed step
+    from the second warm-up step."""
+    first = max(2, warmup_steps - 1)
+    return Adaptive(first_decision_step=first, sample_steps=min(3, first - 1))
+
+
 VARIANTS = {"dgc-sar": ("dgc", {"aggregation": "sparse_allreduce"}, "sparse all-reduce"),
             "dgc-hier": ("dgc", {"hierarchical": True}, "between hosts only"),
-            "dgc-adaptive": ("dgc", {"adaptive": ADAPTIVE}, "adaptive")}
+            "dgc-adaptive": ("dgc", {"adaptive": True}, "adaptive")}
 # Options of a compressor that are not its method's (the traffic model builds methods only).
 COMPRESSOR_OPTIONS = ("hierarchical", "adaptive")
 METHODS = ("dense", "fp16", *SPARSE_METHODS, *VARIANTS, "dgc-ddp", "powersgd")
@@ -221,6 +227,8 @@ def build_method(method: str, model: nn.Module, args: argparse.Namespace
                 "float32" if method == "dense" else "float16", None)
     if method in SPARSE_METHODS or method in VARIANTS:
         name, options, variant = VARIANTS.get(method, (method, {}, ""))
+        if options.get("adaptive"):
+            options = {**options, "adaptive": adaptive_for(args.warmup_steps)}
         compression = getattr(hdgc.Compression, name)(**options)
         optimizer = hdgc.DistributedOptimizer(sgd(model), named_parameters=model.named_parameters(),
                                               compression=compression)

@@ -102,11 +102,17 @@ class AdaptiveExchanges:
     def _rescaled(self) -> bool:
         """The watch: the exchanges' seconds per step, averaged over the ranks, against the
         level the switch keeps (every rank alike)."""
-        transport = self.compressor.transport
         local = torch.tensor([self.exchange_s / max(self._watched_steps, 1)], dtype=torch.float64)
         self.exchange_s, self._watched_steps = 0.0, 0
-        agreed = float(transport.wait(transport.launch(ALLREDUCE, local, "adaptive.watch"))[0])
+        agreed = float(self._allreduce(local, "adaptive.watch")[0])
         return self.switch.rescaled(agreed)
+
+    def _allreduce(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
+        """The average over the ranks of ``tensor``, waited for; its bytes counted in
+        ``stats()``."""
+        transport, engine = self.compressor.transport, self.compressor.engine
+        engine.record_allreduce(engine.steps_taken - 1, tensor.numel() * tensor.element_size())
+        return transport.wait(transport.launch(ALLREDUCE, tensor, name))
 
     def _decide(self, step: int) -> List[Decision]:
         compressor = self.compressor
@@ -116,8 +122,7 @@ class AdaptiveExchanges:
         link = Link.given(settings)
         probes = [0.0, 0.0] if link is not None else self._probe(_probe_bytes(dense_bytes))
         local = probes + self.switch.local_compute_s(labels)
-        agreed = transport.wait(transport.launch(ALLREDUCE, torch.tensor(local, dtype=torch.float64),
-                                                 "adaptive.measurements")).tolist()
+        agreed = self._allreduce(torch.tensor(local, dtype=torch.float64), "adaptive.measurements").tolist()
         world = transport.size()
         if link is None:
             link = Link.from_probes(agreed[0], agreed[1], _probe_bytes(dense_bytes), world)
@@ -136,13 +141,12 @@ class AdaptiveExchanges:
     def _probe(self, nbytes: int) -> List[float]:
         """Seconds of an averaging all-reduce of one element and of ``nbytes`` (float32), the
         fastest of PROBE_REPEATS each."""
-        transport = self.compressor.transport
         timed = []
         for name, numel in (("small", 1), ("large", nbytes // 4)):
             probe, fastest = torch.zeros(numel), float("inf")
             for _ in range(PROBE_REPEATS):
                 started = time.perf_counter()
-                transport.wait(transport.launch(ALLREDUCE, probe, f"adaptive.probe.{name}"))
+                self._allreduce(probe, f"adaptive.probe.{name}")
                 fastest = min(fastest, time.perf_counter() - started)
             timed.append(fastest)
         return timed

@@ -308,10 +308,10 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
             return self.engine.dense_received(ctx, tensor)
         if isinstance(ctx, Queued):
             averaged = self._queue.result(ctx)
-            self.engine.record_placeholder(ctx.bucket.exchange.step, tensor.element_size())
+            self.engine.record_allreduce(ctx.bucket.exchange.step, tensor.element_size())
             return averaged
         averaged = self.finish(ctx)[0]
-        self.engine.record_placeholder(ctx.step, tensor.element_size())
+        self.engine.record_allreduce(ctx.step, tensor.element_size())
         return averaged
 
     def _handed_over_again(self, name: str) -> bool:

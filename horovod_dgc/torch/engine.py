@@ -553,8 +553,9 @@ class Engine:
         self._spend([handover.call.name], time.perf_counter() - started)
         return update
 
-    def record_placeholder(self, step: int, nbytes: int) -> None:
-        """Count the bytes of the placeholder Horovod all-reduces beside a sparse message."""
+    def record_allreduce(self, step: int, nbytes: int) -> None:
+        """Count the bytes of an all-reduce that carries no gradient: the placeholder Horovod
+        all-reduces beside a sparse message, the adaptive switch's probes and measurements."""
         self._record(step, ALLREDUCE, nbytes, None)
 
     def _record(self, step: int, kind: str, nbytes: int, grad: Optional[torch.Tensor],
