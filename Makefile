@@ -7,7 +7,7 @@ DEVICE ?= cpu
 # gpu-check's interpreter: one whose PyTorch has CUDA (Horovod is not needed).
 GPU_PYTHON ?= python3
 
-.PHONY: setup test test-slow docs mutation-check demo imagenet-demo bench-compress bench-model-step bench-optimizer-step bench-tf-step gpu-check bench-trace-tf bench-convergence bench-regions bench-scalecom-leader cluster-bench cluster-scaling cluster-negotiation cluster-faults traffic-model compose-test horovod-examples stress-hierarchical clean-venv
+.PHONY: setup test test-slow docs mutation-check demo imagenet-demo bench-compress bench-model-step bench-optimizer-step bench-tf-step gpu-check bench-trace-tf bench-convergence bench-regions bench-scalecom-leader cluster-bench cluster-scaling cluster-negotiation cluster-adaptive cluster-faults traffic-model compose-test horovod-examples stress-hierarchical clean-venv
 
 setup:
 	@bash scripts/setup_env.sh
@@ -121,6 +121,11 @@ cluster-negotiation: setup
 ## stalled rank and a host cut off must end every rank with an error naming the collective
 ## within 60 s and resume from the last complete checkpoint; a slow link only slows. A delay
 ## needs the kernel's netem: SLOW_LINK=10mbit where it has none.
+## The adaptive switch on a link that slows to 10 Mbit/s and recovers during training, on 2
+## network-namespace hosts (needs root; about 2 minutes; not part of make test).
+cluster-adaptive: setup
+	$(PYTHON) -m benchmarks.cluster.adaptive_link --check
+
 cluster-faults: setup
 	$(PYTHON) -m benchmarks.cluster.faults --check $(if $(SLOW_LINK),--slow-link $(SLOW_LINK))
 

@@ -61,6 +61,7 @@ def all_runs() -> List[Run]:
              Run("dgc-int8", {"compression": "dgc", "value-dtype": "int8"}),
              Run("dgc-small-dense", {"compression": "dgc", "small-density": "dense"}),
              Run("dgc-sparse-allreduce", {"compression": "dgc", "aggregation": "sparse_allreduce"}),
+             Run("dgc-adaptive", {"compression": "dgc", "path": "fused", "adaptive": "on"}),
              Run("dgc-bf16", {"compression": "dgc", "precision": "bf16"}),
              Run("dgc-fp16-gradscaler", {"compression": "dgc", "precision": "fp16"}),
              Run("dense-adam", {"compression": "dense", "optimizer": "adam"}, reference=None),

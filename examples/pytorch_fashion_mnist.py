@@ -76,6 +76,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    "sent at --small-density (default: the method's)")
     add_small_density_flag(p)
     add_beta_flag(p)
+    p.add_argument("--adaptive", choices=("off", "on"), default="off",
+                   help="on: each bucket goes dense where that is predicted faster on this link "
+                   "(adaptive=True; stock and fused paths)")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=64, help="images per step, per rank")
     p.add_argument("--lr", type=float, help="peak learning rate (SGD 0.05 x workers/4, "
@@ -89,6 +92,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.path != "stock" and args.compression in BASELINES:
         p.error(f"--path {args.path} needs a compressing method")
+    if args.adaptive == "on" and (args.path == "ddp" or args.compression in BASELINES):
+        p.error("--adaptive on: a compressing method on the stock or fused path")
     if args.path == "ddp" and args.precision == "fp16":
         p.error("--path ddp: this example has no GradScaler recipe for a DDP hook")
     if under_torchrun() and args.path != "ddp":
@@ -156,6 +161,8 @@ def make_compression(args: argparse.Namespace, model: nn.Module):
     options.update(compression_options(args, args.warmup_epochs))
     if args.compression in MOMENTUM_IN_COMPRESSOR and args.path != "fused" and args.optimizer == "sgd":
         options["momentum"] = args.momentum
+    if args.adaptive == "on":
+        options["adaptive"] = True
     return getattr(hdgc.Compression, args.compression)(named_parameters=model.named_parameters(),
                                                        **options)
 
@@ -276,6 +283,8 @@ def main(args: argparse.Namespace) -> None:
             print(f"epoch {epoch + 1}/{args.epochs}: loss {mean_loss:.4f}, test accuracy {acc:.4f} "
                   f"after {training_s:.1f} s of training, density {history[-1]['density']:.4g}"
                   f"{traffic}", flush=True)
+            for line in stats.buckets if stats else ():
+                print(f"  {line}", flush=True)
     if workers.rank == 0:
         wall = time.perf_counter() - started
         print(f"final test accuracy: {history[-1]['accuracy']:.4f} after {wall:.0f} s", flush=True)

@@ -225,14 +225,16 @@ def test_the_switch_keeps_a_dense_buckets_last_compute_cost_and_a_forced_mode_wi
 
 
 def test_a_change_of_scale_between_decisions_brings_the_decision_forward():
-    settings = Adaptive(recheck_steps=200, first_decision_step=20, watch_steps=25, rescale=2.0)
-    assert [s for s in range(100) if settings.watches_at(s)] == [45, 70, 95]
-    switch = Switch(settings)
-    assert not switch.rescaled(0.010)  # the first watch after a decision sets the level
-    assert not switch.rescaled(0.019) and not switch.rescaled(0.0051)
-    assert switch.rescaled(0.020) and switch.rescaled(0.005)
-    switch.decide(45, [], Link(0.0, 0.0), 2)
-    assert not switch.rescaled(0.040)  # a new level after the decision
+    """The step after a decision sets the level of its modes; watches every watch_steps after
+    it compare with that level."""
+    switch = Switch(Adaptive(recheck_steps=200, first_decision_step=20, watch_steps=25, rescale=2.0))
+    assert not any(switch.watches_at(s) for s in range(20))  # none before the first decision
+    switch.decide(20, [], Link(0.0, 0.0), 2)
+    assert [s for s in range(21, 80) if switch.watches_at(s) and not switch.rescaled(s, 0.010)] == [21, 46, 71]
+    assert not switch.rescaled(96, 0.019) and not switch.rescaled(121, 0.0051)
+    assert switch.rescaled(146, 0.020) and switch.rescaled(171, 0.005)
+    switch.decide(171, [], Link(0.0, 0.0), 2)
+    assert switch.watches_at(172) and not switch.rescaled(172, 0.040)  # the new modes' level
 
 
 def test_modes_and_their_decisions_survive_a_checkpoint_and_an_older_state_starts_compressed():
@@ -258,3 +260,15 @@ def test_settings_are_checked_at_construction():
         Adaptive(rescale=1.0)
     with pytest.raises(ValueError, match="adaptive must be"):
         Adaptive.of("yes")
+
+
+def test_a_compressor_refuses_what_the_switch_does_not_support_at_construction():
+    from horovod_dgc.torch import Compression
+    with pytest.raises(TypeError, match="does not compress in buckets"):
+        Compression.dgc(adaptive=True, clip_norm=1.0)
+    with pytest.raises(ValueError, match="hierarchical"):
+        Compression.dgc(adaptive=True, hierarchical=True)
+    with pytest.raises(ValueError, match="adaptive must be"):
+        Compression.topk(adaptive="yes")
+    assert Compression.blocksign(adaptive=Adaptive(margin=0.2)).adaptive.margin == 0.2
+    assert Compression.topk().adaptive is None

@@ -202,6 +202,25 @@ def test_a_stall_or_a_split_ends_every_rank_and_training_resumes(tmp_path, netns
     assert no_process_mentions(str(tmp_path))
 
 
+def test_the_adaptive_switch_follows_a_link_that_slows_down_and_recovers(tmp_path, netns_unchanged):
+    """make cluster-adaptive, shorter: blocksign with adaptive= on 2 hosts sends every bucket
+    dense on the unshaped link, compressed within a re-check interval (20 steps) of the link
+    falling to 10 Mbit/s, and dense again within one of its recovery; every rank shows the
+    same modes at every step and ends with the same parameters."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.cluster.adaptive_link", "--steps", "75",
+                           "--slow-at", "30", "--fast-at", "52", "--out", str(tmp_path), "--prefix",
+                           unique_prefix(), "--check"],
+                          cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert report["modes_alike"] and report["parameters_identical"] and report["as_expected"], report
+    unshaped, slow, recovered = report["phases"]
+    assert "d" in unshaped["modes_after"] and set(slow["modes_after"]) == {"c"}, report
+    assert recovered["modes_after"] == unshaped["modes_after"], report
+    assert slow["lag_steps"] <= 20 and recovered["lag_steps"] <= 20, report
+    assert no_process_mentions(str(tmp_path))
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_interrupting_the_run_removes_everything(tmp_path, netns_unchanged, signum):
     proc, reader, _ = start_long_run(tmp_path)

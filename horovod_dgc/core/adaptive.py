@@ -43,10 +43,11 @@ class Adaptive:
         link_bytes_per_s: the link's rate, bytes per second each worker sends, given by hand:
             no probe is then run. None: measured at every decision.
         latency_s: the time of one collective besides its bytes, with ``link_bytes_per_s``.
-        watch_steps: between decisions, every this many steps the ranks average the time
-            their exchanges took to finish over those steps (one all-reduce of one number);
-            where it changed by ``rescale`` times or more since the first watch after the last
-            decision (a link slowed down or freed up), the decision runs at once.
+        watch_steps: between decisions the ranks average the time their exchanges took to
+            finish per step (one all-reduce of one number): over the step after a decision
+            (the level of the modes decided), then every this many steps; where it moved by
+            ``rescale`` times or more from that level (a link slowed down or freed up), the
+            decision runs at once.
         rescale: the change of scale that brings a decision forward, > 1.
     """
 
@@ -87,10 +88,6 @@ class Adaptive:
     def decides_at(self, step: int) -> bool:
         """Whether the decision runs after optimizer step ``step`` (0-based)."""
         return step >= self.first_decision_step and (step - self.first_decision_step) % self.recheck_steps == 0
-
-    def watches_at(self, step: int) -> bool:
-        """Whether the ranks compare their exchanges' time after step ``step``."""
-        return step > self.first_decision_step and (step - self.first_decision_step) % self.watch_steps == 0
 
     def samples_at(self, step: int) -> bool:
         """Whether step ``step``'s compute times are among the next decision's samples."""
@@ -191,8 +188,10 @@ class Switch:
         self.decisions: Dict[str, Decision] = {}
         self.compute_s: Dict[str, float] = {}  # each bucket's last agreed compute cost
         self._samples: Dict[str, List[float]] = {}
-        # The exchanges' seconds per step at the first watch after the last decision.
+        # The exchanges' seconds per step over the step after the last decision, and the step
+        # of the next watch (None: none before the next decision).
         self.level_s: Optional[float] = None
+        self.next_watch: Optional[int] = None
 
     def mode(self, label: str) -> str:
         return self.forced.get(label, self.modes.get(label, COMPRESSED))
@@ -222,9 +221,15 @@ class Switch:
         measured = {label: statistics.median(s) for label, s in self._samples.items() if s}
         return [measured.get(label, self.compute_s.get(label, 0.0)) for label in labels]
 
-    def rescaled(self, exchange_s: float) -> bool:
-        """Whether the exchanges' seconds per step (averaged over the ranks, at a watch)
-        moved by ``rescale`` times or more since the first watch after the last decision."""
+    def watches_at(self, step: int) -> bool:
+        """Whether the ranks compare their exchanges' time after step ``step``."""
+        return self.next_watch is not None and step >= self.next_watch
+
+    def rescaled(self, step: int, exchange_s: float) -> bool:
+        """The watch after step ``step``: whether the exchanges' seconds per step since the
+        last watch (averaged over the ranks) moved by ``rescale`` times or more from the
+        level of the step after the last decision (which the first watch sets)."""
+        self.next_watch = step + self.settings.watch_steps
         level, factor = self.level_s, self.settings.rescale
         if level is None or level <= 0.0:
             self.level_s = exchange_s
@@ -234,7 +239,7 @@ class Switch:
     def decide(self, step: int, costs: Sequence[BucketCost], link: Link, world_size: int) -> List[Decision]:
         """Every bucket's mode from ``costs`` (identical on every rank) and the link."""
         self._samples.clear()
-        self.level_s = None
+        self.level_s, self.next_watch = None, step + 1
         taken = []
         for cost in costs:
             self.compute_s[cost.label] = cost.compute_s
@@ -265,4 +270,4 @@ class Switch:
         self.compute_s = dict(state.get("compute_s", {}))
         self.decisions = {label: Decision(**d) for label, d in state.get("decisions", {}).items()}
         self._samples.clear()
-        self.level_s = None
+        self.level_s, self.next_watch = None, None

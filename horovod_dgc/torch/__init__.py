@@ -9,12 +9,13 @@ time them); ``DistributedOptimizer`` needs Horovod.
 from importlib import import_module
 from typing import Any
 
+from ..core.adaptive import Adaptive
 from .ops import TorchOps
 
 _LAZY = {"Compression": ".compression", "SparseCompressor": ".compression",
          "DistributedOptimizer": ".optimizer"}
 
-__all__ = ["Compression", "DistributedOptimizer", "SparseCompressor", "TorchOps"]
+__all__ = ["Adaptive", "Compression", "DistributedOptimizer", "SparseCompressor", "TorchOps"]
 
 
 def __getattr__(name: str) -> Any:

@@ -95,17 +95,17 @@ class AdaptiveExchanges:
         self.switch.sample(step, {label: sum(spent.get(b.key, 0.0) for b in buckets)
                                   for label, buckets in self._buckets.items()})
         self._watched_steps += 1
-        if settings.decides_at(step) or (settings.watches_at(step) and self._rescaled()):
+        if settings.decides_at(step) or (self.switch.watches_at(step) and self._rescaled(step)):
             return self._decide(step)
         return []
 
-    def _rescaled(self) -> bool:
+    def _rescaled(self, step: int) -> bool:
         """The watch: the exchanges' seconds per step, averaged over the ranks, against the
         level the switch keeps (every rank alike)."""
         local = torch.tensor([self.exchange_s / max(self._watched_steps, 1)], dtype=torch.float64)
         self.exchange_s, self._watched_steps = 0.0, 0
         agreed = float(self._allreduce(local, "adaptive.watch")[0])
-        return self.switch.rescaled(agreed)
+        return self.switch.rescaled(step, agreed)
 
     def _allreduce(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """The average over the ranks of ``tensor``, waited for; its bytes counted in

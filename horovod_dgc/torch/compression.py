@@ -216,6 +216,11 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
         rank calls it at the same step). Returns the decisions taken (none on other steps)."""
         return self._adaptive.end_step()
 
+    def bucket_modes(self) -> Dict[str, str]:
+        """Each bucket's mode for its next exchange (``"compressed"`` or ``"dense"``), by
+        label, for every bucket exchanged so far."""
+        return {label: self._adaptive.switch.mode(label) for label in self._adaptive.labels}
+
     def force_mode(self, mode: Optional[str], labels: Optional[Sequence[str]] = None) -> None:
         """Hold buckets in ``mode`` (``"compressed"`` or ``"dense"``; None: back to the
         adaptive decisions, or compressed without ``adaptive``), from their next exchange;
