@@ -8,6 +8,7 @@ that every rank feeds the same numbers to the same rule and takes the same decis
 """
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -23,9 +24,11 @@ from .engine import REDUCIBLE, DenseUpdate
 if TYPE_CHECKING:
     from .compression import Entry, MethodCompressor
 
-# How often each probe runs at a decision: the fastest counts (the first may pay for
-# Horovod's negotiation of a name it has not seen).
-PROBE_REPEATS = 2
+# How often each probe runs at a decision. The first run of each is dropped (it may pay for
+# Horovod's negotiation of a name it has not seen); of the others, the mean counts: a
+# collective waits for Horovod's next cycle, anywhere from none of it to all of it, as the
+# exchanges of a step do (the fastest of them read the latency of a cycle just missed as none).
+PROBE_REPEATS = {"small": 4, "large": 2}
 # The large probe's size: the largest bucket's, at most this (enough to see the link's rate
 # past its latency; a 25 MB probe would take seconds on a slow link).
 PROBE_MOST_BYTES = 4 * 2 ** 20
@@ -139,16 +142,16 @@ class AdaptiveExchanges:
         return decisions
 
     def _probe(self, nbytes: int) -> List[float]:
-        """Seconds of an averaging all-reduce of one element and of ``nbytes`` (float32), the
-        fastest of PROBE_REPEATS each."""
+        """Seconds of an averaging all-reduce of one element and of ``nbytes`` (float32), as
+        PROBE_REPEATS says."""
         timed = []
         for name, numel in (("small", 1), ("large", nbytes // 4)):
-            probe, fastest = torch.zeros(numel), float("inf")
-            for _ in range(PROBE_REPEATS):
+            probe, seconds = torch.zeros(numel), []
+            for _ in range(PROBE_REPEATS[name]):
                 started = time.perf_counter()
                 self._allreduce(probe, f"adaptive.probe.{name}")
-                fastest = min(fastest, time.perf_counter() - started)
-            timed.append(fastest)
+                seconds.append(time.perf_counter() - started)
+            timed.append(statistics.mean(seconds[1:]))
         return timed
 
 
