@@ -523,8 +523,8 @@ MUTANTS: Tuple[Mutant, ...] = (
     _m("adaptive-watch-one-sided", "core/adaptive.py", "return not level / factor < exchange_s < level * factor",
        "return exchange_s >= level * factor", "a link that frees up never brings a decision forward"),
     _m("adaptive-local-decisions", "torch/adaptive.py",
-       'agreed = self._allreduce(torch.tensor(local, dtype=torch.float64), "adaptive.measurements").tolist()',
-       "agreed = local", "each rank decides on its own measurements, not the ranks' average"),
+       'agreed = self._allreduce(local, "adaptive.measurements").tolist()',
+       "agreed = local.tolist()", "each rank decides on its own measurements, not the ranks' average"),
     _m("adaptive-dense-mode-ignored", "torch/compression.py", "        if self._adaptive.dense(label):",
        "        if False:", "a bucket reported dense still exchanged compressed"),
     # The C kernels (built again in the copy for each of these)

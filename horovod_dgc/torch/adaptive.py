@@ -24,14 +24,15 @@ from .engine import REDUCIBLE, DenseUpdate
 if TYPE_CHECKING:
     from .compression import Entry, MethodCompressor
 
-# How often each probe runs at a decision. The first run of each is dropped (it may pay for
-# Horovod's negotiation of a name it has not seen); of the others, the mean counts: a
-# collective waits for Horovod's next cycle, anywhere from none of it to all of it, as the
-# exchanges of a step do (the fastest of them read the latency of a cycle just missed as none).
-PROBE_REPEATS = {"small": 4, "large": 2}
-# The large probe's size: the largest bucket's, at most this (enough to see the link's rate
-# past its latency; a 25 MB probe would take seconds on a slow link).
-PROBE_MOST_BYTES = 4 * 2 ** 20
+# Timed runs of each probe at a decision, after a first that is not counted (it may pay for
+# Horovod's negotiation of a name it has not seen). Their mean counts: a collective waits for
+# Horovod's next cycle, anywhere from none of it to all of it, as the exchanges of a step do.
+PROBE_REPEATS = 2
+# The first large probe's bytes (at most the largest bucket's): enough to see a network's rate
+# past its latency (a 25 MB probe would take seconds on a slow link).
+PROBE_BYTES = 4 * 2 ** 20
+# A link on which the largest bucket's all-reduce is predicted under this is probed at that size.
+FULL_PROBE_BELOW_S = 0.5
 
 
 @dataclass
@@ -122,16 +123,13 @@ class AdaptiveExchanges:
         engine, transport, settings = compressor.engine, compressor.transport, self.switch.settings
         labels = sorted(self._buckets)
         dense_bytes = [sum(b.numel * _wire_bytes(b) for b in self._buckets[label]) for label in labels]
-        link = Link.given(settings)
-        probes = [0.0, 0.0] if link is not None else self._probe(_probe_bytes(dense_bytes))
-        local = probes + self.switch.local_compute_s(labels)
-        agreed = self._allreduce(torch.tensor(local, dtype=torch.float64), "adaptive.measurements").tolist()
         world = transport.size()
-        if link is None:
-            link = Link.from_probes(agreed[0], agreed[1], _probe_bytes(dense_bytes), world)
+        link = Link.given(settings) or self._probe_link(max(dense_bytes, default=4), world)
+        local = torch.tensor(self.switch.local_compute_s(labels), dtype=torch.float64)
+        agreed = self._allreduce(local, "adaptive.measurements").tolist()
         costs = [BucketCost(label, nbytes, tuple(e for b in self._buckets[label] for e in engine.bucket_exchanges(b)),
                             compute_s)
-                 for label, nbytes, compute_s in zip(labels, dense_bytes, agreed[2:])]
+                 for label, nbytes, compute_s in zip(labels, dense_bytes, agreed)]
         before = {label: self.switch.mode(label) for label in labels}
         decisions = self.switch.decide(step, costs, link, world)
         self.exchange_s, self._watched_steps = 0.0, 0
@@ -141,18 +139,31 @@ class AdaptiveExchanges:
                     print(f"horovod_dgc: {decision}", file=sys.stderr, flush=True)
         return decisions
 
-    def _probe(self, nbytes: int) -> List[float]:
-        """Seconds of an averaging all-reduce of one element and of ``nbytes`` (float32), as
-        PROBE_REPEATS says."""
-        timed = []
-        for name, numel in (("small", 1), ("large", nbytes // 4)):
-            probe, seconds = torch.zeros(numel), []
-            for _ in range(PROBE_REPEATS[name]):
-                started = time.perf_counter()
-                self._allreduce(probe, f"adaptive.probe.{name}")
-                seconds.append(time.perf_counter() - started)
-            timed.append(statistics.mean(seconds[1:]))
-        return timed
+    def _probe_link(self, largest_bytes: int, world_size: int) -> Link:
+        """The link from timed all-reduces, averaged over the ranks: one element, then
+        PROBE_BYTES (at most the largest bucket's bytes); then the largest bucket's size
+        itself where that link says it takes under FULL_PROBE_BELOW_S. Where the link is
+        memory (one host) a few MiB stay in the caches and read faster per byte than a 25 MB
+        bucket; a slow link is not worth a bucket-size probe, and is linear in the bytes."""
+        first = min(largest_bytes, PROBE_BYTES)
+        small, large = self._allreduce(torch.tensor([self._timed(1, "small"), self._timed(first // 4, "large")],
+                                                    dtype=torch.float64), "adaptive.probes").tolist()
+        link = Link.from_probes(small, large, first, world_size)
+        if largest_bytes > first and link.time_s(ALLREDUCE, largest_bytes, world_size) < FULL_PROBE_BELOW_S:
+            full = float(self._allreduce(torch.tensor([self._timed(largest_bytes // 4, "full")], dtype=torch.float64),
+                                         "adaptive.probes.full")[0])
+            link = Link.from_probes(small, full, largest_bytes // 4 * 4, world_size)
+        return link
+
+    def _timed(self, numel: int, name: str) -> float:
+        """Seconds of an averaging all-reduce of ``numel`` float32 zeros: the mean of
+        PROBE_REPEATS runs after a first."""
+        probe, seconds = torch.zeros(numel), []
+        for _ in range(PROBE_REPEATS + 1):
+            started = time.perf_counter()
+            self._allreduce(probe, f"adaptive.probe.{name}")
+            seconds.append(time.perf_counter() - started)
+        return statistics.mean(seconds[1:])
 
 
 def _wire_bytes(bucket: Bucket) -> int:
@@ -160,9 +171,3 @@ def _wire_bytes(bucket: Bucket) -> int:
     float32: Horovod reduces no bfloat16)."""
     dtype = getattr(torch, bucket.dtype)
     return torch.empty((), dtype=REDUCIBLE.get(dtype, dtype)).element_size()
-
-
-def _probe_bytes(dense_bytes: Sequence[int]) -> int:
-    """The large probe's bytes (float32 elements): the largest bucket's, at most
-    PROBE_MOST_BYTES."""
-    return max(4, min(max(dense_bytes, default=4), PROBE_MOST_BYTES) // 4 * 4)
