@@ -363,8 +363,9 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
             return self._host_reductions.launch(label, entries)
         if self._adaptive.dense(label):
             return self._adaptive.launch(label, entries)
-        if self.adaptive is not None:
-            self._adaptive.note(label, [bucket for bucket, _ in self._buckets(label, entries)])
+        # Every label is noted (force_mode holds them all); its buckets where decisions need them.
+        self._adaptive.note(label, [bucket for bucket, _ in self._buckets(label, entries)]
+                            if self.adaptive is not None else [])
         return self._launch(label, entries)
 
     def _check_place_in_the_world(self) -> None:
