@@ -31,6 +31,12 @@ def test_bad_two_stage_settings_raise_value_error_at_construction(factory, optio
         factory(**options)
 
 
+def test_adaptive_is_refused_in_tensorflow_by_name():
+    with pytest.raises(ValueError, match="adaptive= is not supported in TensorFlow"):
+        Compression.dgc(adaptive=True)
+    assert Compression.topk(adaptive=False).config.density == 0.01
+
+
 def test_unknown_two_stage_option_is_a_type_error():
     with pytest.raises(TypeError):
         Compression.blocksign(density=0.01)

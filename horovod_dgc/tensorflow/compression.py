@@ -788,6 +788,10 @@ def _factory(spec: MethodSpec) -> Callable[..., MethodCompressor]:
 
     def factory(variables: Optional[Iterable[Any]] = None, hierarchical: bool = False,
                 **options) -> MethodCompressor:
+        if options.get("adaptive"):
+            raise ValueError("adaptive= is not supported in TensorFlow yet: it runs on PyTorch's "
+                             "Horovod paths (docs/algorithms.md#adaptive)")
+        options.pop("adaptive", None)
         if tf.executing_eagerly():
             return build(variables, hierarchical, options)
         _refuse_graph_execution(tf.compat.v1.get_default_graph())
