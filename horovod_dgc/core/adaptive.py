@@ -31,9 +31,10 @@ class Adaptive:
     """When and how the compressor re-decides each bucket's mode.
 
     Attributes:
-        recheck_steps: optimizer steps between decisions. Each decision costs two timed
-            all-reduces (one element, and the largest bucket's dense size: the link's probe,
-            unless ``link_bytes_per_s`` is given) and one all-reduce of the measurements.
+        recheck_steps: optimizer steps between decisions. Each decision costs the link's
+            probes (timed all-reduces of one element, of 4 MiB and, on a link fast enough, of
+            the largest bucket's size, three runs each; none when ``link_bytes_per_s`` is
+            given) and one all-reduce of the measurements.
         first_decision_step: the step of the first decision (after the first steps'
             one-off costs: memory allocation, plans, candidate bounds settling).
         sample_steps: steps before each decision whose compute times are measured; their
@@ -177,8 +178,8 @@ class Switch:
     """Each bucket's mode, the compute samples of the coming decision, and the decisions
     taken; framework-free (an adapter times the probes and all-reduces the measurements).
 
-    Every bucket starts compressed. A forced mode (:meth:`force`) holds until forced again
-    and suspends decisions for that bucket.
+    Every bucket starts compressed. A forced mode (:meth:`force`) holds until released;
+    decisions go on underneath it and apply once it is.
     """
 
     def __init__(self, settings: Optional[Adaptive]) -> None:
