@@ -54,8 +54,8 @@ def test_no_records_is_an_error(tmp_path):
 
 
 @pytest.mark.parametrize("dgc_100_s, dgc_1g_s, dgc_bytes, estimate_error, expected", [
-    (4.0, 2.5, 0.49e6, 0.14, [True] * 8),
-    (5.0, 2.7, 0.51e6, 0.16, [False] * 8),
+    (4.0, 2.5, 0.49e6, 0.14, [True] * 3 + [None] * 3 + [True] * 5),
+    (5.0, 2.7, 0.51e6, 0.16, [False] * 3 + [None] * 3 + [False] * 5),
 ])
 def test_claims_hold_or_fail_at_their_thresholds(tmp_path, dgc_100_s, dgc_1g_s, dgc_bytes,
                                                  estimate_error, expected):
@@ -71,10 +71,27 @@ def test_claims_hold_or_fail_at_their_thresholds(tmp_path, dgc_100_s, dgc_1g_s, 
     assert [c.passed for c in claims(load_records(tmp_path / "r.jsonl"))] == expected
 
 
+@pytest.mark.parametrize("unshaped_s, one_gbit_s, hundred_s, expected", [
+    (2.1, 1.05, 4.2, [True] * 3), (2.3, 1.2, 4.5, [False] * 3)])
+def test_adaptive_claims_compare_with_dense_the_faster_mode_and_fixed_dgc(tmp_path, unshaped_s, one_gbit_s,
+                                                                          hundred_s, expected):
+    """Unshaped: against dense; 1 Gbit/s: against the faster of dense and dgc (dgc here);
+    100 Mbit/s: against fixed dgc; each at most 1.1x."""
+    write_records(tmp_path / "r.jsonl", [
+        record("unshaped", "dense", 2.0, 150e6), record("unshaped", "dgc", 3.0, 1e6),
+        record("unshaped", "dgc-adaptive", unshaped_s, 1e6),
+        record("1gbit", "dense", 2.0, 150e6), record("1gbit", "dgc", 1.0, 1e6),
+        record("1gbit", "dgc-adaptive", one_gbit_s, 1e6),
+        record("100mbit", "dense", 13.0, 150e6), record("100mbit", "dgc", 4.0, 1e6),
+        record("100mbit", "dgc-adaptive", hundred_s, 1e6)])
+    found = [c for c in claims(load_records(tmp_path / "r.jsonl")) if "adaptive" in c.text]
+    assert [c.passed for c in found] == expected
+
+
 def test_claims_without_their_links_are_not_measured(tmp_path):
     write_records(tmp_path / "r.jsonl", [record("unshaped", "dense", 2.0, 150e6)])
     found = claims(load_records(tmp_path / "r.jsonl"))
-    assert [c.passed for c in found] == [None] * 8
+    assert [c.passed for c in found] == [None] * 11
     assert found[0].line().startswith("- n/a: ")
 
 

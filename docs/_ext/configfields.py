@@ -47,12 +47,22 @@ UNITS: Dict[str, str] = {
     "elements_sent": "elements",
     "elements_compressed": "elements",
     "selection_time_s": "seconds",
+    "buckets": "one line of text per bucket",
+    # Adaptive
+    "recheck_steps": "optimizer steps",
+    "first_decision_step": "optimizer step (0-based)",
+    "sample_steps": "optimizer steps",
+    "margin": "fraction of the current mode's predicted time",
+    "link_bytes_per_s": "bytes per second each worker sends",
+    "latency_s": "seconds per collective",
+    "watch_steps": "optimizer steps",
+    "rescale": "factor > 1",
 }
 
 # The dataclasses documented as a table of fields.
 TABLED = ("horovod_dgc.core.config.", "horovod_dgc.core.dgc.", "horovod_dgc.core.topk.",
           "horovod_dgc.core.gaussiank.", "horovod_dgc.core.scalecom.",
-          "horovod_dgc.core.blocksign.", "horovod_dgc.core.stats.")
+          "horovod_dgc.core.blocksign.", "horovod_dgc.core.stats.", "horovod_dgc.core.adaptive.Adaptive")
 
 
 def is_tabled(obj) -> bool:

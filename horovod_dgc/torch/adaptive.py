@@ -12,17 +12,15 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..core.adaptive import DENSE, Adaptive, BucketCost, Decision, Link, Switch
 from ..core.bucket import Bucket
 from ..core.collectives import ALLREDUCE
-from .engine import REDUCIBLE, DenseUpdate
+from .engine import REDUCIBLE, DenseUpdate, Entry
 
-if TYPE_CHECKING:
-    from .compression import Entry, MethodCompressor
 
 # Timed runs of each probe at a decision, after a first that is not counted (it may pay for
 # Horovod's negotiation of a name it has not seen). Their mean counts: a collective waits for
@@ -48,7 +46,8 @@ class AdaptiveExchanges:
     """One compressor's switch (:class:`~horovod_dgc.core.adaptive.Switch`) and what it needs
     from the compressor: the buckets of each label, their dense steps and the probes."""
 
-    def __init__(self, compressor: "MethodCompressor", settings: Optional[Adaptive]) -> None:
+    def __init__(self, compressor: Any, settings: Optional[Adaptive]) -> None:
+        """``compressor``: the ``MethodCompressor`` that holds this switch."""
         self.compressor = compressor
         self.switch = Switch(settings)
         self._buckets: Dict[str, List[Bucket]] = {}
@@ -68,7 +67,7 @@ class AdaptiveExchanges:
     def dense(self, label: str) -> bool:
         return self.switch.mode(label) == DENSE
 
-    def launch(self, label: str, entries: Sequence["Entry"]) -> FlushExchange:
+    def launch(self, label: str, entries: Sequence[Entry]) -> FlushExchange:
         """Every bucket of ``label`` flushed and its all-reduce launched."""
         compressor, launched = self.compressor, []
         engine, transport = compressor.engine, compressor.transport

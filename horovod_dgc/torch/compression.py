@@ -51,7 +51,7 @@ from ..core.one_worker import refuse_or_warn
 from ..core.stats import CompressionStats
 from ..core.twostage import StageHandover
 from .adaptive import AdaptiveExchanges, FlushExchange
-from .engine import DenseUpdate, Engine, OutgoingMessage
+from .engine import DenseUpdate, Engine, Entry, OutgoingMessage
 from .queue import Queued, StockQueue
 
 if TYPE_CHECKING:  # imported by the hierarchical path only: it needs Horovod
@@ -65,8 +65,6 @@ _NO_TRANSPORT = ("this compressor exchanges through Horovod unless it is registe
 NamedParameters = Iterable[Tuple[str, torch.nn.Parameter]]
 # The key under which a compressor's state carries its buckets' modes (adaptive=).
 ADAPTIVE_STATE_KEY = "adaptive"
-# What one tensor brings to an exchange: its name, gradient and parameter.
-Entry = Tuple[str, torch.Tensor, Optional[torch.nn.Parameter]]
 
 
 class MethodCompressor(CompressorControls, HorovodCompressor):

@@ -72,6 +72,9 @@ class DenseUpdate:
     dtype: torch.dtype
     loss_scale: float = 1.0
 
+# What one tensor brings to an exchange: its name, gradient and parameter.
+Entry = Tuple[str, torch.Tensor, Optional[torch.nn.Parameter]]
+
 # Horovod's collectives take no bfloat16: such dense tensors travel as float32.
 REDUCIBLE = {torch.bfloat16: torch.float32}
 # The longest a bucket whose candidate bounds keep failing selects without them, in steps.

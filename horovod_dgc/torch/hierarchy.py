@@ -19,7 +19,7 @@ import torch
 
 from ..core.hosts import Hosts, hosts_of, received_numel
 from .collectives import PREFIX, launch, wait
-from .engine import REDUCIBLE
+from .engine import REDUCIBLE, Entry
 
 
 def find_hosts() -> Hosts:
@@ -100,9 +100,6 @@ class HostTransport:
         with self._lock:
             self._not_handed_over.clear()
 
-
-# What one tensor brings to an exchange: its name, gradient and parameter.
-Entry = Tuple[str, torch.Tensor, Optional[torch.nn.Parameter]]
 
 
 @dataclass

@@ -19,9 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-
-# What a queued tensor brings: its name, gradient and parameter.
-Entry = Tuple[str, torch.Tensor, Optional[torch.nn.Parameter]]
+from .engine import Entry
 
 
 @dataclass
