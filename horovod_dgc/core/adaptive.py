@@ -10,7 +10,7 @@ measured by probes or given by hand. Every rank feeds the same averaged measurem
 
 The model is serial: it does not credit either mode with overlapping the backward pass, so
 it favours neither. A switch moves a bucket's whole pending update (its memories) into the
-first dense step (``Method.flush``), so that nothing is lost.
+first dense step (``Method.flush_bucket``), so that nothing is lost.
 """
 from __future__ import annotations
 

@@ -357,14 +357,10 @@ class BlockSign(TwoStageMethod):
     pending_memory = "residual"
 
     def flush_worker(self, ops: TensorOps, state: State, grad: Tensor,
-                     call: CompressCall) -> Tuple[Tensor, State]:
+                     call: BucketCall) -> Tuple[Tensor, State]:
         """The residual plus the step's direction (``g + mu * m``, the momentum updated)."""
         direction, factor, state = self._momentum_step(ops, state, grad, call.unscale)
         return ops.add(state["residual"], direction, 1.0, factor), emptied(ops, state, "residual")
-
-    def flush_worker_bucket(self, ops: TensorOps, state: State, grad: Tensor,
-                            call: BucketCall) -> Tuple[Tensor, State]:
-        return self.flush_worker(ops, state, grad, call.as_call())
 
     def dense(self, ops: TensorOps, state: State, grad: Tensor, call: CompressCall) -> Tuple[Tensor, State]:
         direction, factor, state = self._momentum_step(ops, state, grad, call.unscale)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Dict, List, Optional, Tuple
+from typing import Any, ClassVar, Dict, Optional, Tuple
 
 from .bucket import Bucket, Plan, shards_of
 from .collectives import network_bytes
@@ -267,24 +267,20 @@ class Method(ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot send a compressed tensor dense")
 
     def flush_worker(self, ops: TensorOps, state: State, grad: Tensor,
-                     call: CompressCall) -> Tuple[Tensor, State]:
-        """(the gradient, prepared as a compress prepares it, plus what the per-worker memories
-        hold back; the state with :attr:`pending_memory` emptied), in the state's dtype and
-        unscaled units."""
-        raise NotImplementedError(f"{type(self).__name__} cannot send a compressed tensor dense")
-
-    def flush_worker_bucket(self, ops: TensorOps, state: State, grad: Tensor,
-                            call: BucketCall) -> Tuple[Tensor, State]:
-        """:meth:`flush_worker` of a bucket's flat gradient and memories."""
+                     call: BucketCall) -> Tuple[Tensor, State]:
+        """(a bucket's flat gradient, prepared as a compress prepares it, plus what the
+        per-worker memories hold back; the state with :attr:`pending_memory` emptied), in the
+        state's dtype and unscaled units."""
         raise NotImplementedError(f"{type(self).__name__} cannot send a compressed bucket dense")
 
-    def flush(self, ops: TensorOps, state: State, grad: Tensor, call: CompressCall,
-              wire_dtype: str) -> Tuple[Tensor, State]:
-        """A compressed tensor's dense step: what this worker hands to an averaging all-reduce,
-        in ``wire_dtype`` and the loss scale's units, and the new state (the memories the
-        compressed steps keep, laid out as they are).
+    def flush_bucket(self, ops: TensorOps, state: State, grad: Tensor, call: BucketCall,
+                     wire_dtype: str) -> Tuple[Tensor, State]:
+        """A compressed bucket's dense step: what this worker hands to an averaging all-reduce
+        for its flat gradient, in ``wire_dtype`` and the loss scale's units, and the new state
+        (the memories the compressed steps keep, laid out as :meth:`state_buckets` says). A
+        tensor alone is a bucket of one.
 
-        The average of every worker's flush is every update the tensor owes: each worker's
+        The average of every worker's flush is every update the bucket owes: each worker's
         gradient and per-worker memories, and (a sharded memory such as blocksign's server
         residual or the sparse all-reduce's owner residual) ``world_size`` times this rank's
         shard added where the shard lies. The memories are then empty but for what
@@ -292,44 +288,29 @@ class Method(ABC):
         and a momentum continues. A bucket that stays dense flushes every step: its memories
         hold only that rounding, and its updates are momentum SGD's (or SGD's)."""
         total, state = self.flush_worker(ops, state, grad, call)
-        n = ops.numel(grad)
-        if self.state_layout(True).sharded:
-            total, state = self._spread_shards(ops, total, state, [(0, n, 0, self.shard_length(n, call.world_size))],
-                                               call.world_size, call.rank)
-        return self._on_the_wire(ops, total, state, wire_dtype, call.loss_scale)
-
-    def flush_bucket(self, ops: TensorOps, state: State, grad: Tensor, call: BucketCall,
-                     wire_dtype: str) -> Tuple[Tensor, State]:
-        """:meth:`flush` of a bucket's flat gradient and memories (laid out as
-        :meth:`state_buckets` says)."""
-        total, state = self.flush_worker_bucket(ops, state, grad, call)
         layout = self.state_layout(True)
         if layout.sharded:
             shards = self.state_buckets(call.bucket, call.world_size)[layout.sharded[0]]
-            parts = [(s.offset, s.numel, shard.offset, shard.numel)
-                     for s, shard in zip(call.bucket.segments, shards.segments)]
-            total, state = self._spread_shards(ops, total, state, parts, call.world_size, call.rank)
+            total, state = self._spread_shards(ops, total, state, call.bucket, shards, call.world_size, call.rank)
         return self._on_the_wire(ops, total, state, wire_dtype, call.loss_scale)
 
-    def _spread_shards(self, ops: TensorOps, total: Tensor, state: State,
-                       parts: List[Tuple[int, int, int, int]], world_size: int,
-                       rank: int) -> Tuple[Tensor, State]:
-        """``total`` with ``world_size`` times this rank's shard of every sharded memory added
-        where it lies, and those memories emptied. ``parts``, per tensor: (its offset in
-        ``total``, its elements, its shard's offset in the sharded memory, the shard's
-        length)."""
+    def _spread_shards(self, ops: TensorOps, total: Tensor, state: State, bucket: Bucket, shards: Bucket,
+                       world_size: int, rank: int) -> Tuple[Tensor, State]:
+        """``total`` (laid out as ``bucket``) with ``world_size`` times this rank's shard of
+        every sharded memory (laid out as ``shards``) added where it lies, and those memories
+        emptied."""
         sharded = self.state_layout(True).sharded
         pieces, cursor = [], 0
-        for offset, numel, shard_offset, shard in parts:
-            length = shard_entries(numel, shard, rank)
+        for segment, shard in zip(bucket.segments, shards.segments):
+            length = shard_entries(segment.numel, shard.numel, rank)
             if length == 0:
                 continue
-            start = offset + rank * shard
+            start = segment.offset + rank * shard.numel
             if start > cursor:
                 pieces.append(ops.slice(total, cursor, start - cursor))
             part = ops.slice(total, start, length)
             for name in sharded:
-                part = ops.add(part, ops.slice(state[name], shard_offset, length), 1.0, world_size)
+                part = ops.add(part, ops.slice(state[name], shard.offset, length), 1.0, world_size)
             pieces.append(part)
             cursor = start + length
         if cursor < ops.numel(total):

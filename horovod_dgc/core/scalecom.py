@@ -88,11 +88,7 @@ class ScaleCom(TwoStageMethod):
         return self.memory.pending
 
     def flush_worker(self, ops: TensorOps, state: State, grad: Tensor,
-                     call: CompressCall) -> Tuple[Tensor, State]:
-        return self.memory.flush(ops, state, grad, call.unscale)
-
-    def flush_worker_bucket(self, ops: TensorOps, state: State, grad: Tensor,
-                            call: BucketCall) -> Tuple[Tensor, State]:
+                     call: BucketCall) -> Tuple[Tensor, State]:
         return self.memory.flush(ops, state, grad, call.unscale)
 
     def index_layout(self, name: str, numel: int, density: float) -> wire.MessageLayout:

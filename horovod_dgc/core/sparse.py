@@ -273,11 +273,7 @@ class SparseMethod(Method):
         return self.memory.pending
 
     def flush_worker(self, ops: TensorOps, state: State, grad: Tensor,
-                     call: CompressCall) -> Tuple[Tensor, State]:
-        return self.memory_for(call).flush(ops, state, *self.prepare(ops, grad, call))
-
-    def flush_worker_bucket(self, ops: TensorOps, state: State, grad: Tensor,
-                            call: BucketCall) -> Tuple[Tensor, State]:
+                     call: BucketCall) -> Tuple[Tensor, State]:
         return self.bucket_memory().flush(ops, state, *self.prepare_bucket(ops, ops.gathered(grad), call))
 
     def decompress(self, ops: TensorOps, gathered: Tensor, layouts: Sequence[wire.MessageLayout],

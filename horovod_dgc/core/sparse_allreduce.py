@@ -216,12 +216,8 @@ class SparseAllreduce(TwoStageMethod):
         return self.inner.pending_memory
 
     def flush_worker(self, ops: TensorOps, state: State, grad: Tensor,
-                     call: CompressCall) -> Tuple[Tensor, State]:
+                     call: BucketCall) -> Tuple[Tensor, State]:
         return self.inner.flush_worker(ops, state, grad, call)
-
-    def flush_worker_bucket(self, ops: TensorOps, state: State, grad: Tensor,
-                            call: BucketCall) -> Tuple[Tensor, State]:
-        return self.inner.flush_worker_bucket(ops, state, grad, call)
 
     # -- a whole bucket at once ------------------------------------------------------------
     @property
