@@ -19,7 +19,7 @@ import torch
 from ..core.adaptive import DENSE, Adaptive, BucketCost, Decision, Link, Switch
 from ..core.bucket import Bucket
 from ..core.collectives import ALLREDUCE
-from .engine import REDUCIBLE, DenseUpdate, Entry
+from .engine import REDUCIBLE, DenseUpdate, Entry, in_entry_order
 
 
 # Timed runs of each probe at a decision, after a first that is not counted (it may pay for
@@ -81,19 +81,19 @@ class AdaptiveExchanges:
 
     def finish(self, exchange: FlushExchange) -> List[torch.Tensor]:
         engine, transport = self.compressor.engine, self.compressor.transport
-        ordered: List[Optional[torch.Tensor]] = [None] * sum(len(m) for *_, m in exchange.launched)
+        places, averaged = [], []
         for handle, update, bucket, shapes, members in exchange.launched:
-            for place, averaged in zip(members, engine.flushed(update, transport.wait(handle), bucket, shapes)):
-                ordered[place] = averaged
-        return ordered
+            averaged += engine.flushed(update, transport.wait(handle), bucket, shapes)
+            places += members
+        return in_entry_order(places, averaged)
 
     def end_step(self) -> List[Decision]:
         """After every exchange of a step: keep its compute times if the next decision samples
         them, and decide if this is a decision step (every rank alike: collectives)."""
         settings, engine = self.switch.settings, self.compressor.engine
+        spent = engine.take_compute_s()  # drained every step, whatever the settings
         if settings is None:
             return []
-        spent = engine.take_compute_s()
         step = engine.steps_taken - 1
         self.switch.sample(step, {label: sum(spent.get(b.key, 0.0) for b in buckets)
                                   for label, buckets in self._buckets.items()})

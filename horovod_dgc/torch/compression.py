@@ -51,7 +51,7 @@ from ..core.one_worker import refuse_or_warn
 from ..core.stats import CompressionStats
 from ..core.twostage import StageHandover
 from .adaptive import AdaptiveExchanges, FlushExchange
-from .engine import DenseUpdate, Engine, Entry, OutgoingMessage
+from .engine import DenseUpdate, Engine, Entry, OutgoingMessage, in_entry_order
 from .queue import Queued, StockQueue
 
 if TYPE_CHECKING:  # imported by the hierarchical path only: it needs Horovod
@@ -518,7 +518,7 @@ class SparseCompressor(MethodCompressor):
 
     def _finish(self, exchange: SparseExchange) -> List[torch.Tensor]:
         averaged = self.engine.decompress(self.transport.wait(exchange.handle), exchange.outgoing)
-        return averaged if exchange.places is None else _in_entry_order(exchange.places, averaged)
+        return averaged if exchange.places is None else in_entry_order(exchange.places, averaged)
 
 
 @dataclass
@@ -616,16 +616,8 @@ class TwoStageCompressor(MethodCompressor):
         for r, h, (bucket, shapes, members) in zip(received, exchange.handovers, exchange.buckets):
             updates += self.engine.finish_bucket(r, h, bucket, shapes)
             places += members
-        return _in_entry_order(places, updates)
+        return in_entry_order(places, updates)
 
-
-def _in_entry_order(places: Sequence[int], tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    """``tensors`` (one per entry, in buckets' order) in the order of the entries they came
-    from: ``places[i]`` is the entry of ``tensors[i]``."""
-    ordered: List[Optional[torch.Tensor]] = [None] * len(tensors)
-    for place, tensor in zip(places, tensors):
-        ordered[place] = tensor
-    return ordered
 
 
 @dataclass(frozen=True)

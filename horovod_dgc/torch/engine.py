@@ -72,8 +72,19 @@ class DenseUpdate:
     dtype: torch.dtype
     loss_scale: float = 1.0
 
+
 # What one tensor brings to an exchange: its name, gradient and parameter.
 Entry = Tuple[str, torch.Tensor, Optional[torch.nn.Parameter]]
+
+
+def in_entry_order(places: Sequence[int], tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """``tensors`` (one per entry, in buckets' order) in the order of the entries they came
+    from: ``places[i]`` is the entry of ``tensors[i]``."""
+    ordered: List[Optional[torch.Tensor]] = [None] * len(tensors)
+    for place, tensor in zip(places, tensors):
+        ordered[place] = tensor
+    return ordered
+
 
 # Horovod's collectives take no bfloat16: such dense tensors travel as float32.
 REDUCIBLE = {torch.bfloat16: torch.float32}
