@@ -31,13 +31,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from .faults import parameters_identical, read_log
 from .job import ROOT, ClusterJob
 from .netns import ClusterError, NetnsCluster, parse_link
 from .run import in_namespaces
 
 TRAIN = ROOT / "benchmarks" / "cluster" / "adaptive_train.py"
 STEP_LINE = re.compile(r"^step (\d+) done in ([0-9.]+) s modes ([cd]*)$", re.M)
-DIGEST_LINE = re.compile(r"^parameters sha256 ([0-9a-f]{64})$", re.M)
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -76,7 +76,7 @@ class LinkChanger:
         self.slowed = self.restored = False
 
     def __call__(self) -> None:
-        steps = [int(s) for s, _, _ in STEP_LINE.findall(_read(self.log))]
+        steps = [int(s) for s, _, _ in STEP_LINE.findall(read_log(self.log))]
         last = max(steps, default=-1)
         if not self.slowed and last >= self.args.slow_at:
             self.cluster.shape(self.args.slow_link)
@@ -99,15 +99,8 @@ class Phase:
     median_step_s: float
 
 
-def _read(path: Path) -> str:
-    try:
-        return path.read_text(errors="replace")
-    except OSError:
-        return ""
-
-
 def steps_of(log: Path) -> Dict[int, tuple]:
-    return {int(s): (float(t), modes) for s, t, modes in STEP_LINE.findall(_read(log))}
+    return {int(s): (float(t), modes) for s, t, modes in STEP_LINE.findall(read_log(log))}
 
 
 def phases(steps: Dict[int, tuple], args: argparse.Namespace, settled: str) -> List[Phase]:
@@ -145,15 +138,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             ClusterJob(cluster, command, logs, args.timeout_s, echo_rank0=False, watch=changer,
                        env={"HOROVOD_CYCLE_TIME": f"{args.cycle_time_ms:g}"}).run()
         per_rank = [steps_of(logs / f"rank{r}.log") for r in range(args.hosts)]
-        digests = {m[1] if (m := DIGEST_LINE.search(_read(logs / f"rank{r}.log"))) else None
-                   for r in range(args.hosts)}
-        alike = all(ranks == per_rank[0] or {s: m for s, (_, m) in ranks.items()} ==
-                    {s: m for s, (_, m) in per_rank[0].items()} for ranks in per_rank[1:])
+        modes = [{s: m for s, (_, m) in ranks.items()} for ranks in per_rank]
         settled = per_rank[0][args.slow_at][1] if args.slow_at in per_rank[0] else ""
         found = phases(per_rank[0], args, settled)
         report.update(hosts=args.hosts, method=args.method, slow_link=args.slow_link.name,
                       slow_at=args.slow_at, fast_at=args.fast_at, recheck_steps=args.recheck_steps,
-                      modes_alike=alike, parameters_identical=None not in digests and len(digests) == 1,
+                      modes_alike=all(m == modes[0] for m in modes[1:]),
+                      parameters_identical=parameters_identical(logs, args.hosts),
                       dense_before=("d" in settled), phases=[asdict(p) for p in found])
 
     failed, left = in_namespaces("cluster-adaptive", work)

@@ -15,16 +15,20 @@ bucket in label order, ``c`` compressed, ``d`` dense), each decision's lines
 from __future__ import annotations
 
 import argparse
-import hashlib
+import sys
 import time
+from pathlib import Path
 from typing import List, Optional
 
 import horovod.torch as hvd
 import torch
 import torch.nn.functional as F
 
-import horovod_dgc.torch as hdgc
-from horovod_dgc.core.adaptive import DENSE
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step import parameters_digest  # noqa: E402
+
+import horovod_dgc.torch as hdgc  # noqa: E402
+from horovod_dgc.core.adaptive import DENSE  # noqa: E402
 
 BATCH = 16
 
@@ -55,13 +59,6 @@ def build_model(width: int, layers: int) -> torch.nn.Module:
     for i in range(layers):
         blocks += [torch.nn.Linear(width, width), torch.nn.ReLU()]
     return torch.nn.Sequential(*blocks, torch.nn.Linear(width, width))
-
-
-def parameters_digest(model: torch.nn.Module) -> str:
-    digest = hashlib.sha256()
-    for p in model.parameters():
-        digest.update(p.detach().contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
 
 def main(argv: Optional[List[str]] = None) -> None:

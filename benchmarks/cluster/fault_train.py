@@ -22,7 +22,6 @@ were written) is never loaded.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import sys
 import time
@@ -34,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from step import build_model, sgd  # noqa: E402
+from step import build_model, parameters_digest, sgd  # noqa: E402
 
 import horovod_dgc.torch as hdgc  # noqa: E402
 
@@ -92,13 +91,6 @@ def batch(step: int, batch_size: int, classes: int) -> tuple:
     generator = torch.Generator().manual_seed(1000 * step + hvd.rank())
     images = torch.randn(batch_size, 3, IMAGE_SIZE, IMAGE_SIZE, generator=generator)
     return images, torch.randint(0, classes, (batch_size,), generator=generator)
-
-
-def parameters_digest(model: torch.nn.Module) -> str:
-    digest = hashlib.sha256()
-    for p in model.parameters():
-        digest.update(p.detach().contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
 
 def main(argv: Optional[List[str]] = None) -> None:

@@ -164,7 +164,7 @@ class Injector:
     def __call__(self) -> None:
         if self.injected_at is not None or not self.fault.ends_the_job:
             return
-        steps = [int(s) for s, _ in STEP_LINE.findall(_read(self.log))]
+        steps = [int(s) for s, _ in STEP_LINE.findall(read_log(self.log))]
         if self.fault.step not in steps:
             return
         if self.fault.kind == "stall":
@@ -184,11 +184,18 @@ def _pids(ns: str) -> List[int]:
     return [int(pid) for pid in out.split()]
 
 
-def _read(path: Path) -> str:
+def read_log(path: Path) -> str:
     try:
         return path.read_text(errors="replace")
     except OSError:
         return ""
+
+
+def parameters_identical(logs: Path, hosts: int) -> bool:
+    """Whether every rank's log under ``logs`` ends with the same parameters' digest."""
+    digests = {m[1] if (m := DIGEST_LINE.search(read_log(logs / f"rank{r}.log"))) else None
+               for r in range(hosts)}
+    return None not in digests and len(digests) == 1
 
 
 def first_error_line(message: str) -> Optional[str]:
@@ -258,9 +265,8 @@ class FaultRun:
                  loads: bool, resumed: Optional[int], final_logs: Path) -> Outcome:
         a, fault = self.args, self.fault
         at = injector.injected_at
-        digests = {DIGEST_LINE.search(_read(final_logs / f"rank{r}.log")) for r in range(a.hosts)}
-        identical = None not in digests and len({d[1] for d in digests}) == 1
-        steps = [float(s) for _, s in STEP_LINE.findall(_read(self.logs / "run" / "rank0.log"))]
+        identical = parameters_identical(final_logs, a.hosts)
+        steps = [float(s) for _, s in STEP_LINE.findall(read_log(self.logs / "run" / "rank0.log"))]
         line = first_error_line(error) if error else None
         names = bool(line) and "horovod_dgc." in line
         error_after = job.failed_at - at if at is not None and job.failed_at is not None else None
@@ -281,7 +287,7 @@ class FaultRun:
 
 def _resumed_from(logs: Path, hosts: int) -> Optional[int]:
     """The step every rank of a run says it resumed from (None unless they all agree)."""
-    found = {m[1] if (m := RESUMED_LINE.search(_read(logs / f"rank{r}.log"))) else None for r in range(hosts)}
+    found = {m[1] if (m := RESUMED_LINE.search(read_log(logs / f"rank{r}.log"))) else None for r in range(hosts)}
     return int(found.pop()) if len(found) == 1 and None not in found else None
 
 

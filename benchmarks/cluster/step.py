@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import hashlib
 import json
 import math
 import os
@@ -209,6 +210,14 @@ def init_torch_distributed(iface: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=hvd.rank(),
                             world_size=hvd.size(),
                             timeout=datetime.timedelta(seconds=TORCH_DIST_TIMEOUT_S))
+
+
+def parameters_digest(model: nn.Module) -> str:
+    """The SHA-256 of every parameter's bytes: equal on every rank that holds the same model."""
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def sgd(model: nn.Module) -> torch.optim.SGD:
