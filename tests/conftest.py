@@ -13,6 +13,7 @@ from typing import List, Optional, Sequence
 import pytest
 import torch
 
+from horovod_dgc.core.collectives import emulate
 from horovod_dgc.torch.ops import TorchOps
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,3 +170,25 @@ def check_one_worker_job(framework: str, np: int) -> None:
     neither happens."""
     out = horovodrun(f"one_worker_{framework}.py", np)
     assert out.count("one worker ok" if np == 1 else "two workers ok") == np, out
+
+
+# -- two-stage exchanges between engines emulated in this process -----------------------------
+def two_stages(engines, firsts, second, finish):
+    """The two collectives of a two-stage method between ``engines``, in this process:
+    each rank's ``finish(rank, received, handover)`` after stage 1's ``firsts`` (message,
+    handover) per rank and ``second(rank, received, handover)``."""
+    ops, method = engines[0].ops, engines[0].method
+    root = method.root(firsts[0][1].call)
+    received = emulate(ops, method.FIRST, [m for m, _ in firsts], root, firsts[0][1].chunks)
+    seconds = [second(r, got, h) for r, (got, (_, h)) in enumerate(zip(received, firsts))]
+    received = emulate(ops, method.SECOND, seconds, root)
+    return [finish(r, got, h) for r, (got, (_, h)) in enumerate(zip(received, firsts))]
+
+
+def two_stage_bucket(engines, names, grads, params):
+    """Every rank's averages of a two-stage method, its tensors as one bucket."""
+    buckets = [e.bucket("layer", list(zip(names, gs))) for e, gs in zip(engines, grads)]
+    firsts = [e.first_bucket(b, [g.clone() for g in gs], params) for e, b, gs in zip(engines, buckets, grads)]
+    return two_stages(engines, firsts, lambda r, got, h: engines[r].second(buckets[r].key, got, h),
+                       lambda r, got, h: [t.clone() for t in engines[r].finish_bucket(
+                           got, h, buckets[r], [g.shape for g in grads[r]])])

@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from horovod_dgc.core.adaptive import COMPRESSED, DENSE, Adaptive, BucketCost, Link, Switch, decide
-from horovod_dgc.core.collectives import ALLGATHER, ALLREDUCE, emulate
+from horovod_dgc.core.collectives import ALLGATHER, ALLREDUCE
 from horovod_dgc.core.methods import BY_NAME
 from horovod_dgc.torch.engine import Engine
+
+from conftest import two_stage_bucket
 
 SHAPES = [(40, 3, 3, 3), (40,), (1,), (64, 80), (1000,), (5, 2048), (3, 5)]
 NAMES = [f"t{i}" for i in range(len(SHAPES))]
@@ -31,17 +33,10 @@ def engines_of(method: str, world: int, **options):
 
 def compressed_step(engines, grads):
     """Every rank's averages of one compressed step of the bucket of ``grads[rank]``."""
-    buckets = [e.bucket("layer", list(zip(NAMES, gs))) for e, gs in zip(engines, grads)]
     nones = [None] * len(NAMES)
     if engines[0].method.family == "two-stage":
-        ops, method = engines[0].ops, engines[0].method
-        firsts = [e.first_bucket(b, [g.clone() for g in gs], nones) for e, b, gs in zip(engines, buckets, grads)]
-        root = method.root(firsts[0][1].call)
-        received = emulate(ops, method.FIRST, [m for m, _ in firsts], root, firsts[0][1].chunks)
-        seconds = [e.second(b.key, got, h) for e, b, got, (_, h) in zip(engines, buckets, received, firsts)]
-        received = emulate(ops, method.SECOND, seconds, root)
-        return [[t.clone() for t in e.finish_bucket(got, h, b, [g.shape for g in gs])]
-                for e, b, got, (_, h), gs in zip(engines, buckets, received, firsts, grads)]
+        return two_stage_bucket(engines, NAMES, grads, nones)
+    buckets = [e.bucket("layer", list(zip(NAMES, gs))) for e, gs in zip(engines, grads)]
     sent = [e.compress_bucket(b, [g.clone() for g in gs], nones) for e, b, gs in zip(engines, buckets, grads)]
     gathered = torch.cat([o.message for o in sent])
     return [[t.clone() for t in e.decompress(gathered, [o])] for e, o in zip(engines, sent)]

@@ -11,13 +11,12 @@ import torch
 from horovod_dgc.core.bucket import (ALIGN, Bucket, GaussianPlan, Plan, Segment, next_bounds, segment_thresholds,
                                      select_candidates, select_gaussian, select_segments)
 from horovod_dgc.core.ops import BlockBounds, Candidates
-from horovod_dgc.core.collectives import emulate
 from horovod_dgc.core.methods import BY_NAME
 from horovod_dgc.core.wire import MessageError
 from horovod_dgc.torch.engine import Engine
 from horovod_dgc.torch.ops import TorchOps
 
-from conftest import WaitingOps
+from conftest import WaitingOps, two_stage_bucket, two_stages
 
 # Edge sizes: one element, a block's and ALIGN's edges, tensors larger and smaller than
 # EXACT_BELOW_NUMEL (the per-tensor path's switch to a full top-k).
@@ -184,35 +183,14 @@ def run_steps(method: str, world: int, steps: int, dtype=torch.float32, nan_at=N
     return results, per, bucketed
 
 
-def _two_stages(engines, firsts, second, finish):
-    """The two collectives of a two-stage method between ``engines``, in this process:
-    each rank's ``finish(rank, received, handover)`` after stage 1's ``firsts`` (message,
-    handover) per rank and ``second(rank, received, handover)``."""
-    ops, method = engines[0].ops, engines[0].method
-    root = method.root(firsts[0][1].call)
-    received = emulate(ops, method.FIRST, [m for m, _ in firsts], root, firsts[0][1].chunks)
-    seconds = [second(r, got, h) for r, (got, (_, h)) in enumerate(zip(received, firsts))]
-    received = emulate(ops, method.SECOND, seconds, root)
-    return [finish(r, got, h) for r, (got, (_, h)) in enumerate(zip(received, firsts))]
-
-
 def two_stage_per_tensor(engines, names, grads, params):
     """Every rank's averages of a two-stage method, tensor by tensor: ``[rank][tensor]``."""
     by_tensor = []
     for i, name in enumerate(names):
         firsts = [e.first(name, gs[i].clone(), params[i]) for e, gs in zip(engines, grads)]
-        by_tensor.append(_two_stages(engines, firsts, lambda r, got, h: engines[r].second(name, got, h),
+        by_tensor.append(two_stages(engines, firsts, lambda r, got, h: engines[r].second(name, got, h),
                                      lambda r, got, h: engines[r].finish(got, h, grads[r][i].shape)))
     return [list(rank) for rank in zip(*by_tensor)]
-
-
-def two_stage_bucket(engines, names, grads, params):
-    """Every rank's averages of a two-stage method, its tensors as one bucket."""
-    buckets = [e.bucket("layer", list(zip(names, gs))) for e, gs in zip(engines, grads)]
-    firsts = [e.first_bucket(b, [g.clone() for g in gs], params) for e, b, gs in zip(engines, buckets, grads)]
-    return _two_stages(engines, firsts, lambda r, got, h: engines[r].second(buckets[r].key, got, h),
-                       lambda r, got, h: [t.clone() for t in engines[r].finish_bucket(
-                           got, h, buckets[r], [g.shape for g in grads[r]])])
 
 
 def states(engine):
