@@ -527,6 +527,10 @@ MUTANTS: Tuple[Mutant, ...] = (
        "agreed = local.tolist()", "each rank decides on its own measurements, not the ranks' average"),
     _m("adaptive-dense-mode-ignored", "torch/compression.py", "        if self._adaptive.dense(label):",
        "        if False:", "a bucket reported dense still exchanged compressed"),
+    _m("adaptive-stale-labels-decided", "torch/adaptive.py", "        if self._noted_this_step:\n",
+       "        if False:\n", "buckets DDP numbered before it rebuilt them decided on and reported forever"),
+    _m("ddp-step-never-ended", "torch/ddp.py", "            self.compression.end_step()\n", "",
+       "the DDP hook never ends the compressor's step: no adaptive decision, compute times summed forever"),
     # The C kernels (built again in the copy for each of these)
     _m("kernel-stream-tail-dropped", "torch/kernels/streaming.c",
        "        for (; i < len; ++i)\n            dst[i] = src[i];\n        return;", "        return;",

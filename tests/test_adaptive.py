@@ -267,3 +267,39 @@ def test_a_compressor_refuses_what_the_switch_does_not_support_at_construction()
         Compression.topk(adaptive="yes")
     assert Compression.blocksign(adaptive=Adaptive(margin=0.2)).adaptive.margin == 0.2
     assert Compression.topk().adaptive is None
+
+
+class _Alone:
+    """The collectives of a world of one rank: each delivers its message."""
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+    def launch(self, kind, message, name, root=0, chunks=None):
+        return message.clone()
+
+    def wait(self, handle):
+        return handle
+
+
+def test_a_label_no_longer_exchanged_is_not_decided_on():
+    """DDP numbers its buckets anew when it rebuilds them after the first step: the labels of
+    the first step that no step exchanges again get no decision and no line."""
+    from horovod_dgc.torch import Compression
+    compression = Compression.topk(adaptive=Adaptive(link_bytes_per_s=1e15, first_decision_step=2,
+                                                     sample_steps=1, recheck_steps=2))
+    compression.use_transport(_Alone())
+    params = {name: torch.zeros(5000) for name in "abc"}
+    compression.bind(list(params.items()))
+    decided = []
+    for labels in (("bucket0", "bucket1"), ("bucket0", "bucket1"), ("bucket0",), ("bucket0",)):
+        for label, names in zip(labels, ("ab", "c") if len(labels) == 2 else ("abc",)):
+            entries = [(name, torch.randn(5000), params[name]) for name in names]
+            compression.finish(compression.launch(label, entries))
+        decided += [decision.label for decision in compression.end_step()]
+    assert decided == ["bucket0"]
+    assert list(compression.bucket_modes()) == ["bucket0"]
+    assert [line.split(":")[0] for line in compression.stats().buckets] == ["bucket0"]

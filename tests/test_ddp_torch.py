@@ -62,6 +62,16 @@ def test_ddp_parameters_no_rank_used_keep_their_memories():
             assert out.count(f"{method} ['{option}'] ddp unused ok") == 2, out
 
 
+def test_ddp_adaptive_switch_loses_no_gradient_and_every_rank_decides_alike():
+    """tests/workers/ddp_torch.py adaptive: every method forced dense for 10 steps and back
+    (the parameters against the sum of the mean gradients minus what the memories owe), and
+    decisions with the link given slow, fast and probed, identical on every rank."""
+    out = torchrun("ddp_torch.py", 2, ["adaptive"])
+    for kind in PARITY_METHODS:
+        assert out.count(f"{kind} ddp forced switches ok") == 2, out
+    assert out.count("ddp decisions agree") == 2, out
+
+
 @pytest.mark.parametrize("nproc, older_torch", [
     pytest.param(1, False, marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                     reason="NCCL needs a GPU per rank")),

@@ -51,6 +51,10 @@ class AdaptiveExchanges:
         self.compressor = compressor
         self.switch = Switch(settings)
         self._buckets: Dict[str, List[Bucket]] = {}
+        self._noted_this_step: set = set()
+        # Where the probes and measurements travel: the gradients' device (NCCL reduces CUDA
+        # tensors only, and a probe should take the path the gradients take).
+        self.device = torch.device("cpu")
         # Seconds this rank's exchanges took to finish, summed since the last watch.
         self.exchange_s = 0.0
         self._watched_steps = 0
@@ -60,9 +64,11 @@ class AdaptiveExchanges:
         """Every label exchanged so far."""
         return sorted(self._buckets)
 
-    def note(self, label: str, buckets: Sequence[Bucket]) -> None:
-        """``label``'s buckets, as it last exchanged them."""
+    def note(self, label: str, buckets: Sequence[Bucket], device: torch.device) -> None:
+        """``label``'s buckets, as it last exchanged them, from gradients on ``device``."""
         self._buckets[label] = list(buckets)
+        self._noted_this_step.add(label)
+        self.device = device
 
     def dense(self, label: str) -> bool:
         return self.switch.mode(label) == DENSE
@@ -72,7 +78,7 @@ class AdaptiveExchanges:
         compressor, launched = self.compressor, []
         engine, transport = compressor.engine, compressor.transport
         buckets = compressor._buckets(label, entries)
-        self.note(label, [bucket for bucket, _ in buckets])
+        self.note(label, [bucket for bucket, _ in buckets], entries[0][1].device)
         for bucket, members in buckets:
             update = engine.flush_bucket(bucket, [entries[i][1] for i in members], [entries[i][2] for i in members])
             handle = transport.launch(ALLREDUCE, update.tensor, f"flush.{bucket.key}")
@@ -92,6 +98,11 @@ class AdaptiveExchanges:
         them, and decide if this is a decision step (every rank alike: collectives)."""
         settings, engine = self.switch.settings, self.compressor.engine
         spent = engine.take_compute_s()  # drained every step, whatever the settings
+        if self._noted_this_step:
+            # A label no longer exchanged (DDP rebuilds its buckets after the first step)
+            # is not decided on.
+            self._buckets = {label: self._buckets[label] for label in sorted(self._noted_this_step)}
+            self._noted_this_step = set()
         if settings is None:
             return []
         step = engine.steps_taken - 1
@@ -105,7 +116,7 @@ class AdaptiveExchanges:
     def _rescaled(self, step: int) -> bool:
         """The watch: the exchanges' seconds per step, averaged over the ranks, against the
         level the switch keeps (every rank alike)."""
-        local = torch.tensor([self.exchange_s / max(self._watched_steps, 1)], dtype=torch.float64)
+        local = self._measured([self.exchange_s / max(self._watched_steps, 1)])
         self.exchange_s, self._watched_steps = 0.0, 0
         agreed = float(self._allreduce(local, "adaptive.watch")[0])
         return self.switch.rescaled(step, agreed)
@@ -124,7 +135,7 @@ class AdaptiveExchanges:
         dense_bytes = [sum(b.numel * _wire_bytes(b) for b in self._buckets[label]) for label in labels]
         world = transport.size()
         link = Link.given(settings) or self._probe_link(max(dense_bytes, default=4), world)
-        local = torch.tensor(self.switch.local_compute_s(labels), dtype=torch.float64)
+        local = self._measured(self.switch.local_compute_s(labels))
         agreed = self._allreduce(local, "adaptive.measurements").tolist()
         costs = [BucketCost(label, nbytes, tuple(e for b in self._buckets[label] for e in engine.bucket_exchanges(b)),
                             compute_s)
@@ -145,11 +156,11 @@ class AdaptiveExchanges:
         memory (one host) a few MiB stay in the caches and read faster per byte than a 25 MB
         bucket; a slow link is not worth a bucket-size probe, and is linear in the bytes."""
         first = min(largest_bytes, PROBE_BYTES)
-        small, large = self._allreduce(torch.tensor([self._timed(1, "small"), self._timed(first // 4, "large")],
-                                                    dtype=torch.float64), "adaptive.probes").tolist()
+        small, large = self._allreduce(self._measured([self._timed(1, "small"), self._timed(first // 4, "large")]),
+                                       "adaptive.probes").tolist()
         link = Link.from_probes(small, large, first, world_size)
         if largest_bytes > first and link.time_s(ALLREDUCE, largest_bytes, world_size) < FULL_PROBE_BELOW_S:
-            full = float(self._allreduce(torch.tensor([self._timed(largest_bytes // 4, "full")], dtype=torch.float64),
+            full = float(self._allreduce(self._measured([self._timed(largest_bytes // 4, "full")]),
                                          "adaptive.probes.full")[0])
             link = Link.from_probes(small, full, largest_bytes // 4 * 4, world_size)
         return link
@@ -157,12 +168,18 @@ class AdaptiveExchanges:
     def _timed(self, numel: int, name: str) -> float:
         """Seconds of an averaging all-reduce of ``numel`` float32 zeros: the mean of
         PROBE_REPEATS runs after a first."""
-        probe, seconds = torch.zeros(numel), []
+        probe, seconds = torch.zeros(numel, device=self.device), []
         for _ in range(PROBE_REPEATS + 1):
             started = time.perf_counter()
             self._allreduce(probe, f"adaptive.probe.{name}")
+            if probe.is_cuda:  # NCCL's wait only orders the streams
+                torch.cuda.synchronize(probe.device)
             seconds.append(time.perf_counter() - started)
         return statistics.mean(seconds[1:])
+
+    def _measured(self, seconds: Sequence[float]) -> torch.Tensor:
+        """Measurements to all-reduce, on the gradients' device."""
+        return torch.tensor(list(seconds), dtype=torch.float64, device=self.device)
 
 
 def _wire_bytes(bucket: Bucket) -> int:

@@ -363,7 +363,7 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
             return self._adaptive.launch(label, entries)
         # Every label is noted (force_mode holds them all); its buckets where decisions need them.
         self._adaptive.note(label, [bucket for bucket, _ in self._buckets(label, entries)]
-                            if self.adaptive is not None else [])
+                            if self.adaptive is not None else [], entries[0][1].device)
         return self._launch(label, entries)
 
     def _check_place_in_the_world(self) -> None:

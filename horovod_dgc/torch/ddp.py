@@ -18,7 +18,9 @@ the flat buffer) and names each by its parameter (``ddp_model.module.named_param
 every tensor is then selected, scaled and remembered on its own, exactly as on the Horovod
 paths, and the bucket is a transport unit only (its compressed tensors share one collective
 per stage, through the family's ``launch``/``finish``). Memories are keyed by parameter name,
-so they survive DDP rebuilding its buckets after the first iteration.
+so they survive DDP rebuilding its buckets after the first iteration. With ``adaptive=``,
+each DDP bucket is one of the switch's buckets (``bucket<index>``): dense where that is
+predicted faster, decided at the end of a step by every rank alike (docs/algorithms.md#adaptive).
 
 Each hook launches its bucket's collectives asynchronously (``torch.distributed`` with
 ``async_op=True``, :mod:`horovod_dgc.torch.dist_collectives`) and returns a pending
@@ -240,7 +242,8 @@ class DDPCompressionState:
 
     def finish(self) -> None:
         """Wait for every bucket of the step, write the averaged gradients into the buckets'
-        buffers and complete their futures (in bucket order)."""
+        buffers, end the compressor's step (the adaptive switch's decisions) and complete the
+        buckets' futures (in bucket order)."""
         engine, transport = self.compression.engine, self.transport
         try:
             unused = [name for flight in self._in_flight if flight.used is not None
@@ -256,6 +259,7 @@ class DDPCompressionState:
                     if update is not None:
                         averaged = engine.dense_received(update, averaged)
                     flight.views[position].copy_(averaged.reshape(flight.views[position].shape))
+            self.compression.end_step()
         except BaseException as error:
             self._fail(error)
             raise
@@ -322,9 +326,6 @@ def register(ddp_model: torch.nn.parallel.DistributedDataParallel, compression: 
                         f"horovod_dgc.torch), got {type(compression).__module__}."
                         f"{type(compression).__qualname__}; for no compression or float16 use "
                         f"DDP's own hooks (torch.distributed.algorithms.ddp_comm_hooks)")
-    if compression.adaptive is not None:
-        raise ValueError("adaptive= is not supported by the DDP hook yet: it runs on Horovod's paths "
-                         "(hvd.DistributedOptimizer and horovod_dgc.torch.DistributedOptimizer)")
     sparse = [name for name, module in ddp_model.module.named_modules()
               if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse]
     if sparse:

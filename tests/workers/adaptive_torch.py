@@ -15,12 +15,10 @@ import torch
 
 import horovod_dgc.torch as hdgc
 from horovod_dgc.core.adaptive import COMPRESSED, DENSE, Adaptive
+from shared_torch import PLAIN, conservation_error, memories_empty
 
 STEPS, LR = 60, 0.1
 DENSE_STEPS = range(20, 40)
-PLAIN = {"topk": ("topk", {}), "gaussiank": ("gaussiank", {}), "dgc": ("dgc", {"momentum": 0.0}),
-         "dgc-sar": ("dgc", {"momentum": 0.0, "aggregation": "sparse_allreduce"}),
-         "scalecom": ("scalecom", {"beta": 1.0}), "blocksign": ("blocksign", {"momentum": 0.0})}
 
 
 def net() -> torch.nn.Module:
@@ -46,14 +44,8 @@ def step(model, optimizer, t: int) -> None:
     optimizer.step()
 
 
-def owed(compression, name: str, numel: int) -> torch.Tensor:
-    """What the memories of every rank still owe tensor ``name``'s average."""
-    method = compression.method
-    memories = compression.engine.memories(name)
-    pending = hvd.allreduce(memories[method.pending_memory].double(), op=hvd.Average, name=f"owed.{name}")
-    for key in method.state_layout(True).sharded:
-        pending = pending + hvd.allgather(memories[key].double(), name=f"shards.{name}")[:numel]
-    return pending
+def mean_gradient_sum(name: str, shape) -> torch.Tensor:
+    return sum(gradient(r, t, name, shape).double() for r in range(hvd.size()) for t in range(STEPS)) / hvd.size()
 
 
 def forced_switches(kind: str, path: str) -> None:
@@ -67,18 +59,13 @@ def forced_switches(kind: str, path: str) -> None:
             compression.force_mode(DENSE if t == DENSE_STEPS.start else None)
         step(model, optimizer, t)
         if t in DENSE_STEPS:  # a dense step sends every float32 memory's content
-            assert all(not compression.engine.memories(n)[compression.method.pending_memory].any()
-                       for n, p in model.named_parameters() if compression.engine.compresses(p)), (kind, path, t)
+            assert memories_empty(compression, model.named_parameters()), (kind, path, t)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     assert torch.equal(hvd.broadcast(flat, 0, name=f"params.{kind}.{path}"), flat), f"{kind} {path}: ranks differ"
-    for name, p in model.named_parameters():
-        compressed = compression.engine.compresses(p)
-        mean_grads = sum(gradient(r, t, name, p.shape).double() for r in range(hvd.size())
-                         for t in range(STEPS)) / hvd.size()
-        owes = owed(compression, name, p.numel()).reshape(p.shape) if compressed else 0.0
-        want = start[name].double() - LR * (mean_grads - owes)
-        error = float((p.detach().double() - want).norm() / (LR * mean_grads).norm())
-        assert error < 1e-5, f"{kind} {path} {name}: {error}"
+    errors = conservation_error(compression, start, model.named_parameters(), mean_gradient_sum, LR,
+                                lambda t, name: hvd.allreduce(t, op=hvd.Average, name=name),
+                                lambda t, name: hvd.allgather(t, name=name))
+    assert max(errors.values()) < 1e-5, f"{kind} {path}: {errors}"
     print(f"rank {hvd.rank()} {kind} {path} forced switches ok", flush=True)
 
 

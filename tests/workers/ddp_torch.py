@@ -15,6 +15,10 @@ Modes (first argument, comma-separated):
   compressor continues exactly as the original; another rank's or method's state is refused.
 * ``misuse``: what ``register`` refuses, and with which error.
 * ``unused``: a parameter no rank used in a step keeps its memories (DDP applies nothing to it).
+* ``adaptive``: the adaptive switch through the hook: every method forced dense for steps
+  10-19 and compressed again loses no gradient mass (the parameters against the sum of the
+  mean gradients minus what the memories owe); with the link given slow, fast and probed,
+  every rank takes the same decisions.
 * ``compiled``: ``torch.compile`` of the DDP model gives the eager model's parameters (the
   first of ``--methods`` only: a compile takes seconds, and the hook's path through a
   compiled backward is the same for every method).
@@ -42,10 +46,11 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import horovod_dgc.torch as hdgc
+from horovod_dgc.core.adaptive import COMPRESSED, DENSE, Adaptive
 from horovod_dgc.core.selection import top_count
 from horovod_dgc.torch import ddp
 from horovod_dgc.torch.dist_collectives import DistTransport
-from shared_torch import compiled_fresh, exact_topk_dense, sent_values
+from shared_torch import PLAIN, compiled_fresh, conservation_error, exact_topk_dense, memories_empty, sent_values
 
 STEPS = 20
 # train: the model's dtypes (bfloat16: DDP's buckets and the hook's dense all-reduces of it).
@@ -233,6 +238,79 @@ def accumulate(method: str) -> None:
     print(f"rank {rank}/{size} {method} ddp accumulate ok", flush=True)
 
 
+# -- adaptive ---------------------------------------------------------------------------------
+def _mean(tensor: torch.Tensor, _name: str) -> torch.Tensor:
+    dist.all_reduce(tensor)
+    return tensor / dist.get_world_size()
+
+
+def _gather(tensor: torch.Tensor, _name: str) -> torch.Tensor:
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, tensor)
+    return torch.cat(parts)
+
+
+def adaptive_forced(kind: str, steps: int = 30, dense_steps: range = range(10, 20)) -> None:
+    """Every bucket forced dense for ``dense_steps``, compressed before and after: the
+    memories are empty after each dense step and no gradient mass is lost."""
+    method, options = PLAIN[kind]
+    module = Injected()
+    model = ddp_model(module)
+    start = {n: p.detach().clone() for n, p in module.named_parameters()}
+    compression = getattr(hdgc.Compression, method)(**options)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = ddp.register(model, compression, optimizer=sgd)
+    for step in range(steps):
+        if step in (dense_steps.start, dense_steps.stop):
+            compression.force_mode(DENSE if step == dense_steps.start else None)
+        ddp_steps(model, module, state, sgd, [step])
+        if step in dense_steps:
+            assert memories_empty(compression, module.named_parameters()), (kind, step)
+    assert set(compression.bucket_modes().values()) == {COMPRESSED}, compression.bucket_modes()
+    index = {name: i for i, (name, _) in enumerate(module.named_parameters())}
+    world = dist.get_world_size()
+
+    def mean_gradient_sum(name: str, _shape) -> torch.Tensor:
+        return sum(gradients(module, r, t)[index[name]].double() for r in range(world) for t in range(steps)) / world
+
+    errors = conservation_error(compression, start, module.named_parameters(), mean_gradient_sum, 0.1,
+                                _mean, _gather)
+    assert max(errors.values()) < 1e-5, f"{kind}: {errors}"
+    print(f"rank {dist.get_rank()} {kind} ddp forced switches ok", flush=True)
+
+
+def adaptive_decisions(settings: Adaptive) -> List[str]:
+    """Each bucket's mode after 16 steps of dgc with ``settings``; the decision lines and the
+    parameters identical on every rank."""
+    module = Injected()
+    model = ddp_model(module)
+    compression = hdgc.Compression.dgc(adaptive=settings)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.01)
+    state = ddp.register(model, compression, optimizer=sgd)
+    ddp_steps(model, module, state, sgd, range(16))
+    lines = compression.stats().buckets
+    assert lines and all(line.startswith("bucket") for line in lines), lines
+    everyone: List[Tuple[str, ...]] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, lines)
+    assert all(theirs == lines for theirs in everyone), everyone  # the same numbers, to the digit
+    params: List[torch.Tensor] = [None] * dist.get_world_size()
+    dist.all_gather_object(params, flat(module))
+    assert all(torch.equal(theirs, flat(module)) for theirs in params), "parameters differ"
+    return [line.split(": ")[1].split(",")[0] for line in lines]
+
+
+def adaptive() -> None:
+    for kind in PLAIN:
+        adaptive_forced(kind)
+    every = dict(recheck_steps=5, first_decision_step=4, sample_steps=2)
+    slow = adaptive_decisions(Adaptive(link_bytes_per_s=1e3, **every))
+    assert set(slow) == {COMPRESSED}, slow
+    fast = adaptive_decisions(Adaptive(link_bytes_per_s=1e15, **every))
+    assert set(fast) == {DENSE}, fast
+    adaptive_decisions(Adaptive(**every))
+    print(f"rank {dist.get_rank()} ddp decisions agree", flush=True)
+
+
 # -- compiled ---------------------------------------------------------------------------------
 def compiled(method: str) -> None:
     """``torch.compile`` of the DDP model (dynamo splits its graph at DDP's buckets, the
@@ -413,7 +491,8 @@ def sparse_misuse() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("modes", help="comma-separated: aggregate, train, accumulate, checkpoint, misuse, unused, compiled")
+    parser.add_argument("modes", help="comma-separated: aggregate, train, accumulate, checkpoint, misuse, unused, adaptive, "
+                                          "compiled")
     parser.add_argument("--methods", default="topk,dgc")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--horovod", action="store_true",
@@ -446,6 +525,8 @@ def main() -> None:
                 checkpoint(method)
         elif mode == "misuse":
             misuse()
+        elif mode == "adaptive":
+            adaptive()
         elif mode == "compiled":
             compiled(methods[0])
         elif mode == "unused":
