@@ -124,7 +124,7 @@ cluster-negotiation: setup
 ## The adaptive switch on a link that slows to 10 Mbit/s and recovers during training, on 2
 ## network-namespace hosts (needs root; about 2 minutes; not part of make test).
 cluster-adaptive: setup
-	$(PYTHON) -m benchmarks.cluster.adaptive_link --check
+	$(PYTHON) -m benchmarks.cluster.adaptive_link --check --plot docs/img/cluster_adaptive.png
 
 cluster-faults: setup
 	$(PYTHON) -m benchmarks.cluster.faults --check $(if $(SLOW_LINK),--slow-link $(SLOW_LINK))

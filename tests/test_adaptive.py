@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from horovod_dgc.core.adaptive import COMPRESSED, DENSE, Adaptive, BucketCost, Link, Switch, decide
+from horovod_dgc.core.adaptive import (COMPRESSED, DENSE, PROBE_BYTES, Adaptive, BucketCost, BucketTraffic, Link,
+                                      StepEnd, Switch, decide)
 from horovod_dgc.core.collectives import ALLGATHER, ALLREDUCE
 from horovod_dgc.core.methods import BY_NAME
 from horovod_dgc.torch.engine import Engine
@@ -230,6 +231,70 @@ def test_a_change_of_scale_between_decisions_brings_the_decision_forward():
     assert switch.rescaled(146, 0.020) and switch.rescaled(171, 0.005)
     switch.decide(171, [], Link(0.0, 0.0), 2)
     assert switch.watches_at(172) and not switch.rescaled(172, 0.040)  # the new modes' level
+
+
+class _TwoRanks:
+    """The collectives of rank 0 of 2 whose peer measures ``peer_factor`` times what it does;
+    its all-reduces take a fixed latency plus a ring's bytes at a fixed rate."""
+
+    def __init__(self, latency_s: float, seconds_per_byte: float, peer_factor: float = 3.0) -> None:
+        self.latency_s, self.seconds_per_byte, self.peer_factor = latency_s, seconds_per_byte, peer_factor
+        self.probed, self.means = [], []
+
+    def size(self) -> int:
+        return 2
+
+    def rank(self) -> int:
+        return 0
+
+    def mean(self, values, name):
+        self.means.append(name)
+        return [(v + self.peer_factor * v) / 2 for v in values]
+
+    def allreduce_s(self, numel, name):
+        self.probed.append(numel)
+        return self.latency_s + 2 * (2 - 1) / 2 * 4 * numel * self.seconds_per_byte
+
+
+def test_a_step_end_decides_on_the_ranks_averaged_measurements_and_probes_the_link():
+    """At the decision step: each bucket's compute cost is the ranks' average of their sample
+    medians, the link is fitted to the probes (averaged over the ranks), and the modes follow
+    the predictions written out here."""
+    switch = Switch(Adaptive(recheck_steps=10, first_decision_step=3, sample_steps=2))
+    collectives = _TwoRanks(latency_s=1e-3, seconds_per_byte=1e-9)
+    step_end = StepEnd(switch, collectives)
+    traffic = {"a": BucketTraffic(100_000_000, ((ALLGATHER, 100_000),)), "b": BucketTraffic(40_000, ((ALLGATHER, 400),))}
+    for step, compute_s in enumerate([{"a": 9.0, "b": 9.0}, {"a": 0.010, "b": 0.002}, {"a": 0.012, "b": 0.004}]):
+        assert step_end(step, compute_s, lambda: traffic) == []
+    decisions = step_end(3, {"a": 0.011, "b": 0.003}, lambda: traffic)
+    # Samples of steps 1 and 2 (the medians 0.011 and 0.003), averaged with a peer's 3x.
+    assert switch.compute_s == {"a": pytest.approx(0.022), "b": pytest.approx(0.006)}
+    # One element, 4 MiB, then the largest bucket's 100 MB (predicted under 0.5 s), 3 runs each.
+    assert collectives.probed == [1] * 3 + [PROBE_BYTES // 4] * 3 + [100_000_000 // 4] * 3
+    link = Link(latency_s=2 * (1e-3 + 4e-9), seconds_per_byte=2 * 1e-9)  # the peer's 3x, averaged
+    want = {label: BucketCost(label, t.dense_bytes, t.exchanges, switch.compute_s[label]).predicted_s(link, 2)
+            for label, t in traffic.items()}
+    for decision in decisions:
+        compressed_s, dense_s = want[decision.label]
+        assert (decision.compressed_s, decision.dense_s) == (pytest.approx(compressed_s, rel=1e-3),
+                                                             pytest.approx(dense_s, rel=1e-3))
+        assert decision.mode == (DENSE if dense_s < 0.9 * compressed_s else COMPRESSED)
+    assert [d.mode for d in decisions] == [COMPRESSED, DENSE]
+
+
+def test_a_step_end_with_the_link_given_runs_no_probe_and_its_watch_brings_a_decision_forward():
+    switch = Switch(Adaptive(recheck_steps=100, first_decision_step=2, sample_steps=1, link_bytes_per_s=1e9,
+                             watch_steps=5))
+    collectives = _TwoRanks(latency_s=0.0, seconds_per_byte=0.0, peer_factor=1.0)
+    step_end = StepEnd(switch, collectives)
+    traffic = {"a": BucketTraffic(4_000, ((ALLGATHER, 40),))}
+    decided = []
+    for step in range(20):
+        step_end.exchanged(0.010 if step < 10 else 0.100)  # the link slows down at step 10
+        decided += [d.step for d in step_end(step, {"a": 0.001}, lambda: traffic)]
+    assert collectives.probed == []
+    # The schedule's decision at 2; the watch sets the level at 3, keeps it at 8, sees 10x at 13.
+    assert decided == [2, 13]
 
 
 def test_modes_and_their_decisions_survive_a_checkpoint_and_an_older_state_starts_compressed():

@@ -56,6 +56,25 @@ def bench_args(out: Path, *extra: str) -> list:
             "--prefix", unique_prefix(), *extra]
 
 
+def test_interleaved_methods_share_one_launch_per_link_and_keep_their_own_bytes(tmp_path, netns_unchanged):
+    """--interleave: one launch per link, the methods' timed steps alternating in it; each
+    method's record has its own steps and the bytes its own steps sent (dgc's a fraction of
+    dense's, as when each runs alone)."""
+    methods = "dense,dgc,dgc-adaptive"
+    proc = subprocess.run(bench_args(tmp_path, *TINY_RUN, "--methods", methods, "--links", "unshaped",
+                                     "--warmup-steps", "3", "--steps", "3", "--interleave"),
+                          cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert [p.name for p in (tmp_path / "logs" / "unshaped").iterdir()] == ["dense+dgc+dgc-adaptive"]
+    records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["method"] for r in records] == methods.split(",")
+    assert all(r["interleaved"] and len(r["step_s"]) == 3 for r in records), records
+    dense, dgc, adaptive = records
+    assert dgc["tx_bytes_per_step"] < dense["tx_bytes_per_step"] / 3, (dense, dgc)
+    assert adaptive["buckets"], adaptive  # decided after the warm-up
+    assert "timed steps interleaved" in (tmp_path / "results.md").read_text()
+
+
 def test_smoke_cluster_dense_and_dgc(tmp_path, netns_unchanged):
     proc = subprocess.run(bench_args(tmp_path, *TINY_RUN, "--links", "unshaped,100mbit",
                                      "--warmup-steps", "1", "--steps", "3"),
@@ -218,6 +237,7 @@ def test_the_adaptive_switch_follows_a_link_that_slows_down_and_recovers(tmp_pat
     assert "d" in unshaped["modes_after"] and set(slow["modes_after"]) == {"c"}, report
     assert recovered["modes_after"] == unshaped["modes_after"], report
     assert slow["lag_steps"] <= 20 and recovered["lag_steps"] <= 20, report
+    assert (tmp_path / "adaptive.png").read_bytes().startswith(b"\x89PNG"), "no plot"
     assert no_process_mentions(str(tmp_path))
 
 

@@ -3,7 +3,7 @@ training job, on a network-namespace cluster.
 
     python -m benchmarks.cluster.adaptive_link [--hosts 2] [--method blocksign]
         [--slow-link 10mbit] [--slow-at 35] [--fast-at 60] [--steps 90] [--cycle-time-ms 10]
-        [--out results/adaptive] [--check] [TRAINING FLAGS ...]
+        [--out results/adaptive] [--plot PATH] [--check] [TRAINING FLAGS ...]
 
 One job of ``benchmarks/cluster/adaptive_train.py`` (``--method`` with ``adaptive=`` on the
 fused optimizer) on unshaped links; once rank 0 has printed step ``--slow-at``, every link is
@@ -17,7 +17,9 @@ Expected, and checked with ``--check`` (exit 1 otherwise):
 * within ``--recheck-steps`` steps of the link slowing down every bucket is compressed, and
   within as many of its return the modes are those before the change.
 
-Writes ``results.json``, ``results.md`` and ``logs/`` under ``--out``. Needs root.
+Writes ``results.json``, ``results.md`` and ``logs/`` under ``--out``, and a plot of rank 0's
+step time and each bucket's mode over the steps (``--plot``, default ``--out``/adaptive.png).
+Needs root.
 """
 from __future__ import annotations
 
@@ -57,8 +59,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=900.0)
     p.add_argument("--out", type=Path, default=ROOT / "results" / "adaptive")
     p.add_argument("--prefix", default=f"hdgca{os.getpid()}", help="start of the namespace names")
+    p.add_argument("--plot", type=Path, default=None, help="the plot's path (default: OUT/adaptive.png)")
     p.add_argument("--check", action="store_true", help="exit 1 when an expectation fails")
     args, args.train_flags = p.parse_known_args(argv)
+    args.plot = args.plot or args.out / "adaptive.png"
     if not 0 < args.slow_at < args.fast_at < args.steps:
         p.error("expected 0 < --slow-at < --fast-at < --steps")
     if min(args.fast_at - args.slow_at, args.steps - 1 - args.fast_at) <= args.recheck_steps:
@@ -146,6 +150,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                       modes_alike=all(m == modes[0] for m in modes[1:]),
                       parameters_identical=parameters_identical(logs, args.hosts),
                       dense_before=("d" in settled), phases=[asdict(p) for p in found])
+        plot(per_rank[0], args)
 
     failed, left = in_namespaces("cluster-adaptive", work)
     if failed is not None:
@@ -159,6 +164,39 @@ def main(argv: Optional[List[str]] = None) -> int:
     (args.out / "results.md").write_text(text)
     print(text)
     return 1 if left or (args.check and not expected) else 0
+
+
+def plot(steps: Dict[int, tuple], args: argparse.Namespace) -> None:
+    """Rank 0's step time over the steps, above each bucket's mode, the slow link shaded."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+
+    order = sorted(steps)
+    if not order:
+        return
+    buckets = len(steps[order[0]][1])
+    fig, (time_ax, mode_ax) = plt.subplots(2, 1, sharex=True, figsize=(7.5, 4.2),
+                                           gridspec_kw={"height_ratios": [2, 1]})
+    time_ax.plot(order, [steps[s][0] * 1e3 for s in order], marker="o", markersize=2, linewidth=1)
+    time_ax.set_yscale("log")
+    time_ax.set_ylabel("step (ms), rank 0")
+    modes = [[1.0 if steps[s][1][b] == "d" else 0.0 for s in order] for b in range(buckets)]
+    mode_ax.imshow(modes, aspect="auto", interpolation="nearest", cmap=ListedColormap(["#4c72b0", "#dd8452"]),
+                   vmin=0, vmax=1, extent=(order[0] - 0.5, order[-1] + 0.5, buckets - 0.5, -0.5))
+    mode_ax.set_yticks(range(buckets))
+    mode_ax.set_ylabel("bucket")
+    mode_ax.set_xlabel("step (blue: compressed, orange: dense)")
+    for ax in (time_ax, mode_ax):
+        ax.axvspan(args.slow_at + 0.5, args.fast_at + 0.5, color="grey", alpha=0.2, linewidth=0)
+    time_ax.set_title(f"{args.method} with adaptive=, {args.hosts} hosts: the link at "
+                      f"{args.slow_link.name} in the shaded steps", fontsize=9)
+    time_ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    args.plot.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.plot, dpi=120)
+    plt.close(fig)
 
 
 def markdown(report: Dict[str, object]) -> str:

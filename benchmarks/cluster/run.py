@@ -1,14 +1,17 @@
 """``make cluster-bench``: the training-step benchmark on a network-namespace cluster.
 
     python -m benchmarks.cluster.run [--hosts 4] [--links unshaped,1gbit,100mbit]
-        [--out results/cluster] [--quick] [--check] [BENCHMARK FLAGS ...]
+        [--out results/cluster] [--interleave] [--quick] [--check] [BENCHMARK FLAGS ...]
 
 Builds ``--hosts`` namespaces (``netns.py``), then for each link shape and each of
 ``--methods`` launches ``benchmarks/cluster/step.py`` on every host through ``python -m
 horovod_dgc.cluster`` (``job.py``). One launch per method: Horovod negotiates every cycle over a
 bit vector with one bit per collective name it has seen, so a method run after others would
 pay, in every cycle, for their names too (about 3x the idle bytes of a fresh launch after
-dense's 161 names on ResNet-50).
+dense's 161 names on ResNet-50). ``--interleave``: one launch per link instead, the methods'
+timed steps alternating in it (step.py's ``--interleave``): their medians then compare pair
+by pair on a machine whose load moves from launch to launch, each method paying for the
+others' names.
 Flags this script does not know (``--model``, ``--steps``, ...) go to the benchmark
 unchanged: its ``--help`` lists them and their defaults. Writes ``results.jsonl``,
 ``results.csv``, ``results.md`` (table and claims), ``step_time.png``, ``bytes_per_step.png``
@@ -70,13 +73,15 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--methods", default=None,
                    help="comma-separated methods of step.py, one launch each (default: all "
                         "that the workers per host allow)")
+    p.add_argument("--interleave", action="store_true",
+                   help="one launch per link, the methods' timed steps alternating in it")
     p.add_argument("--cycle-time-ms", type=float, default=DEFAULT_CYCLE_TIME_MS,
                    help="HOROVOD_CYCLE_TIME of the workers (Horovod's default: 1 ms)")
     p.add_argument("--quick", action="store_true",
                    help=f"{QUICK_HOSTS} hosts, links {QUICK_LINKS}, {' '.join(QUICK_BENCH_FLAGS)}")
     p.add_argument("--check", action="store_true", help="exit 1 when a measured claim fails")
     args, args.bench_flags = p.parse_known_args(argv)
-    for flag in ("--link", "--out", "--iface"):
+    for flag in ("--link", "--out", "--iface", "--interleave"):
         if any(f == flag or f.startswith(flag + "=") for f in args.bench_flags):
             p.error(f"{flag} is set by this script for each launch")
     if not args.cycle_time_ms > 0:
@@ -105,10 +110,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
-def bench_command(args: argparse.Namespace, link_name: str, method: str,
+def bench_command(args: argparse.Namespace, link_name: str, methods: List[str],
                   records: Path) -> List[str]:
-    return [sys.executable, str(BENCH), *args.bench_flags, "--methods", method,
-            "--link", link_name, "--out", str(records)]
+    return [sys.executable, str(BENCH), *args.bench_flags, "--methods", ",".join(methods),
+            "--link", link_name, "--out", str(records), *(["--interleave"] if args.interleave else [])]
 
 
 def launch(cluster: NetnsCluster, link: LinkShape, command: List[str], logs: Path, timeout_s: float,
@@ -122,9 +127,10 @@ def launch(cluster: NetnsCluster, link: LinkShape, command: List[str], logs: Pat
 def run_links(args: argparse.Namespace, records: Path) -> None:
     with NetnsCluster(args.hosts, args.prefix) as cluster:
         for link in args.links:
-            for method in args.methods:
-                launch(cluster, link, bench_command(args, link.name, method, records),
-                       args.out / "logs" / link.name / method, args.timeout_s,
+            launches = [args.methods] if args.interleave else [[method] for method in args.methods]
+            for methods in launches:
+                launch(cluster, link, bench_command(args, link.name, methods, records),
+                       args.out / "logs" / link.name / "+".join(methods), args.timeout_s,
                        args.cycle_time_ms, args.workers_per_host)
 
 
@@ -160,7 +166,9 @@ def header(args: argparse.Namespace, first: dict, wall_s: float, load: tuple) ->
     return (f"# Cluster benchmark\n\n{args.hosts} hosts (network namespaces), {workers} each; "
             f"model {first['model']}, batch {first['batch_size']} of "
             f"{first['image_size']}x{first['image_size']} per worker, {first['warmup_steps']}+"
-            f"{first['steps']} steps per method, HOROVOD_CYCLE_TIME={args.cycle_time_ms:g} ms. "
+            f"{first['steps']} steps per method"
+            f"{' (timed steps interleaved, one launch per link)' if args.interleave else ''}, "
+            f"HOROVOD_CYCLE_TIME={args.cycle_time_ms:g} ms. "
             f"Wall time {wall_s:.0f} s on {os.cpu_count()} CPU cores; load average "
             f"{load[0]:.2f} at the start.")
 

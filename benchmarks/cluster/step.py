@@ -6,7 +6,7 @@ on network namespaces, ``docker/docker-compose.yml`` on containers)::
 
     python benchmarks/cluster/step.py [--methods dense,dgc,...] [--model resnet50|tiny]
         [--batch-size 32] [--image-size 32] [--warmup-steps 2] [--steps 5]
-        [--link NAME] [--out results.jsonl]
+        [--link NAME] [--interleave] [--out results.jsonl]
 
 Every method trains the same model (same initial weights on every rank, synthetic data of
 ``--image-size`` pixels: small images keep the compute modest while the gradient keeps
@@ -24,6 +24,13 @@ ResNet-50's 25,557,032 parameters) for ``--warmup-steps`` untimed steps, then
   beside Horovod;
 * ``powersgd``: the outside reference, PyTorch DDP over Gloo with the PowerSGD communication
   hook (``--powersgd-rank``, one gradient bucket), on the same process group.
+
+With ``--interleave`` every method is built first and warmed up in turn, then the timed steps
+alternate between the methods (one step of each per round, the order turned by one each
+round, every rank at a barrier before each step): each method's steps meet the same moments
+of a shared machine, so their medians compare pair by pair, where methods timed one after
+another (or in launches of their own) also differ by what the machine did meanwhile. Horovod
+then negotiates every cycle over the names of all of them (see ``run.py``).
 
 Per method, rank 0 prints and (``--out``) appends one JSON line: the median over the timed
 steps of the slowest worker's step time, images/s of the whole cluster, and the bytes each
@@ -50,7 +57,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import horovod.torch as hvd
 import torch
@@ -110,6 +117,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--powersgd-rank", type=int, default=4,
                    help="PowerSGD's matrix_approximation_rank")
     p.add_argument("--link", default="unknown", help="label of the network, for the records")
+    p.add_argument("--interleave", action="store_true",
+                   help="alternate the methods' timed steps (after every method's warm-up)")
     p.add_argument("--iface", default=os.environ.get("HOROVOD_GLOO_IFACE"),
                    help="interface whose tx_bytes are read (default: HOROVOD_GLOO_IFACE)")
     p.add_argument("--out", type=Path, help="rank 0 appends one JSON line per method here")
@@ -154,6 +163,7 @@ class Record:
     step_s: Tuple[float, ...]
     workers_per_host: int = 1
     buckets: Tuple[str, ...] = ()  # with adaptive=, each bucket's mode and why
+    interleaved: bool = False  # timed in rounds with the launch's other methods
 
 
 class TinyNet(nn.Module):
@@ -336,27 +346,66 @@ class Trained:
     sent_bytes: int
 
 
+class Prepared:
+    """One method ready to step on this worker: its model, what built it, the step."""
+
+    def __init__(self, method: str, args: argparse.Namespace) -> None:
+        self.method = method
+        self.model, classes = build_model(args.model)
+        module, optimizer, self.optimizer_label, self.setting, self.compression = \
+            build_method(method, self.model, args)
+        generator = torch.Generator().manual_seed(SEED + 1 + hvd.rank())
+        images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=generator)
+        labels = torch.randint(0, classes, (args.batch_size,), generator=generator)
+
+        def step() -> None:
+            optimizer.zero_grad()
+            F.cross_entropy(module(images), labels).backward()
+            optimizer.step()
+
+        self.step = step
+        self.warmup_steps = (max(args.warmup_steps, POWERSGD_START_ITER) if method == "powersgd"
+                             else args.warmup_steps)
+
+    def reset_counters(self) -> None:
+        if self.compression is not None:
+            self.compression.reset_stats()
+
+    def trained(self, seconds: List[float], sent_bytes: int) -> "Trained":
+        return Trained(self.model, self.compression, self.optimizer_label, self.setting, self.warmup_steps,
+                       seconds, sent_bytes)
+
+
 def train_method(method: str, args: argparse.Namespace) -> Trained:
     """Warm-up, then ``args.steps`` timed steps of ``method`` on synthetic images."""
-    model, classes = build_model(args.model)
-    module, optimizer, optimizer_label, setting, compression = build_method(method, model, args)
-    generator = torch.Generator().manual_seed(SEED + 1 + hvd.rank())
-    images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=generator)
-    labels = torch.randint(0, classes, (args.batch_size,), generator=generator)
-
-    def step() -> None:
-        optimizer.zero_grad()
-        F.cross_entropy(module(images), labels).backward()
-        optimizer.step()
-
-    warmup = max(args.warmup_steps, POWERSGD_START_ITER) if method == "powersgd" else args.warmup_steps
-    reset = compression.reset_stats if compression is not None else (lambda: None)
-    seconds, sent = time_steps(step, warmup, args.steps, args.iface, reset)
-    return Trained(model, compression, optimizer_label, setting, warmup, seconds, sent)
+    prepared = Prepared(method, args)
+    seconds, sent = time_steps(prepared.step, prepared.warmup_steps, args.steps, args.iface,
+                               prepared.reset_counters)
+    return prepared.trained(seconds, sent)
 
 
-def bench_method(method: str, args: argparse.Namespace) -> Record:
-    trained = train_method(method, args)
+def train_interleaved(methods: Sequence[str], args: argparse.Namespace) -> List[Trained]:
+    """Every method built and warmed up in turn, then ``args.steps`` rounds of one timed step
+    of each (the order turned by one each round), every rank at a barrier before each."""
+    prepared = [Prepared(method, args) for method in methods]
+    for method in prepared:
+        for _ in range(method.warmup_steps):
+            method.step()
+        method.reset_counters()
+    seconds: List[List[float]] = [[] for _ in prepared]
+    sent = [0 for _ in prepared]
+    for round_ in range(args.steps):
+        for i in [(round_ + j) % len(prepared) for j in range(len(prepared))]:
+            hvd.barrier()
+            before, start = tx_bytes(args.iface), time.perf_counter()
+            prepared[i].step()
+            seconds[i].append(time.perf_counter() - start)
+            sent[i] += tx_bytes(args.iface) - before
+    return [method.trained(s, b) for method, s, b in zip(prepared, seconds, sent)]
+
+
+def record(method: str, trained: Trained, args: argparse.Namespace) -> Record:
+    """``method``'s record from every rank's timings (collectives: every rank calls it)."""
     model, compression, seconds, sent = trained.model, trained.compression, trained.seconds, trained.sent_bytes
     optimizer_label, setting, warmup = trained.optimizer_label, trained.setting, trained.warmup_steps
     params = sum(p.numel() for p in model.parameters())
@@ -376,7 +425,19 @@ def bench_method(method: str, args: argparse.Namespace) -> Record:
                   handed_bytes_per_step=handed, estimated_bytes_per_step=estimated,
                   idle_bytes_per_s=idle,
                   step_s=tuple(slowest), workers_per_host=hvd.local_size(),
-                  buckets=compression.stats().buckets if hasattr(compression, "stats") else ())
+                  buckets=compression.stats().buckets if hasattr(compression, "stats") else (),
+                  interleaved=args.interleave)
+
+
+def records(args: argparse.Namespace) -> Iterator[Record]:
+    """Each method's record, methods one after another or interleaved."""
+    if args.interleave:
+        for method, trained in zip(args.methods, train_interleaved(args.methods, args)):
+            yield record(method, trained, args)
+        return
+    for method in args.methods:
+        yield record(method, train_method(method, args), args)
+        gc.collect()
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -387,22 +448,22 @@ def main(argv: Optional[List[str]] = None) -> None:
     if hvd.rank() == 0:
         print(f"cluster step: {hvd.size()} workers, link {args.link}, model {args.model}, "
               f"batch {args.batch_size} of {args.image_size}x{args.image_size} images per worker, "
-              f"{args.warmup_steps}+{args.steps} steps per method", flush=True)
-    for method in args.methods:
-        record = bench_method(method, args)
-        gc.collect()
+              f"{args.warmup_steps}+{args.steps} steps per method"
+              + (", timed steps interleaved" if args.interleave else ""), flush=True)
+    for result in records(args):
+        method = result.method
         if hvd.rank() == 0:
-            print(f"{record.link:>10} {method:>10}: {record.median_step_s:8.3f} s/step, "
-                  f"{record.images_per_s:8.1f} images/s, "
-                  f"{record.tx_bytes_per_step / 1e6:9.3f} MB sent per worker per step"
-                  + (f" (estimated {record.estimated_bytes_per_step / 1e6:.3f} MB, handed to the "
-                     f"collectives {record.handed_bytes_per_step / 1e6:.3f} MB)"
-                     if record.estimated_bytes_per_step is not None else "")
-                  + f"; idle {record.idle_bytes_per_s / 1e3:.1f} kB/s",
+            print(f"{result.link:>10} {method:>10}: {result.median_step_s:8.3f} s/step, "
+                  f"{result.images_per_s:8.1f} images/s, "
+                  f"{result.tx_bytes_per_step / 1e6:9.3f} MB sent per worker per step"
+                  + (f" (estimated {result.estimated_bytes_per_step / 1e6:.3f} MB, handed to the "
+                     f"collectives {result.handed_bytes_per_step / 1e6:.3f} MB)"
+                     if result.estimated_bytes_per_step is not None else "")
+                  + f"; idle {result.idle_bytes_per_s / 1e3:.1f} kB/s",
                   flush=True)
             if args.out is not None:
                 with open(args.out, "a") as out:
-                    out.write(json.dumps(asdict(record)) + "\n")
+                    out.write(json.dumps(asdict(result)) + "\n")
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     hvd.shutdown()

@@ -16,14 +16,25 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import sys
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 from .collectives import ALLREDUCE, network_bytes
 from .validation import optional_positive, require_momentum, require_non_negative, require_positive_int
 
 COMPRESSED, DENSE = "compressed", "dense"
 MODES = (COMPRESSED, DENSE)
+
+# Timed runs of each probe at a decision, after a first that is not counted (it may pay for
+# Horovod's negotiation of a name it has not seen). Their mean counts: a collective waits for
+# Horovod's next cycle, anywhere from none of it to all of it, as the exchanges of a step do.
+PROBE_REPEATS = 2
+# The first large probe's bytes (at most the largest bucket's): enough to see a network's rate
+# past its latency (a 25 MB probe would take seconds on a slow link).
+PROBE_BYTES = 4 * 2 ** 20
+# A link on which the largest bucket's all-reduce is predicted under this is probed at that size.
+FULL_PROBE_BELOW_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -272,3 +283,100 @@ class Switch:
         self.decisions = {label: Decision(**d) for label, d in state.get("decisions", {}).items()}
         self._samples.clear()
         self.level_s, self.next_watch = None, None
+
+
+class Collectives(Protocol):
+    """What the switch's step-end work needs from an adapter's collectives (every rank calls
+    them alike, in the same order)."""
+
+    def size(self) -> int:
+        """The number of workers now."""
+
+    def rank(self) -> int:
+        """This worker's rank now."""
+
+    def mean(self, values: Sequence[float], name: str) -> List[float]:
+        """Every rank's ``values`` averaged (float64; the bytes counted in ``stats()``)."""
+
+    def allreduce_s(self, numel: int, name: str) -> float:
+        """Seconds this rank waited for one averaging all-reduce of ``numel`` float32 zeros
+        on the gradients' path, finished."""
+
+
+@dataclass(frozen=True)
+class BucketTraffic:
+    """A bucket's two modes' traffic: its dense all-reduce's bytes and its compressed
+    collectives ((kind, bytes each worker hands over), ``Method.bucket_exchanges``)."""
+
+    dense_bytes: int
+    exchanges: Tuple[Tuple[str, int], ...]
+
+
+class StepEnd:
+    """The switch's work after every optimizer step, the same in every adapter: the compute
+    samples, the decision at its scheduled steps or when the watch sees the exchanges' time
+    change scale, the probes of the link and the averaged measurements that make every rank
+    decide alike, and rank 0's line for every change of mode."""
+
+    def __init__(self, switch: Switch, collectives: Collectives) -> None:
+        self.switch, self.collectives = switch, collectives
+        self._exchange_s, self._watched_steps = 0.0, 0
+
+    def exchanged(self, seconds: float) -> None:
+        """This rank waited ``seconds`` for an exchange to finish (the watch's input)."""
+        self._exchange_s += seconds
+
+    def __call__(self, step: int, compute_s: Mapping[str, float],
+                 traffic: Callable[[], Mapping[str, BucketTraffic]]) -> List[Decision]:
+        """After step ``step``: ``compute_s``, each bucket's compute seconds in it;
+        ``traffic``, each bucket's traffic (asked at a decision only)."""
+        settings = self.switch.settings
+        self.switch.sample(step, compute_s)
+        self._watched_steps += 1
+        if settings.decides_at(step) or (self.switch.watches_at(step) and self._rescaled(step)):
+            return self._decide(step, traffic())
+        return []
+
+    def _rescaled(self, step: int) -> bool:
+        """The watch: the exchanges' seconds per step, averaged over the ranks, against the
+        level the switch keeps (every rank alike)."""
+        local = self._exchange_s / max(self._watched_steps, 1)
+        self._exchange_s, self._watched_steps = 0.0, 0
+        return self.switch.rescaled(step, self.collectives.mean([local], "adaptive.watch")[0])
+
+    def _decide(self, step: int, traffic: Mapping[str, BucketTraffic]) -> List[Decision]:
+        labels = sorted(traffic)
+        link = Link.given(self.switch.settings) or self._probe_link(
+            max((t.dense_bytes for t in traffic.values()), default=4))
+        agreed = self.collectives.mean(self.switch.local_compute_s(labels), "adaptive.measurements")
+        costs = [BucketCost(label, traffic[label].dense_bytes, traffic[label].exchanges, compute_s)
+                 for label, compute_s in zip(labels, agreed)]
+        before = {label: self.switch.mode(label) for label in labels}
+        decisions = self.switch.decide(step, costs, link, self.collectives.size())
+        self._exchange_s, self._watched_steps = 0.0, 0
+        if self.collectives.rank() == 0:
+            for decision in decisions:
+                if decision.mode != before[decision.label]:
+                    print(f"horovod_dgc: {decision}", file=sys.stderr, flush=True)
+        return decisions
+
+    def _probe_link(self, largest_bytes: int) -> Link:
+        """The link from timed all-reduces, averaged over the ranks: one element, then
+        PROBE_BYTES (at most the largest bucket's bytes); then the largest bucket's size
+        itself where that link says it takes under FULL_PROBE_BELOW_S. Where the link is
+        memory (one host) a few MiB stay in the caches and read faster per byte than a 25 MB
+        bucket; a slow link is not worth a bucket-size probe, and is linear in the bytes."""
+        first, world = min(largest_bytes, PROBE_BYTES), self.collectives.size()
+        small, large = self.collectives.mean([self._timed(1, "small"), self._timed(first // 4, "large")],
+                                             "adaptive.probes")
+        link = Link.from_probes(small, large, first, world)
+        if largest_bytes > first and link.time_s(ALLREDUCE, largest_bytes, world) < FULL_PROBE_BELOW_S:
+            full = self.collectives.mean([self._timed(largest_bytes // 4, "full")], "adaptive.probes.full")[0]
+            link = Link.from_probes(small, full, largest_bytes // 4 * 4, world)
+        return link
+
+    def _timed(self, numel: int, name: str) -> float:
+        """The mean of PROBE_REPEATS timed all-reduces of ``numel`` float32 zeros, after a
+        first."""
+        seconds = [self.collectives.allreduce_s(numel, f"adaptive.probe.{name}") for _ in range(PROBE_REPEATS + 1)]
+        return statistics.mean(seconds[1:])

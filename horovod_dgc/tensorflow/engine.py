@@ -153,6 +153,20 @@ class DenseUpdate:
     new_state: Dict[str, tf.Tensor]
     loss_scale: Any = 1.0
 
+@dataclass
+class FlushedBucket:
+    """A compressed bucket's dense step in a graph (``Engine.flush_bucket``): what to
+    all-reduce (averaged), and how to give the result back."""
+
+    bucket: Bucket
+    tensor: tf.Tensor
+    step: tf.Tensor
+    shapes: Tuple[tf.TensorShape, ...]
+    dtype: tf.DType
+    old_states: Dict[str, Dict[str, tf.Tensor]]
+    new_states: Dict[str, Dict[str, tf.Tensor]]
+
+
 # Horovod's collectives take no bfloat16: such dense tensors travel as float32.
 REDUCIBLE = {tf.bfloat16: tf.float32}
 # A function TensorFlow keeps as one call op in the graphs that call it (and optimizes once).
@@ -513,6 +527,38 @@ class Engine:
         kept = [self._keep_if(finite, name, sent.old_states[name], sent.new_states[name]) for name in bucket.names]
         with tf.control_dependencies(kept):
             flat = flat * tf.cast(sent.loss_scale, flat.dtype)
+        return self._members(bucket, flat, sent.shapes)
+
+    def flush_bucket(self, bucket: Bucket, grads: Sequence[tf.Tensor],
+                     params: Sequence[Optional[Any]]) -> FlushedBucket:
+        """A compressed bucket's dense step (``Method.flush_bucket``: its gradients with every
+        update its memories owe): what to all-reduce (averaged), flat; give the result to
+        :meth:`flushed`."""
+        started = tf.timestamp()
+        with tf.control_dependencies([started]):
+            begun = self._bucket_step(bucket, grads, params)
+        wire = REDUCIBLE.get(begun.dtype, begun.dtype)
+        # A flush reads no density: the call at the schedule's first one.
+        with self.ops.guards() as guards:
+            update, state = self.method.flush_bucket(self.ops, begun.state, begun.flat, begun.call(self, 0),
+                                                     dtype_name(wire))
+        with tf.control_dependencies(begun.guards + guards):
+            update = tf.identity(update)
+        self._record([(ALLREDUCE, begun.numel * wire.size)], begun.numel * begun.dtype.size)
+        self.spend(bucket.key, tf.timestamp() - started, [update])
+        return FlushedBucket(bucket, update, begun.step, begun.shapes, begun.dtype, begun.old_states,
+                             begun.member_states(self.ops, state))
+
+    def flushed(self, sent: FlushedBucket, averaged: tf.Tensor) -> List[tf.Tensor]:
+        """A flushed bucket's averaged gradients, one per member shaped like it, in the
+        gradients' dtype; the members' memories of this step are kept only if the average is
+        finite (every rank's gradient was)."""
+        bucket = sent.bucket
+        finite = settle(self.ops, self.config.nonfinite, self.ops.is_finite(self.ops.sum(averaged)),
+                        [], lambda: f"bucket {bucket.label!r} on some rank", sent.step)
+        kept = [self._keep_if(finite, name, sent.old_states[name], sent.new_states[name]) for name in bucket.names]
+        with tf.control_dependencies(kept):
+            flat = tf.cast(tf.identity(averaged), sent.dtype)
         return self._members(bucket, flat, sent.shapes)
 
     def _members(self, bucket: Bucket, flat: tf.Tensor, shapes: Sequence[tf.TensorShape]) -> List[tf.Tensor]:

@@ -8,29 +8,16 @@ that every rank feeds the same numbers to the same rule and takes the same decis
 """
 from __future__ import annotations
 
-import statistics
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..core.adaptive import DENSE, Adaptive, BucketCost, Decision, Link, Switch
+from ..core.adaptive import DENSE, Adaptive, BucketTraffic, Decision, StepEnd, Switch
 from ..core.bucket import Bucket
 from ..core.collectives import ALLREDUCE
 from .engine import REDUCIBLE, DenseUpdate, Entry, in_entry_order
-
-
-# Timed runs of each probe at a decision, after a first that is not counted (it may pay for
-# Horovod's negotiation of a name it has not seen). Their mean counts: a collective waits for
-# Horovod's next cycle, anywhere from none of it to all of it, as the exchanges of a step do.
-PROBE_REPEATS = 2
-# The first large probe's bytes (at most the largest bucket's): enough to see a network's rate
-# past its latency (a 25 MB probe would take seconds on a slow link).
-PROBE_BYTES = 4 * 2 ** 20
-# A link on which the largest bucket's all-reduce is predicted under this is probed at that size.
-FULL_PROBE_BELOW_S = 0.5
 
 
 @dataclass
@@ -55,9 +42,7 @@ class AdaptiveExchanges:
         # Where the probes and measurements travel: the gradients' device (NCCL reduces CUDA
         # tensors only, and a probe should take the path the gradients take).
         self.device = torch.device("cpu")
-        # Seconds this rank's exchanges took to finish, summed since the last watch.
-        self.exchange_s = 0.0
-        self._watched_steps = 0
+        self._step_end = StepEnd(self.switch, self)
 
     @property
     def labels(self) -> List[str]:
@@ -96,30 +81,45 @@ class AdaptiveExchanges:
     def end_step(self) -> List[Decision]:
         """After every exchange of a step: keep its compute times if the next decision samples
         them, and decide if this is a decision step (every rank alike: collectives)."""
-        settings, engine = self.switch.settings, self.compressor.engine
+        engine = self.compressor.engine
         spent = engine.take_compute_s()  # drained every step, whatever the settings
         if self._noted_this_step:
             # A label no longer exchanged (DDP rebuilds its buckets after the first step)
             # is not decided on.
             self._buckets = {label: self._buckets[label] for label in sorted(self._noted_this_step)}
             self._noted_this_step = set()
-        if settings is None:
+        if self.switch.settings is None:
             return []
-        step = engine.steps_taken - 1
-        self.switch.sample(step, {label: sum(spent.get(b.key, 0.0) for b in buckets)
-                                  for label, buckets in self._buckets.items()})
-        self._watched_steps += 1
-        if settings.decides_at(step) or (self.switch.watches_at(step) and self._rescaled(step)):
-            return self._decide(step)
-        return []
+        compute_s = {label: sum(spent.get(b.key, 0.0) for b in buckets) for label, buckets in self._buckets.items()}
+        return self._step_end(engine.steps_taken - 1, compute_s, self._traffic)
 
-    def _rescaled(self, step: int) -> bool:
-        """The watch: the exchanges' seconds per step, averaged over the ranks, against the
-        level the switch keeps (every rank alike)."""
-        local = self._measured([self.exchange_s / max(self._watched_steps, 1)])
-        self.exchange_s, self._watched_steps = 0.0, 0
-        agreed = float(self._allreduce(local, "adaptive.watch")[0])
-        return self.switch.rescaled(step, agreed)
+    def exchanged(self, seconds: float) -> None:
+        """This rank waited ``seconds`` for an exchange to finish (the watch's input)."""
+        self._step_end.exchanged(seconds)
+
+    def _traffic(self) -> Dict[str, BucketTraffic]:
+        engine = self.compressor.engine
+        return {label: BucketTraffic(sum(b.numel * _wire_bytes(b) for b in buckets),
+                                     tuple(e for b in buckets for e in engine.bucket_exchanges(b)))
+                for label, buckets in self._buckets.items()}
+
+    # -- the collectives of core.adaptive.StepEnd ------------------------------------------------
+    def size(self) -> int:
+        return self.compressor.transport.size()
+
+    def rank(self) -> int:
+        return self.compressor.transport.rank()
+
+    def mean(self, values: Sequence[float], name: str) -> List[float]:
+        return self._allreduce(torch.tensor(list(values), dtype=torch.float64, device=self.device), name).tolist()
+
+    def allreduce_s(self, numel: int, name: str) -> float:
+        probe = torch.zeros(numel, device=self.device)
+        started = time.perf_counter()
+        self._allreduce(probe, name)
+        if probe.is_cuda:  # NCCL's wait only orders the streams
+            torch.cuda.synchronize(probe.device)
+        return time.perf_counter() - started
 
     def _allreduce(self, tensor: torch.Tensor, name: str) -> torch.Tensor:
         """The average over the ranks of ``tensor``, waited for; its bytes counted in
@@ -127,59 +127,6 @@ class AdaptiveExchanges:
         transport, engine = self.compressor.transport, self.compressor.engine
         engine.record_allreduce(engine.steps_taken - 1, tensor.numel() * tensor.element_size())
         return transport.wait(transport.launch(ALLREDUCE, tensor, name))
-
-    def _decide(self, step: int) -> List[Decision]:
-        compressor = self.compressor
-        engine, transport, settings = compressor.engine, compressor.transport, self.switch.settings
-        labels = sorted(self._buckets)
-        dense_bytes = [sum(b.numel * _wire_bytes(b) for b in self._buckets[label]) for label in labels]
-        world = transport.size()
-        link = Link.given(settings) or self._probe_link(max(dense_bytes, default=4), world)
-        local = self._measured(self.switch.local_compute_s(labels))
-        agreed = self._allreduce(local, "adaptive.measurements").tolist()
-        costs = [BucketCost(label, nbytes, tuple(e for b in self._buckets[label] for e in engine.bucket_exchanges(b)),
-                            compute_s)
-                 for label, nbytes, compute_s in zip(labels, dense_bytes, agreed)]
-        before = {label: self.switch.mode(label) for label in labels}
-        decisions = self.switch.decide(step, costs, link, world)
-        self.exchange_s, self._watched_steps = 0.0, 0
-        if transport.rank() == 0:
-            for decision in decisions:
-                if decision.mode != before[decision.label]:
-                    print(f"horovod_dgc: {decision}", file=sys.stderr, flush=True)
-        return decisions
-
-    def _probe_link(self, largest_bytes: int, world_size: int) -> Link:
-        """The link from timed all-reduces, averaged over the ranks: one element, then
-        PROBE_BYTES (at most the largest bucket's bytes); then the largest bucket's size
-        itself where that link says it takes under FULL_PROBE_BELOW_S. Where the link is
-        memory (one host) a few MiB stay in the caches and read faster per byte than a 25 MB
-        bucket; a slow link is not worth a bucket-size probe, and is linear in the bytes."""
-        first = min(largest_bytes, PROBE_BYTES)
-        small, large = self._allreduce(self._measured([self._timed(1, "small"), self._timed(first // 4, "large")]),
-                                       "adaptive.probes").tolist()
-        link = Link.from_probes(small, large, first, world_size)
-        if largest_bytes > first and link.time_s(ALLREDUCE, largest_bytes, world_size) < FULL_PROBE_BELOW_S:
-            full = float(self._allreduce(self._measured([self._timed(largest_bytes // 4, "full")]),
-                                         "adaptive.probes.full")[0])
-            link = Link.from_probes(small, full, largest_bytes // 4 * 4, world_size)
-        return link
-
-    def _timed(self, numel: int, name: str) -> float:
-        """Seconds of an averaging all-reduce of ``numel`` float32 zeros: the mean of
-        PROBE_REPEATS runs after a first."""
-        probe, seconds = torch.zeros(numel, device=self.device), []
-        for _ in range(PROBE_REPEATS + 1):
-            started = time.perf_counter()
-            self._allreduce(probe, f"adaptive.probe.{name}")
-            if probe.is_cuda:  # NCCL's wait only orders the streams
-                torch.cuda.synchronize(probe.device)
-            seconds.append(time.perf_counter() - started)
-        return statistics.mean(seconds[1:])
-
-    def _measured(self, seconds: Sequence[float]) -> torch.Tensor:
-        """Measurements to all-reduce, on the gradients' device."""
-        return torch.tensor(list(seconds), dtype=torch.float64, device=self.device)
 
 
 def _wire_bytes(bucket: Bucket) -> int:

@@ -387,7 +387,7 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
                 return self._adaptive.finish(exchange)
             return self._finish_exchange(exchange)
         finally:
-            self._adaptive.exchange_s += time.perf_counter() - started
+            self._adaptive.exchanged(time.perf_counter() - started)
 
     def _finish_exchange(self, exchange) -> List[torch.Tensor]:
         if not self.hierarchical:
