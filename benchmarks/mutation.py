@@ -535,6 +535,18 @@ MUTANTS: Tuple[Mutant, ...] = (
        "        if False:\n", "buckets DDP numbered before it rebuilt them decided on and reported forever"),
     _m("ddp-step-never-ended", "torch/ddp.py", "            self.compression.end_step()\n", "",
        "the DDP hook never ends the compressor's step: no adaptive decision, compute times summed forever"),
+    _m("tf-flush-memories-kept", "tensorflow/engine.py",
+       "kept = [self._keep_if(finite, name, sent.old_states[name], sent.new_states[name]) for name in bucket.names]\n"
+       "        with tf.control_dependencies(kept):\n            flat = tf.cast(",
+       "kept = [self._keep_if(finite, name, sent.new_states[name], sent.old_states[name]) for name in bucket.names]\n"
+       "        with tf.control_dependencies(kept):\n            flat = tf.cast(",
+       "a TensorFlow dense step keeps the memories it sent (their mass sent twice)"),
+    _m("tf-modes-never-assigned", "tensorflow/adaptive.py", "            variable.assign(self._code(label))",
+       "            pass", "a decided or forced mode never reaches the traced step's variable"),
+    _m("tf-compute-never-timed", "tensorflow/engine.py",
+       "return self._compute_s[key].assign_add(tf.cast(seconds, tf.float64))",
+       "return self._compute_s[key].assign_add(tf.constant(0.0, tf.float64))",
+       "a TensorFlow bucket's compute taken as free: the switch sends buckets dense on no evidence"),
     # The C kernels (built again in the copy for each of these)
     _m("kernel-stream-tail-dropped", "torch/kernels/streaming.c",
        "        for (; i < len; ++i)\n            dst[i] = src[i];\n        return;", "        return;",

@@ -160,3 +160,15 @@ def test_hierarchical_compresses_host_averages_between_hosts(kinds):
                      hosts=TWO_HOSTS)
     for kind in kinds.split(","):
         assert out.count(f"{kind} hierarchical ok") == 4, out
+
+
+def test_forced_switches_lose_no_gradient_and_every_rank_decides_alike_with_the_tape_and_keras():
+    """tests/workers/adaptive_tensorflow.py: every method through dense steps and back in a
+    traced step (the parameters against the sum of the mean gradients minus what the
+    memories owe), and the adaptive decisions with the link given by hand and probed,
+    identical on every rank, through the tape and through model.fit with the callback."""
+    out = horovodrun("adaptive_tensorflow.py", 2, timeout_s=600)
+    for kind in ("topk", "gaussiank", "dgc", "dgc-sar", "scalecom", "blocksign"):
+        assert out.count(f"{kind} tf forced switches ok") == 2, out
+    assert out.count("tape decisions agree") == 2, out
+    assert out.count("keras decisions agree") == 2, out

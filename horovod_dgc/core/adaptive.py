@@ -25,6 +25,8 @@ from .validation import optional_positive, require_momentum, require_non_negativ
 
 COMPRESSED, DENSE = "compressed", "dense"
 MODES = (COMPRESSED, DENSE)
+# The key under which a compressor's state (its checkpoint) carries its buckets' modes.
+STATE_KEY = "adaptive"
 
 # Timed runs of each probe at a decision, after a first that is not counted (it may pay for
 # Horovod's negotiation of a name it has not seen). Their mean counts: a collective waits for

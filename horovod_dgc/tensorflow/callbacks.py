@@ -1,4 +1,5 @@
-"""Keras callback driving a compressor's warm-up schedule from ``model.fit``.
+"""Keras callback driving a compressor's warm-up schedule (and its adaptive switch) from
+``model.fit``.
 
 It subclasses ``tf.keras.callbacks.Callback``: tf_keras's when ``TF_USE_LEGACY_KERAS=1`` was
 set before TensorFlow was imported (Horovod's Keras ``DistributedOptimizer``), Keras 3's
@@ -17,6 +18,9 @@ class CompressionWarmup(tf.keras.callbacks.Callback):
     """Tells ``compressor`` the epoch at the start of every epoch (``epoch`` -> density of
     the warm-up schedule), and adds the density in force to the epoch's logs. At the start
     of ``fit`` it refuses an optimizer that would apply momentum twice (DGC applies it).
+    With ``adaptive=``, it ends the compressor's step after every batch
+    (``compressor.end_step()``: the switch's samples and decisions); with
+    ``steps_per_execution`` above 1, after every execution.
 
     ``fit`` numbers epochs from its ``initial_epoch``, so a resumed run continues the
     schedule where it stood.
@@ -39,6 +43,10 @@ class CompressionWarmup(tf.keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch: int, logs: Optional[dict] = None) -> None:
         self.compressor.set_epoch(epoch)
+
+    def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
+        if getattr(self.compressor, "adaptive", None) is not None:
+            self.compressor.end_step()
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:
         if logs is not None:

@@ -35,6 +35,7 @@ their own.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import warnings
@@ -48,6 +49,7 @@ from horovod.tensorflow.compression import Compressor
 # No public API says whether a trace is XLA-compiled; tf.function itself asks this module.
 from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext
 
+from ..core.adaptive import STATE_KEY, Adaptive, Decision
 from ..core.callers import caller_frames, calling_object, values_among_callers
 from ..core.bucket import Bucket
 from ..core.collectives import ALLGATHER, backward_buckets
@@ -57,9 +59,11 @@ from ..core.hosts import Hosts
 from ..core.method import Method
 from ..core.methods import METHODS, MethodSpec, spec_of
 from ..core.one_worker import refuse_or_warn
+from ..core.stats import CompressionStats
 from ..core.wire import tensor_id
+from .adaptive import AdaptiveBuckets
 from .collectives import PREFIX, run
-from .engine import DenseUpdate, Engine
+from .engine import WAITED, DenseUpdate, Engine
 from .hierarchy import BetweenHosts, find_hosts, host_average
 from .twostage import TwoStageEngine
 # Each rank all-reduces 1.0: Horovod's average is 1.0 only with op=hvd.Average.
@@ -357,8 +361,12 @@ class MethodCompressor(CompressorControls, Compressor):
 
     engine_class = Engine
 
-    def __init__(self, method: Method, variables: Optional[Iterable[Any]] = None):
+    def __init__(self, method: Method, variables: Optional[Iterable[Any]] = None,
+                 adaptive: "bool | Adaptive" = False):
         self.method = method
+        self._adaptive = AdaptiveBuckets(self, Adaptive.of(adaptive))
+        if adaptive:
+            method.require_bucketed()
         self.config = method.config
         self._variables: List[Tuple[str, Any]] = []
         self._names: Dict[Any, str] = {}
@@ -415,6 +423,11 @@ class MethodCompressor(CompressorControls, Compressor):
     def bound(self) -> bool:
         """Whether the variables are known."""
         return bool(self._variables)
+
+    @property
+    def started(self) -> bool:
+        """Whether the memories exist (a first step, or a checkpoint loaded, made them)."""
+        return self._engine is not None
 
     @property
     def engine(self) -> Engine:
@@ -484,12 +497,56 @@ class MethodCompressor(CompressorControls, Compressor):
                 f"first step, or attach_loss_scale(None) if that optimizer scales another loss")
 
     def state_dict(self) -> dict:
-        """This rank's memories, step counters and epoch, for checkpoints (call it eagerly)."""
-        return self.engine.state_dict()
+        """This rank's memories, step counters and epoch, for checkpoints (call it eagerly).
+        With ``adaptive``, each bucket's mode too (under ``"adaptive"``)."""
+        state = self.engine.state_dict()
+        if self.adaptive is not None:
+            state[STATE_KEY] = self._adaptive.switch.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` saved on this rank (call it eagerly)."""
+        """Restore what :meth:`state_dict` saved on this rank (call it eagerly). A state
+        without modes (saved without ``adaptive``) starts every bucket compressed."""
+        state = dict(state)
+        modes = state.pop(STATE_KEY, None)
         self.engine.load_state_dict(state)
+        self._adaptive.switch.load_state_dict(modes)
+        self._adaptive.assign_modes()
+
+    # -- the adaptive switch (horovod_dgc.core.adaptive) -------------------------------------------
+    @property
+    def adaptive(self) -> Optional[Adaptive]:
+        """The adaptive switch's settings (None: every bucket always compressed)."""
+        return self._adaptive.switch.settings
+
+    def end_step(self) -> List[Decision]:
+        """Call it eagerly after every optimizer step (the Keras callback
+        :class:`~horovod_dgc.tensorflow.callbacks.CompressionWarmup` does): the adaptive
+        switch's bookkeeping, and its decision at a decision step (collectives: every rank
+        calls it after the same step). Returns the decisions taken (none on other steps)."""
+        return self._adaptive.end_step()
+
+    def bucket_modes(self) -> Dict[str, str]:
+        """Each bucket's mode for its next exchange (``"compressed"`` or ``"dense"``), by
+        label, for every bucket traced so far."""
+        return {label: self._adaptive.switch.mode(label) for label in self._adaptive.labels}
+
+    def force_mode(self, mode: Optional[str], labels: Optional[Sequence[str]] = None) -> None:
+        """Hold buckets in ``mode`` (``"compressed"`` or ``"dense"``; None: back to the
+        adaptive decisions), from the next step; ``labels``: the buckets' collective labels
+        (None: every bucket traced so far). Call it eagerly with the same arguments on every
+        rank, between steps. Needs ``adaptive=`` (the traced step reads the modes only then)."""
+        if self.adaptive is None:
+            raise ValueError("force_mode() needs a compressor built with adaptive=True (or an "
+                             "Adaptive(...)): without it the traced step has no dense branch")
+        self._adaptive.switch.force(mode, list(self._adaptive.labels if labels is None else labels))
+        self._adaptive.assign_modes()
+
+    def stats(self) -> CompressionStats:
+        """See :class:`~horovod_dgc.core.controls.CompressorControls`; with ``adaptive``,
+        each bucket's mode and why (``buckets``)."""
+        self._adaptive.warn_if_never_ended()
+        return dataclasses.replace(self.engine.stats(), buckets=self._adaptive.switch.lines())
 
     def check_optimizer(self, optimizer: Any) -> None:
         """Raise ValueError if the Keras or ``tf.compat.v1.train`` ``optimizer`` applying the
@@ -633,7 +690,7 @@ class MethodCompressor(CompressorControls, Compressor):
         # all-reduce of a constant while optimizing the graph. The step counter is no constant.
         value = tf.where(step >= 0, _PLACEHOLDER_VALUE, 0.0)
         placeholder = tf.fill([1], value, name=f"{collective}.placeholder")
-        engine.record_placeholder(placeholder.dtype.size)
+        engine.record_allreduce(placeholder.dtype.size)
         return placeholder, DeferredUpdate(finish)
 
     @tf.autograph.experimental.do_not_convert
@@ -693,8 +750,8 @@ class MethodCompressor(CompressorControls, Compressor):
                 label = f"bucket.{members[0]}" + (f".{dtype.name}" if len(by_dtype) > 1 else "")
                 grads = [g if g.shape.is_fully_defined() else tf.ensure_shape(g, v.shape) for _, g, v in group]
                 bucket = self.engine.bucket(label, [(n, g) for (n, _, _), g in zip(group, grads)])
-                step, finishes = self.launch_bucket(bucket, grads, [v for _, _, v in group],
-                                                    collective_name(bucket.key, occurrence))
+                launch = self.launch_bucket if self.adaptive is None else self._adaptive.launch
+                step, finishes = launch(bucket, grads, [v for _, _, v in group], collective_name(bucket.key, occurrence))
                 ready.update({g.ref(): (step, finish) for (_, g, _), finish in zip(group, finishes)})
         return ready.pop(tensor.ref())
 
@@ -716,7 +773,11 @@ class SparseCompressor(MethodCompressor):
                       collective: str) -> Tuple[tf.Tensor, List[Callable[[], tf.Tensor]]]:
         engine = self.engine
         sent = engine.compress_bucket(bucket, grads, variables)
+        with tf.control_dependencies([sent.message]):
+            started = tf.timestamp()
         gathered = self.collective(ALLGATHER, sent.message, collective)
+        with tf.control_dependencies([gathered]):
+            engine.spend(WAITED, tf.timestamp() - started)
         graph, decoded = tf.compat.v1.get_default_graph(), []
 
         def part(i: int) -> Callable[[], tf.Tensor]:
@@ -776,38 +837,40 @@ def _refuse_elastic_jobs() -> None:
 
 
 def _factory(spec: MethodSpec) -> Callable[..., MethodCompressor]:
-    def build(variables: Optional[Iterable[Any]], hierarchical: bool, options) -> MethodCompressor:
+    def build(variables: Optional[Iterable[Any]], hierarchical: bool, adaptive: "bool | Adaptive",
+              options) -> MethodCompressor:
         _refuse_elastic_jobs()
         hosts = find_hosts() if hierarchical else None
         workers = hosts.count if hosts else hvd.size() if hvd.is_initialized() else None
         method = spec.build(workers, **options)
-        compressor = COMPRESSORS[method.family](method, variables)
+        compressor = COMPRESSORS[method.family](method, variables, adaptive)
         if hosts is not None:
             compressor.exchange_between_hosts(hosts)
         return compressor
 
     def factory(variables: Optional[Iterable[Any]] = None, hierarchical: bool = False,
-                **options) -> MethodCompressor:
-        if options.get("adaptive"):
-            raise ValueError("adaptive= is not supported in TensorFlow yet: it runs on PyTorch's "
-                             "Horovod paths (docs/algorithms.md#adaptive)")
-        options.pop("adaptive", None)
+                adaptive: "bool | Adaptive" = False, **options) -> MethodCompressor:
+        if hierarchical and adaptive:
+            raise ValueError("adaptive=True is not supported with hierarchical=True yet")
         if tf.executing_eagerly():
-            return build(variables, hierarchical, options)
+            return build(variables, hierarchical, adaptive, options)
         _refuse_graph_execution(tf.compat.v1.get_default_graph())
         if variables is not None:
-            return build(variables, hierarchical, options)
+            return build(variables, hierarchical, adaptive, options)
         # Built inside a tf.function (Horovod's TensorFlow 2 example does): each trace of the
         # function would build new memories, which tf.function refuses after its first trace.
         # The traces of one function share one compressor instead.
         key = (tf.compat.v1.get_default_graph().name, spec.name,
-               repr(sorted({**options, "hierarchical": hierarchical}.items())))
+               repr(sorted({**options, "hierarchical": hierarchical, "adaptive": adaptive}.items())))
         if key not in _TRACED:
-            _TRACED[key] = build(None, hierarchical, options)
+            _TRACED[key] = build(None, hierarchical, adaptive, options)
         return _TRACED[key]
 
     factory.__name__ = spec.name
-    factory.__doc__ = spec.factory_doc
+    factory.__doc__ = (spec.factory_doc + " ``adaptive=True`` (or an "
+                       ":class:`~horovod_dgc.core.adaptive.Adaptive`): each bucket goes dense where "
+                       "that is predicted faster; call ``compression.end_step()`` after every step "
+                       "(docs/algorithms.md#adaptive).")
     return factory
 
 

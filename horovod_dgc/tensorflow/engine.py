@@ -167,6 +167,9 @@ class FlushedBucket:
     new_states: Dict[str, Dict[str, tf.Tensor]]
 
 
+# The key of Engine.spend under which the time spent waiting for exchanges is summed.
+WAITED = "horovod_dgc.waited"
+
 # Horovod's collectives take no bfloat16: such dense tensors travel as float32.
 REDUCIBLE = {tf.bfloat16: tf.float32}
 # A function TensorFlow keeps as one call op in the graphs that call it (and optimizes once).
@@ -203,6 +206,9 @@ class Engine:
             self._totals = {field: variable(tf.constant(0, dtype), name=f"horovod_dgc/{field}")
                             for field, dtype in _TOTALS.items()}
         self._steps_at_reset = 0
+        # Seconds of compute per bucket (and of waiting for the exchanges, under WAITED), summed
+        # by the traced steps since the last take_compute_s(): made at a bucket's first trace.
+        self._compute_s: Dict[str, tf.Variable] = {}
         self._shared: Dict[Tuple[Any, ...], Callable[..., Any]] = {}
         register_names(spec.name for spec in tensors)
 
@@ -274,8 +280,38 @@ class Engine:
             variable = self._totals[field]
             variable.assign_add(tf.cast(amount, variable.dtype))
 
-    def record_placeholder(self, nbytes: int) -> None:
-        """Count the bytes of the placeholder Horovod all-reduces beside a sparse message."""
+    def spend(self, key: str, seconds: tf.Tensor) -> tf.Operation:
+        """Add ``seconds`` (a run-time duration) to what bucket ``key`` cost this step (the
+        adaptive switch's input; :data:`WAITED`: the time spent waiting for exchanges)."""
+        if key not in self._compute_s:
+            with _variable_maker() as variable:
+                self._compute_s[key] = variable(tf.constant(0.0, tf.float64), name=f"horovod_dgc/seconds/{key}")
+        return self._compute_s[key].assign_add(tf.cast(seconds, tf.float64))
+
+    def take_compute_s(self) -> Dict[str, float]:
+        """Seconds per bucket key (and under :data:`WAITED`) since the last call (call it
+        eagerly)."""
+        taken = {}
+        for key, variable in self._compute_s.items():
+            taken[key] = float(variable.numpy())
+            variable.assign(0.0)
+        return taken
+
+    @property
+    def steps_taken(self) -> int:
+        """The steps the tensors have taken (the most of any; call it eagerly)."""
+        return self._max_step()
+
+    def bucket_exchanges(self, bucket: Bucket) -> Tuple[Tuple[str, int], ...]:
+        """``Method.bucket_exchanges`` of ``bucket`` at the densities of its next step."""
+        step = max((int(self._steps[n].numpy()) for n in bucket.names), default=0)
+        return self.method.bucket_exchanges(
+            Plan.at(bucket, [self.config.density_for(step, self.epoch, s.small) for s in bucket.segments]),
+            self.world_size)
+
+    def record_allreduce(self, nbytes: int) -> None:
+        """Count the bytes of an all-reduce that carries no gradient: the placeholder Horovod
+        all-reduces beside a sparse message, the adaptive switch's probes and measurements."""
         self._record([(ALLREDUCE, nbytes)], 0)
 
     # -- checkpointing --------------------------------------------------------------------------
@@ -497,6 +533,7 @@ class Engine:
         message, new_state, count = self._by_density(begun.index, begun.densities, self._checked(at_density))
         with tf.control_dependencies(begun.guards + [message, count]):
             message, elapsed = tf.identity(message), tf.timestamp() - started
+        self.spend(bucket.key, elapsed)
         layouts = tuple(self.method.bucket_layout(bucket, Plan.at(bucket, d)) for d in begun.densities)
         nbytes = tf.gather(tf.constant([layout.nbytes for layout in layouts], tf.int64), begun.index)
         self._record([(ALLGATHER, nbytes)], begun.numel * begun.dtype.size, elements_sent=count,
@@ -515,6 +552,8 @@ class Engine:
         ``sent``; each member's memories of this step are kept only if no rank flagged the
         bucket (its tensors are kept or dropped together)."""
         bucket = sent.bucket
+        with tf.control_dependencies([gathered]):
+            started = tf.timestamp()
 
         def decode(i: int) -> Tuple[tf.Tensor, tf.Tensor]:
             with self.ops.guards() as guards:
@@ -523,10 +562,13 @@ class Engine:
             with tf.control_dependencies(guards):
                 return tf.identity(flats[0]), tf.identity(finite)
 
-        flat, finite = self._by_density(sent.density_index, sent.densities, decode)
+        with tf.control_dependencies([started]):
+            flat, finite = self._by_density(sent.density_index, sent.densities, decode)
         kept = [self._keep_if(finite, name, sent.old_states[name], sent.new_states[name]) for name in bucket.names]
         with tf.control_dependencies(kept):
             flat = flat * tf.cast(sent.loss_scale, flat.dtype)
+        with tf.control_dependencies([flat]):
+            self.spend(bucket.key, tf.timestamp() - started)
         return self._members(bucket, flat, sent.shapes)
 
     def flush_bucket(self, bucket: Bucket, grads: Sequence[tf.Tensor],
@@ -544,8 +586,9 @@ class Engine:
                                                      dtype_name(wire))
         with tf.control_dependencies(begun.guards + guards):
             update = tf.identity(update)
-        self._record([(ALLREDUCE, begun.numel * wire.size)], begun.numel * begun.dtype.size)
-        self.spend(bucket.key, tf.timestamp() - started, [update])
+        self._record([(ALLREDUCE, update.shape.num_elements() * wire.size)], begun.numel * begun.dtype.size)
+        with tf.control_dependencies([update]):
+            self.spend(bucket.key, tf.timestamp() - started)
         return FlushedBucket(bucket, update, begun.step, begun.shapes, begun.dtype, begun.old_states,
                              begun.member_states(self.ops, state))
 

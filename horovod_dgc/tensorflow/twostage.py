@@ -20,7 +20,7 @@ from ..core.bucket import Bucket, Plan
 from ..core.collectives import BROADCAST
 from ..core.method import CompressCall
 from ..core.twostage import StageHandover, TwoStageMethod
-from .engine import Engine
+from .engine import WAITED, Engine
 from .ops import dtype_name
 
 # collective(kind, message, name, root, chunks=None) -> what this rank receives; ``root`` is
@@ -80,16 +80,21 @@ class TwoStageEngine(Engine):
             begun = self._bucket_step(bucket, grads, params)
         method = self.method
 
-        def at_density(i: int) -> Tuple[tf.Tensor, Dict[str, tf.Tensor], tf.Tensor, tf.Tensor]:
+        def at_density(i: int) -> Tuple[tf.Tensor, Dict[str, tf.Tensor], tf.Tensor, tf.Tensor, tf.Tensor]:
+            marks = _Marks()
             message, state, handover = method.first_bucket(self.ops, begun.state, begun.flat, begun.call(self, i))
             root = method.root(handover.call)
-            received = collective(method.FIRST, message, f"{collective_name}.d{i}.1", root, chunks=handover.chunks)
-            second, state = method.second(self.ops, state, received, handover)
-            received = collective(method.SECOND, second, f"{collective_name}.d{i}.2", root)
-            update, finite = method.finish(self.ops, received, handover)
-            return update, state, _stage_bytes(method, message, second, root, self.rank), finite
+            received = collective(method.FIRST, marks.sent(message), f"{collective_name}.d{i}.1", root,
+                                  chunks=handover.chunks)
+            second, state = method.second(self.ops, state, marks.received(received), handover)
+            received = collective(method.SECOND, marks.sent(second), f"{collective_name}.d{i}.2", root)
+            update, finite = method.finish(self.ops, marks.received(received), handover)
+            return (update, state, _stage_bytes(method, message, second, root, self.rank), finite,
+                    marks.waited())
 
-        update, new_state, nbytes, finite = self._by_density(begun.index, begun.densities, self._checked(at_density))
+        with tf.control_dependencies([started]):
+            update, new_state, nbytes, finite, waited = self._by_density(begun.index, begun.densities,
+                                                                         self._checked(at_density))
         with tf.control_dependencies(begun.guards):
             kept = [self._keep_if(finite, name, begun.old_states[name], state)
                     for name, state in begun.member_states(self.ops, new_state).items()]
@@ -97,12 +102,40 @@ class TwoStageEngine(Engine):
             update = update * tf.cast(begun.loss_scale, update.dtype)
         with tf.control_dependencies([update]):
             elapsed = tf.timestamp() - started
+        self.spend(bucket.key, elapsed - waited)
+        self.spend(WAITED, waited)
         density = tf.gather(tf.constant([Plan.at(bucket, d).total / begun.numel for d in begun.densities],
                                         tf.float64), begun.index)
         self._record([(method.FIRST, nbytes[0]), (method.SECOND, nbytes[1])], begun.numel * begun.dtype.size,
                      elements_sent=tf.round(density * begun.numel), elements_compressed=begun.numel,
                      selection_time_s=elapsed)
         return self._members(bucket, update, begun.shapes), begun.step
+
+
+class _Marks:
+    """The run-time moments a bucket's two collectives start and end at, within one branch."""
+
+    def __init__(self) -> None:
+        self._waits: List[tf.Tensor] = []
+        self._sent: Optional[tf.Tensor] = None
+
+    def sent(self, message: tf.Tensor) -> tf.Tensor:
+        """``message``, once the moment it is ready is marked."""
+        with tf.control_dependencies([message]):
+            self._sent = tf.timestamp()
+        with tf.control_dependencies([self._sent]):
+            return tf.identity(message)
+
+    def received(self, result: tf.Tensor) -> tf.Tensor:
+        """``result``, once the wait since the last :meth:`sent` is marked."""
+        with tf.control_dependencies([result]):
+            self._waits.append(tf.timestamp() - self._sent)
+        with tf.control_dependencies(self._waits[-1:]):
+            return tf.identity(result)
+
+    def waited(self) -> tf.Tensor:
+        """The seconds spent in the collectives."""
+        return tf.add_n(self._waits)
 
 
 def _stage_bytes(method: TwoStageMethod, first: tf.Tensor, second: tf.Tensor, root: Any, rank: int) -> tf.Tensor:

@@ -38,7 +38,7 @@ try:
 except ImportError as error:  # the DDP hook needs no Horovod; the Horovod paths raise this
     HorovodCompression, HorovodCompressor, HOROVOD_MISSING = None, object, error
 
-from ..core.adaptive import Adaptive, Decision
+from ..core.adaptive import STATE_KEY, Adaptive, Decision
 from ..core.bucket import Bucket
 from ..core.callers import caller_frames, calling_object, values_among_callers
 from ..core.collectives import ALLGATHER, Transport, backward_buckets, join, joined_chunks, split
@@ -63,8 +63,6 @@ _NO_TRANSPORT = ("this compressor exchanges through Horovod unless it is registe
                  "it (set_epoch, attach_grad_scaler, ...) under DDP")
 
 NamedParameters = Iterable[Tuple[str, torch.nn.Parameter]]
-# The key under which a compressor's state carries its buckets' modes (adaptive=).
-ADAPTIVE_STATE_KEY = "adaptive"
 
 
 class MethodCompressor(CompressorControls, HorovodCompressor):
@@ -188,7 +186,7 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
         With ``adaptive``, each bucket's mode too (under ``"adaptive"``)."""
         state = self.engine.state_dict()
         if self.adaptive is not None:
-            state[ADAPTIVE_STATE_KEY] = self._adaptive.switch.state_dict()
+            state[STATE_KEY] = self._adaptive.switch.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -198,7 +196,7 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
         with self._lock:
             numels = {name: p.numel() for name, p in self._parameters().items()}
         state = dict(state)
-        modes = state.pop(ADAPTIVE_STATE_KEY, None)
+        modes = state.pop(STATE_KEY, None)
         self.engine.load_state_dict(state, numels)
         self._adaptive.switch.load_state_dict(modes)
 
