@@ -476,8 +476,8 @@ MUTANTS: Tuple[Mutant, ...] = (
        "self._keep_if(tf.constant(True), sent.name, sent.old_state, sent.new_state)",
        "a dense tensor's momentum kept on a step some rank could not send"),
     _m("tf-bucket-nonfinite-kept", "tensorflow/engine.py",
-       "kept = [self._keep_if(finite, name, sent.old_states[name], sent.new_states[name])",
-       "kept = [self._keep_if(tf.constant(True), name, sent.old_states[name], sent.new_states[name])",
+       "return [self._keep_if(finite, name, sent.old_states[name], sent.new_states[name])",
+       "return [self._keep_if(tf.constant(True), name, sent.old_states[name], sent.new_states[name])",
        "a bucket's memories kept on a step some rank could not send"),
     _m("tf-bucket-one-density", "tensorflow/engine.py",
        "densities=tuple(tuple(d) for d in zip(", "densities=tuple((d[0],) * len(d) for d in zip(",
@@ -536,10 +536,9 @@ MUTANTS: Tuple[Mutant, ...] = (
     _m("ddp-step-never-ended", "torch/ddp.py", "            self.compression.end_step()\n", "",
        "the DDP hook never ends the compressor's step: no adaptive decision, compute times summed forever"),
     _m("tf-flush-memories-kept", "tensorflow/engine.py",
-       "kept = [self._keep_if(finite, name, sent.old_states[name], sent.new_states[name]) for name in bucket.names]\n"
-       "        with tf.control_dependencies(kept):\n            flat = tf.cast(",
-       "kept = [self._keep_if(finite, name, sent.new_states[name], sent.old_states[name]) for name in bucket.names]\n"
-       "        with tf.control_dependencies(kept):\n            flat = tf.cast(",
+       "        kept = self._keep_members_if(finite, sent)\n        with tf.control_dependencies(kept):\n"
+       "            flat = tf.cast(",
+       "        kept = []\n        with tf.control_dependencies(kept):\n            flat = tf.cast(",
        "a TensorFlow dense step keeps the memories it sent (their mass sent twice)"),
     _m("tf-modes-never-assigned", "tensorflow/adaptive.py", "            variable.assign(self._code(label))",
        "            pass", "a decided or forced mode never reaches the traced step's variable"),

@@ -378,6 +378,12 @@ class Engine:
         return tf.group([self._states[name][key].assign(tf.where(finite, new[key], old[key]))
                          for key in new])
 
+    def _keep_members_if(self, finite: tf.Tensor, sent: Any) -> List[tf.Operation]:
+        """:meth:`_keep_if` for every member of ``sent``'s bucket (a ``TracedBucket`` or a
+        ``FlushedBucket``): a bucket's tensors keep or drop a step together."""
+        return [self._keep_if(finite, name, sent.old_states[name], sent.new_states[name])
+                for name in sent.bucket.names]
+
     def _call(self, name: str, step: tf.Tensor, density: float, param: Optional[Any],
               loss_scale: Any, shape: Any, traced_id: Optional[tf.Tensor] = None) -> CompressCall:
         """``shape``: the gradient's."""
@@ -564,7 +570,7 @@ class Engine:
 
         with tf.control_dependencies([started]):
             flat, finite = self._by_density(sent.density_index, sent.densities, decode)
-        kept = [self._keep_if(finite, name, sent.old_states[name], sent.new_states[name]) for name in bucket.names]
+        kept = self._keep_members_if(finite, sent)
         with tf.control_dependencies(kept):
             flat = flat * tf.cast(sent.loss_scale, flat.dtype)
         with tf.control_dependencies([flat]):
@@ -599,7 +605,7 @@ class Engine:
         bucket = sent.bucket
         finite = settle(self.ops, self.config.nonfinite, self.ops.is_finite(self.ops.sum(averaged)),
                         [], lambda: f"bucket {bucket.label!r} on some rank", sent.step)
-        kept = [self._keep_if(finite, name, sent.old_states[name], sent.new_states[name]) for name in bucket.names]
+        kept = self._keep_members_if(finite, sent)
         with tf.control_dependencies(kept):
             flat = tf.cast(tf.identity(averaged), sent.dtype)
         return self._members(bucket, flat, sent.shapes)
