@@ -1,6 +1,7 @@
 """The adaptive switch: a compressed bucket's dense step (the flush) against the equations
 written out here, the conservation law across forced switches for every method, and the
 decision rule and its cost model against hand-computed predictions."""
+import importlib
 import math
 
 import pytest
@@ -322,8 +323,11 @@ def test_settings_are_checked_at_construction():
         Adaptive.of("yes")
 
 
-def test_a_compressor_refuses_what_the_switch_does_not_support_at_construction():
-    from horovod_dgc.torch import Compression
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+def test_a_compressor_refuses_what_the_switch_does_not_support_at_construction(framework):
+    if framework == "tensorflow":
+        pytest.importorskip("tensorflow")
+    Compression = importlib.import_module(f"horovod_dgc.{framework}").Compression
     with pytest.raises(TypeError, match="does not compress in buckets"):
         Compression.dgc(adaptive=True, clip_norm=1.0)
     with pytest.raises(ValueError, match="hierarchical"):

@@ -9,7 +9,6 @@ import pytest
 import tensorflow as tf
 
 from horovod_dgc.core import DGC, DGCConfig, TopK, TopKConfig
-from horovod_dgc.core.adaptive import Adaptive
 from horovod_dgc.core.blocksign import BlockSign, BlockSignConfig
 from horovod_dgc.core.scalecom import ScaleCom, ScaleComConfig
 from horovod_dgc.tensorflow import Compression
@@ -32,14 +31,8 @@ def test_bad_two_stage_settings_raise_value_error_at_construction(factory, optio
         factory(**options)
 
 
-def test_adaptive_settings_are_checked_at_construction_and_force_mode_needs_them():
-    with pytest.raises(TypeError, match="does not compress in buckets"):
-        Compression.dgc(adaptive=True, clip_norm=1.0)
-    with pytest.raises(ValueError, match="hierarchical"):
-        Compression.dgc(adaptive=True, hierarchical=True)
-    with pytest.raises(ValueError, match="adaptive must be"):
-        Compression.topk(adaptive="yes")
-    assert Compression.blocksign(adaptive=Adaptive(margin=0.2)).adaptive.margin == 0.2
+def test_force_mode_needs_adaptive_and_a_step_end_before_any_step_does_nothing():
+    """(The refusals at construction: tests/test_adaptive.py, for both frameworks.)"""
     plain = Compression.topk(adaptive=False)
     assert plain.adaptive is None and plain.end_step() == []
     with pytest.raises(ValueError, match="needs a compressor built with adaptive"):
