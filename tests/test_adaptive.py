@@ -298,6 +298,16 @@ def test_a_step_end_with_the_link_given_runs_no_probe_and_its_watch_brings_a_dec
     assert decided == [2, 13]
 
 
+def test_a_step_end_that_skips_steps_still_takes_the_decisions_due_in_between():
+    """Keras calls back once per ``steps_per_execution`` steps: a decision step among the
+    skipped ones is taken at the next call."""
+    switch = Switch(Adaptive(recheck_steps=10, first_decision_step=5, sample_steps=1, link_bytes_per_s=1e9))
+    step_end = StepEnd(switch, _TwoRanks(latency_s=0.0, seconds_per_byte=0.0))
+    traffic = {"a": BucketTraffic(4_000, ((ALLGATHER, 40),))}
+    decided = [d.step for step in range(3, 40, 4) for d in step_end(step, {"a": 0.001}, lambda: traffic)]
+    assert decided == [7, 15, 27, 35]  # due at 5, 15, 25, 35
+
+
 def test_modes_and_their_decisions_survive_a_checkpoint_and_an_older_state_starts_compressed():
     switch = Switch(Adaptive())
     switch.decide(20, [BucketCost("a", 10 ** 7, ((ALLGATHER, 10),), 0.5)], Link(0.0, 1e-9), 2)

@@ -323,6 +323,7 @@ class StepEnd:
     def __init__(self, switch: Switch, collectives: Collectives) -> None:
         self.switch, self.collectives = switch, collectives
         self._exchange_s, self._watched_steps = 0.0, 0
+        self._last_step = -1
 
     def exchanged(self, seconds: float) -> None:
         """This rank waited ``seconds`` for an exchange to finish (the watch's input)."""
@@ -331,11 +332,15 @@ class StepEnd:
     def __call__(self, step: int, compute_s: Mapping[str, float],
                  traffic: Callable[[], Mapping[str, BucketTraffic]]) -> List[Decision]:
         """After step ``step``: ``compute_s``, each bucket's compute seconds in it;
-        ``traffic``, each bucket's traffic (asked at a decision only)."""
+        ``traffic``, each bucket's traffic (asked at a decision only). A caller that ends
+        several steps at once (Keras' ``steps_per_execution``) gets the decisions due at any
+        of them."""
         settings = self.switch.settings
         self.switch.sample(step, compute_s)
         self._watched_steps += 1
-        if settings.decides_at(step) or (self.switch.watches_at(step) and self._rescaled(step)):
+        due = any(settings.decides_at(s) for s in range(max(self._last_step + 1, step - settings.recheck_steps), step + 1))
+        self._last_step = step
+        if due or (self.switch.watches_at(step) and self._rescaled(step)):
             return self._decide(step, traffic())
         return []
 
