@@ -78,7 +78,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     add_beta_flag(p)
     p.add_argument("--adaptive", choices=("off", "on"), default="off",
                    help="on: each bucket goes dense where that is predicted faster on this link "
-                   "(adaptive=True; stock and fused paths)")
+                   "(adaptive=True; every path)")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=64, help="images per step, per rank")
     p.add_argument("--lr", type=float, help="peak learning rate (SGD 0.05 x workers/4, "
@@ -92,8 +92,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.path != "stock" and args.compression in BASELINES:
         p.error(f"--path {args.path} needs a compressing method")
-    if args.adaptive == "on" and (args.path == "ddp" or args.compression in BASELINES):
-        p.error("--adaptive on: a compressing method on the stock or fused path")
+    if args.adaptive == "on" and args.compression in BASELINES:
+        p.error("--adaptive on: a compressing method")
     if args.path == "ddp" and args.precision == "fp16":
         p.error("--path ddp: this example has no GradScaler recipe for a DDP hook")
     if under_torchrun() and args.path != "ddp":
