@@ -49,6 +49,13 @@ def add_compression_flags(p: argparse.ArgumentParser) -> None:
                       "(default: one block per tensor)")
 
 
+def add_adaptive_flag(p) -> None:
+    """``--adaptive on``: ``adaptive=True`` (each bucket dense where that is predicted faster)."""
+    p.add_argument("--adaptive", choices=("off", "on"), default="off",
+                   help="on: each bucket goes dense where that is predicted faster on this link "
+                   "(adaptive=True)")
+
+
 # ``--small-density dense``: the small tensors travel dense (``small_density=None``).
 DENSE = "dense"
 

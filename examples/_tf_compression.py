@@ -21,6 +21,8 @@ def make(args: argparse.Namespace, variables: Sequence[Any]):
         options["weight_decay"] = args.wd  # DGC folds it in before its momentum correction
     if args.compression == "blocksign":
         options["block_size"] = args.block_size
+    if getattr(args, "adaptive", "off") == "on":
+        options["adaptive"] = True
     return getattr(Compression, args.compression)(variables=variables, **options)
 
 

@@ -23,7 +23,7 @@ import horovod.tensorflow.keras as hvd  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import _tf_compression  # noqa: E402
-from _flags import add_compression_flags  # noqa: E402
+from _flags import add_adaptive_flag, add_compression_flags  # noqa: E402
 import _tf_data  # noqa: E402
 from horovod_dgc.tensorflow.callbacks import CompressionWarmup  # noqa: E402
 
@@ -35,6 +35,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _tf_data.add_training_flags(p)
     add_compression_flags(p)
+    add_adaptive_flag(p)
     return p.parse_args(argv)
 
 

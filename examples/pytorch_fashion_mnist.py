@@ -39,8 +39,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _fashion_mnist as data  # noqa: E402
-from _flags import (BASELINES, METHODS, MOMENTUM_IN_COMPRESSOR, add_aggregation_flag,  # noqa: E402
-                    add_beta_flag, add_small_density_flag, compression_options, given)
+from _flags import (BASELINES, METHODS, MOMENTUM_IN_COMPRESSOR, add_adaptive_flag,  # noqa: E402
+                    add_aggregation_flag, add_beta_flag, add_small_density_flag, compression_options, given)
 from horovod_dgc.core.wire import VALUE_FORMATS  # noqa: E402
 import horovod_dgc.torch as hdgc  # noqa: E402
 from horovod_dgc.torch import ddp  # noqa: E402
@@ -76,9 +76,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    "sent at --small-density (default: the method's)")
     add_small_density_flag(p)
     add_beta_flag(p)
-    p.add_argument("--adaptive", choices=("off", "on"), default="off",
-                   help="on: each bucket goes dense where that is predicted faster on this link "
-                   "(adaptive=True; every path)")
+    add_adaptive_flag(p)
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=64, help="images per step, per rank")
     p.add_argument("--lr", type=float, help="peak learning rate (SGD 0.05 x workers/4, "

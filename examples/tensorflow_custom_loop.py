@@ -21,7 +21,7 @@ import tensorflow as tf
 from tqdm import tqdm
 
 import _tf_compression
-from _flags import add_compression_flags
+from _flags import add_adaptive_flag, add_compression_flags
 import _tf_data
 import horovod_dgc.tensorflow as hdgc
 
@@ -33,6 +33,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--model", choices=("small", "resnet50"), default="small",
                    help="small: a 4-layer CNN; resnet50: keras.applications.ResNet50(weights=None)")
     add_compression_flags(p)
+    add_adaptive_flag(p)
     return p.parse_args(argv)
 
 
@@ -79,6 +80,8 @@ def main(args: argparse.Namespace) -> None:
         epoch_started = time.perf_counter()
         for step, (x, y) in enumerate(bar):
             loss = train_step(x, y)
+            if getattr(compression, "adaptive", None) is not None:
+                compression.end_step()  # every rank, after every step: the switch's decisions
             images += int(x.shape[0]) * hvd.size()
             rate = (step + 1) * int(x.shape[0]) * hvd.size() / (time.perf_counter() - epoch_started)
             bar.set_postfix(loss=f"{float(loss):.3f}", img_s=f"{rate:.0f}",
