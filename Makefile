@@ -95,9 +95,10 @@ bench-scalecom-leader: setup
 
 ## Training-step benchmark of every method on a 4-host network-namespace cluster at three link
 ## rates (needs root): results/cluster/ (CSV, Markdown, PNG). QUICK=1: 2 hosts, unshaped and
-## 100 Mbit/s, dense and dgc, a few steps (under 5 minutes).
+## 100 Mbit/s, dense and dgc, a few steps (under 5 minutes). INTERLEAVE=1: one launch per link,
+## the methods' timed steps alternating (paired medians; benchmarks/cluster/run.py).
 cluster-bench: setup
-	$(PYTHON) -m benchmarks.cluster.run --check $(if $(QUICK),--quick)
+	$(PYTHON) -m benchmarks.cluster.run --check $(if $(QUICK),--quick) $(if $(INTERLEAVE),--interleave)
 
 ## Bytes per worker per step as the number of workers grows, from the message layouts
 ## (ResNet-50, every method and aggregation, N = 2 to 256; seconds): a table and
