@@ -60,11 +60,8 @@ class AdaptiveBuckets:
 
         def dense() -> List[tf.Tensor]:
             sent = engine.flush_bucket(bucket, grads, variables)
-            with tf.control_dependencies([sent.tensor]):
-                started = tf.timestamp()
-            averaged = compressor.collective(ALLREDUCE, sent.tensor, f"{collective}.flush")
-            with tf.control_dependencies([averaged]):
-                engine.spend(WAITED, tf.timestamp() - started)
+            averaged, _ = engine.waited_for(
+                lambda message: compressor.collective(ALLREDUCE, message, f"{collective}.flush"), sent.tensor)
             return [sent.step, *engine.flushed(sent, averaged)]
 
         results = tf.cond(tf.equal(self._variable(bucket.label), _DENSE_CODE), dense, compressed)

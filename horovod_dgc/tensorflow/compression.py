@@ -63,7 +63,7 @@ from ..core.stats import CompressionStats
 from ..core.wire import tensor_id
 from .adaptive import AdaptiveBuckets
 from .collectives import PREFIX, run
-from .engine import WAITED, DenseUpdate, Engine
+from .engine import DenseUpdate, Engine
 from .hierarchy import BetweenHosts, find_hosts, host_average
 from .twostage import TwoStageEngine
 # Each rank all-reduces 1.0: Horovod's average is 1.0 only with op=hvd.Average.
@@ -773,11 +773,7 @@ class SparseCompressor(MethodCompressor):
                       collective: str) -> Tuple[tf.Tensor, List[Callable[[], tf.Tensor]]]:
         engine = self.engine
         sent = engine.compress_bucket(bucket, grads, variables)
-        with tf.control_dependencies([sent.message]):
-            started = tf.timestamp()
-        gathered = self.collective(ALLGATHER, sent.message, collective)
-        with tf.control_dependencies([gathered]):
-            engine.spend(WAITED, tf.timestamp() - started)
+        gathered, _ = engine.waited_for(lambda message: self.collective(ALLGATHER, message, collective), sent.message)
         graph, decoded = tf.compat.v1.get_default_graph(), []
 
         def part(i: int) -> Callable[[], tf.Tensor]:

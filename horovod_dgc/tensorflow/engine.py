@@ -288,6 +288,19 @@ class Engine:
                 self._compute_s[key] = variable(tf.constant(0.0, tf.float64), name=f"horovod_dgc/seconds/{key}")
         return self._compute_s[key].assign_add(tf.cast(seconds, tf.float64))
 
+    def waited_for(self, exchange: Callable[[tf.Tensor], tf.Tensor], message: tf.Tensor
+                   ) -> Tuple[tf.Tensor, tf.Tensor]:
+        """(``exchange(message)``, the seconds from ``message`` being ready to the result),
+        the wait summed under :data:`WAITED`."""
+        with tf.control_dependencies([message]):
+            sent = tf.timestamp()
+        with tf.control_dependencies([sent]):
+            received = exchange(tf.identity(message))
+        with tf.control_dependencies([received]):
+            waited = tf.timestamp() - sent
+        with tf.control_dependencies([self.spend(WAITED, waited)]):
+            return tf.identity(received), waited
+
     def take_compute_s(self) -> Dict[str, float]:
         """Seconds per bucket key (and under :data:`WAITED`) since the last call (call it
         eagerly)."""

@@ -20,7 +20,7 @@ from ..core.bucket import Bucket, Plan
 from ..core.collectives import BROADCAST
 from ..core.method import CompressCall
 from ..core.twostage import StageHandover, TwoStageMethod
-from .engine import WAITED, Engine
+from .engine import Engine
 from .ops import dtype_name
 
 # collective(kind, message, name, root, chunks=None) -> what this rank receives; ``root`` is
@@ -81,16 +81,17 @@ class TwoStageEngine(Engine):
         method = self.method
 
         def at_density(i: int) -> Tuple[tf.Tensor, Dict[str, tf.Tensor], tf.Tensor, tf.Tensor, tf.Tensor]:
-            marks = _Marks()
             message, state, handover = method.first_bucket(self.ops, begun.state, begun.flat, begun.call(self, i))
             root = method.root(handover.call)
-            received = collective(method.FIRST, marks.sent(message), f"{collective_name}.d{i}.1", root,
-                                  chunks=handover.chunks)
-            second, state = method.second(self.ops, state, marks.received(received), handover)
-            received = collective(method.SECOND, marks.sent(second), f"{collective_name}.d{i}.2", root)
-            update, finite = method.finish(self.ops, marks.received(received), handover)
+            received, first_s = self.waited_for(
+                lambda m: collective(method.FIRST, m, f"{collective_name}.d{i}.1", root, chunks=handover.chunks),
+                message)
+            second, state = method.second(self.ops, state, received, handover)
+            received, second_s = self.waited_for(
+                lambda m: collective(method.SECOND, m, f"{collective_name}.d{i}.2", root), second)
+            update, finite = method.finish(self.ops, received, handover)
             return (update, state, _stage_bytes(method, message, second, root, self.rank), finite,
-                    marks.waited())
+                    first_s + second_s)
 
         with tf.control_dependencies([started]):
             update, new_state, nbytes, finite, waited = self._by_density(begun.index, begun.densities,
@@ -103,39 +104,12 @@ class TwoStageEngine(Engine):
         with tf.control_dependencies([update]):
             elapsed = tf.timestamp() - started
         self.spend(bucket.key, elapsed - waited)
-        self.spend(WAITED, waited)
         density = tf.gather(tf.constant([Plan.at(bucket, d).total / begun.numel for d in begun.densities],
                                         tf.float64), begun.index)
         self._record([(method.FIRST, nbytes[0]), (method.SECOND, nbytes[1])], begun.numel * begun.dtype.size,
                      elements_sent=tf.round(density * begun.numel), elements_compressed=begun.numel,
                      selection_time_s=elapsed)
         return self._members(bucket, update, begun.shapes), begun.step
-
-
-class _Marks:
-    """The run-time moments a bucket's two collectives start and end at, within one branch."""
-
-    def __init__(self) -> None:
-        self._waits: List[tf.Tensor] = []
-        self._sent: Optional[tf.Tensor] = None
-
-    def sent(self, message: tf.Tensor) -> tf.Tensor:
-        """``message``, once the moment it is ready is marked."""
-        with tf.control_dependencies([message]):
-            self._sent = tf.timestamp()
-        with tf.control_dependencies([self._sent]):
-            return tf.identity(message)
-
-    def received(self, result: tf.Tensor) -> tf.Tensor:
-        """``result``, once the wait since the last :meth:`sent` is marked."""
-        with tf.control_dependencies([result]):
-            self._waits.append(tf.timestamp() - self._sent)
-        with tf.control_dependencies(self._waits[-1:]):
-            return tf.identity(result)
-
-    def waited(self) -> tf.Tensor:
-        """The seconds spent in the collectives."""
-        return tf.add_n(self._waits)
 
 
 def _stage_bytes(method: TwoStageMethod, first: tf.Tensor, second: tf.Tensor, root: Any, rank: int) -> tf.Tensor:
