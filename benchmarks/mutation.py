@@ -527,7 +527,7 @@ MUTANTS: Tuple[Mutant, ...] = (
        "agreed = self.switch.local_compute_s(labels)",
        "each rank decides on its own measurements, not the ranks' average"),
     _m("adaptive-skipped-decision", "core/adaptive.py",
-       "due = any(settings.decides_at(s) for s in range(max(self._last_step + 1, step - settings.recheck_steps), step + 1))",
+       "due = any(settings.decides_at(s) for s in unseen)",
        "due = settings.decides_at(step)",
        "a decision step that falls between two step ends (Keras' steps_per_execution) never decides"),
     _m("adaptive-probe-never-full", "core/adaptive.py",

@@ -325,6 +325,11 @@ class StepEnd:
         self._exchange_s, self._watched_steps = 0.0, 0
         self._last_step = -1
 
+    @property
+    def last_step(self) -> int:
+        """The step last ended (-1: none yet)."""
+        return self._last_step
+
     def exchanged(self, seconds: float) -> None:
         """This rank waited ``seconds`` for an exchange to finish (the watch's input)."""
         self._exchange_s += seconds
@@ -338,7 +343,8 @@ class StepEnd:
         settings = self.switch.settings
         self.switch.sample(step, compute_s)
         self._watched_steps += 1
-        due = any(settings.decides_at(s) for s in range(max(self._last_step + 1, step - settings.recheck_steps), step + 1))
+        unseen = range(max(self._last_step + 1, step - settings.recheck_steps), step + 1)
+        due = any(settings.decides_at(s) for s in unseen)
         self._last_step = step
         if due or (self.switch.watches_at(step) and self._rescaled(step)):
             return self._decide(step, traffic())

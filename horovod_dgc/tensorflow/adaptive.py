@@ -39,7 +39,7 @@ class AdaptiveBuckets:
         self._buckets: Dict[str, Bucket] = {}
         self._modes: Dict[str, tf.Variable] = {}
         self._step_end = StepEnd(self.switch, self)
-        self._last_step: Optional[int] = None
+        self._warned = False
 
     @property
     def labels(self) -> List[str]:
@@ -85,10 +85,9 @@ class AdaptiveBuckets:
             return []
         engine = self.compressor.engine
         spent = engine.take_compute_s()
-        step = engine.steps_taken - 1
-        if self.switch.settings is None or step < 0 or step == self._last_step:
+        step = self._steps_taken() - 1
+        if self.switch.settings is None or step < 0 or step == self._step_end.last_step:
             return []
-        self._last_step = step
         self._step_end.exchanged(spent.pop(WAITED, 0.0))
         decisions = self._step_end(step, {label: spent.get(b.key, 0.0) for label, b in self._buckets.items()},
                                    self._traffic)
@@ -103,15 +102,19 @@ class AdaptiveBuckets:
     def warn_if_never_ended(self) -> None:
         """Warn, once, where steps went past the first decision without :meth:`end_step`."""
         settings = self.switch.settings
-        if (settings is None or self._last_step is not None or not self.compressor.started
-                or self.compressor.engine.steps_taken <= settings.first_decision_step + 1):
+        if (settings is None or self._warned or self._step_end.last_step >= 0 or not self.compressor.started
+                or self._steps_taken() <= settings.first_decision_step + 1):
             return
-        engine = self.compressor.engine
-        self._last_step = -1
+        self._warned = True
         warnings.warn(f"adaptive= decides in compression.end_step(), which no step has called in "
-                      f"{engine.steps_taken} steps: every bucket stays compressed; call it after each "
+                      f"{self._steps_taken()} steps: every bucket stays compressed; call it after each "
                       f"optimizer step (Keras: pass horovod_dgc.tensorflow.CompressionWarmup(compression) "
                       f"to fit's callbacks)", stacklevel=3)
+
+    def _steps_taken(self) -> int:
+        """The steps the buckets have taken: one member's counter each (a bucket's members step
+        together), not every tensor's."""
+        return self.compressor.engine.steps_of(bucket.names[0] for bucket in self._buckets.values())
 
     def _traffic(self) -> Dict[str, BucketTraffic]:
         engine = self.compressor.engine

@@ -26,7 +26,7 @@ import contextlib
 import functools
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Hashable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 from tensorflow.python.ops.resource_variable_ops import ResourceVariable
@@ -310,14 +310,13 @@ class Engine:
             variable.assign(0.0)
         return taken
 
-    @property
-    def steps_taken(self) -> int:
-        """The steps the tensors have taken (the most of any; call it eagerly)."""
-        return self._max_step()
+    def steps_of(self, names: Iterable[str]) -> int:
+        """The most steps any of the tensors ``names`` has taken (call it eagerly)."""
+        return max((int(self._steps[name].numpy()) for name in names), default=0)
 
     def bucket_exchanges(self, bucket: Bucket) -> Tuple[Tuple[str, int], ...]:
         """``Method.bucket_exchanges`` of ``bucket`` at the densities of its next step."""
-        step = max((int(self._steps[n].numpy()) for n in bucket.names), default=0)
+        step = self.steps_of(bucket.names)
         return self.method.bucket_exchanges(
             Plan.at(bucket, [self.config.density_for(step, self.epoch, s.small) for s in bucket.segments]),
             self.world_size)
