@@ -45,7 +45,7 @@ class CompressionWarmup(tf.keras.callbacks.Callback):
         self.compressor.set_epoch(epoch)
 
     def on_train_batch_end(self, batch: int, logs: Optional[dict] = None) -> None:
-        if getattr(self.compressor, "adaptive", None) is not None:
+        if self.compressor.adaptive is not None:
             self.compressor.end_step()
 
     def on_epoch_end(self, epoch: int, logs: Optional[dict] = None) -> None:

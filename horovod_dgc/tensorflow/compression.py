@@ -35,7 +35,6 @@ their own.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import warnings
@@ -49,7 +48,7 @@ from horovod.tensorflow.compression import Compressor
 # No public API says whether a trace is XLA-compiled; tf.function itself asks this module.
 from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext
 
-from ..core.adaptive import STATE_KEY, Adaptive, Decision
+from ..core.adaptive import STATE_KEY, Adaptive
 from ..core.callers import caller_frames, calling_object, values_among_callers
 from ..core.bucket import Bucket
 from ..core.collectives import ALLGATHER, backward_buckets
@@ -514,23 +513,6 @@ class MethodCompressor(CompressorControls, Compressor):
         self._adaptive.assign_modes()
 
     # -- the adaptive switch (horovod_dgc.core.adaptive) -------------------------------------------
-    @property
-    def adaptive(self) -> Optional[Adaptive]:
-        """The adaptive switch's settings (None: every bucket always compressed)."""
-        return self._adaptive.switch.settings
-
-    def end_step(self) -> List[Decision]:
-        """Call it eagerly after every optimizer step (the Keras callback
-        :class:`~horovod_dgc.tensorflow.callbacks.CompressionWarmup` does): the adaptive
-        switch's bookkeeping, and its decision at a decision step (collectives: every rank
-        calls it after the same step). Returns the decisions taken (none on other steps)."""
-        return self._adaptive.end_step()
-
-    def bucket_modes(self) -> Dict[str, str]:
-        """Each bucket's mode for its next exchange (``"compressed"`` or ``"dense"``), by
-        label, for every bucket traced so far."""
-        return {label: self._adaptive.switch.mode(label) for label in self._adaptive.labels}
-
     def force_mode(self, mode: Optional[str], labels: Optional[Sequence[str]] = None) -> None:
         """Hold buckets in ``mode`` (``"compressed"`` or ``"dense"``; None: back to the
         adaptive decisions), from the next step; ``labels``: the buckets' collective labels
@@ -543,10 +525,10 @@ class MethodCompressor(CompressorControls, Compressor):
         self._adaptive.assign_modes()
 
     def stats(self) -> CompressionStats:
-        """See :class:`~horovod_dgc.core.controls.CompressorControls`; with ``adaptive``,
-        each bucket's mode and why (``buckets``)."""
+        """See :class:`~horovod_dgc.core.controls.CompressorControls`; warns once where no
+        step was ended past the adaptive switch's first decision."""
         self._adaptive.warn_if_never_ended()
-        return dataclasses.replace(self.engine.stats(), buckets=self._adaptive.switch.lines())
+        return super().stats()
 
     def check_optimizer(self, optimizer: Any) -> None:
         """Raise ValueError if the Keras or ``tf.compat.v1.train`` ``optimizer`` applying the

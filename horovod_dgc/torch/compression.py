@@ -38,7 +38,7 @@ try:
 except ImportError as error:  # the DDP hook needs no Horovod; the Horovod paths raise this
     HorovodCompression, HorovodCompressor, HOROVOD_MISSING = None, object, error
 
-from ..core.adaptive import STATE_KEY, Adaptive, Decision
+from ..core.adaptive import STATE_KEY, Adaptive
 from ..core.bucket import Bucket
 from ..core.callers import caller_frames, calling_object, values_among_callers
 from ..core.collectives import ALLGATHER, Transport, backward_buckets, join, joined_chunks, split
@@ -48,7 +48,6 @@ from ..core.hosts import Hosts
 from ..core.method import Method
 from ..core.methods import METHODS, MethodSpec, spec_of
 from ..core.one_worker import refuse_or_warn
-from ..core.stats import CompressionStats
 from ..core.twostage import StageHandover
 from .adaptive import AdaptiveExchanges, FlushExchange
 from .engine import DenseUpdate, Engine, Entry, OutgoingMessage, in_entry_order
@@ -201,22 +200,6 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
         self._adaptive.switch.load_state_dict(modes)
 
     # -- the adaptive switch (horovod_dgc.core.adaptive) -------------------------------------------
-    @property
-    def adaptive(self) -> Optional[Adaptive]:
-        """The adaptive switch's settings (None: every bucket always compressed)."""
-        return self._adaptive.switch.settings
-
-    def end_step(self) -> List[Decision]:
-        """After every exchange of an optimizer step (``synchronize()`` calls it): the
-        adaptive switch's bookkeeping, and its decision at a decision step (collectives: every
-        rank calls it at the same step). Returns the decisions taken (none on other steps)."""
-        return self._adaptive.end_step()
-
-    def bucket_modes(self) -> Dict[str, str]:
-        """Each bucket's mode for its next exchange (``"compressed"`` or ``"dense"``), by
-        label, for every bucket exchanged so far."""
-        return {label: self._adaptive.switch.mode(label) for label in self._adaptive.labels}
-
     def force_mode(self, mode: Optional[str], labels: Optional[Sequence[str]] = None) -> None:
         """Hold buckets in ``mode`` (``"compressed"`` or ``"dense"``; None: back to the
         adaptive decisions, or compressed without ``adaptive``), from their next exchange;
@@ -227,9 +210,6 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
         if labels is None:
             labels = self._adaptive.labels
         self._adaptive.switch.force(mode, list(labels))
-
-    def stats(self) -> CompressionStats:
-        return dataclasses.replace(self.engine.stats(), buckets=self._adaptive.switch.lines())
 
     def _parameters(self) -> Dict[str, torch.nn.Parameter]:
         """The named parameters; without ``named_parameters=``, those of the one
@@ -615,7 +595,6 @@ class TwoStageCompressor(MethodCompressor):
             updates += self.engine.finish_bucket(r, h, bucket, shapes)
             places += members
         return in_entry_order(places, updates)
-
 
 
 @dataclass(frozen=True)
