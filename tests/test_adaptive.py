@@ -308,6 +308,21 @@ def test_a_step_end_that_skips_steps_still_takes_the_decisions_due_in_between():
     assert decided == [7, 15, 27, 35]  # due at 5, 15, 25, 35
 
 
+def test_a_restored_step_end_keeps_the_checkpoints_modes_until_the_next_decision_due():
+    """Steps before a checkpoint count as ended: a decision due among them is not taken again
+    at the first step after the restore (which would override the restored modes at once)."""
+    saved = Switch(Adaptive(recheck_steps=5, first_decision_step=4, sample_steps=1, link_bytes_per_s=1e9))
+    saved.decide(9, [BucketCost("a", 4_000, ((ALLGATHER, 40),), 0.001)], Link(0.0, 1e-9), 2)
+    settings = Adaptive(recheck_steps=5, first_decision_step=4, sample_steps=1, link_bytes_per_s=1e9)
+    switch = Switch(settings)
+    step_end = StepEnd(switch, _TwoRanks(latency_s=0.0, seconds_per_byte=0.0))
+    step_end.restore(saved.state_dict(), steps_taken=13)
+    traffic = {"a": BucketTraffic(4_000, ((ALLGATHER, 40),))}
+    assert step_end(13, {"a": 0.001}, lambda: traffic) == []  # 9 was decided before the checkpoint
+    assert switch.mode("a") == saved.mode("a") and step_end.last_step == 13
+    assert [d.step for d in step_end(14, {"a": 0.001}, lambda: traffic)] == [14]
+
+
 def test_modes_and_their_decisions_survive_a_checkpoint_and_an_older_state_starts_compressed():
     switch = Switch(Adaptive())
     switch.decide(20, [BucketCost("a", 10 ** 7, ((ALLGATHER, 10),), 0.5)], Link(0.0, 1e-9), 2)

@@ -330,6 +330,14 @@ class StepEnd:
         """The step last ended (-1: none yet)."""
         return self._last_step
 
+    def restore(self, modes: Optional[dict], steps_taken: int) -> None:
+        """A checkpoint loaded: the switch's ``modes`` (``Switch.state_dict``, None for a state
+        saved without them) after ``steps_taken`` steps, which count as ended (a decision due
+        before the checkpoint is not taken again at the first step after it)."""
+        self.switch.load_state_dict(modes)
+        self._last_step = steps_taken - 1
+        self._exchange_s, self._watched_steps = 0.0, 0
+
     def exchanged(self, seconds: float) -> None:
         """This rank waited ``seconds`` for an exchange to finish (the watch's input)."""
         self._exchange_s += seconds

@@ -94,6 +94,11 @@ class AdaptiveBuckets:
         self.assign_modes()
         return decisions
 
+    def restore(self, modes: Optional[dict], steps_taken: int) -> None:
+        """See :meth:`~horovod_dgc.core.adaptive.StepEnd.restore`; the mode variables set."""
+        self._step_end.restore(modes, steps_taken)
+        self.assign_modes()
+
     def assign_modes(self) -> None:
         """Every mode variable set to its bucket's mode now (decided or forced)."""
         for label, variable in self._modes.items():

@@ -509,8 +509,7 @@ class MethodCompressor(CompressorControls, Compressor):
         state = dict(state)
         modes = state.pop(STATE_KEY, None)
         self.engine.load_state_dict(state)
-        self._adaptive.switch.load_state_dict(modes)
-        self._adaptive.assign_modes()
+        self._adaptive.restore(modes, max(state["steps"].values(), default=0))
 
     # -- the adaptive switch (horovod_dgc.core.adaptive) -------------------------------------------
     def force_mode(self, mode: Optional[str], labels: Optional[Sequence[str]] = None) -> None:

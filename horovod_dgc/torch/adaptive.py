@@ -93,6 +93,10 @@ class AdaptiveExchanges:
         compute_s = {label: sum(spent.get(b.key, 0.0) for b in buckets) for label, buckets in self._buckets.items()}
         return self._step_end(engine.steps_taken - 1, compute_s, self._traffic)
 
+    def restore(self, modes: Optional[dict], steps_taken: int) -> None:
+        """See :meth:`~horovod_dgc.core.adaptive.StepEnd.restore`."""
+        self._step_end.restore(modes, steps_taken)
+
     def exchanged(self, seconds: float) -> None:
         """This rank waited ``seconds`` for an exchange to finish (the watch's input)."""
         self._step_end.exchanged(seconds)
