@@ -139,9 +139,10 @@ compose-test: setup
 	$(PYTHON) -m benchmarks.compose.compose_test $(if $(COMPOSE),--compose $(COMPOSE)) \
 		$(if $(KILL_WORKER),--kill-worker $(KILL_WORKER))
 
-## The intermittent hang of hierarchical=True (docs/guide/many-hosts.md): its PyTorch test job again
-## and again, each line stamped, the stacks of a run that hangs dumped (py-spy, which make setup installs).
-## RUNS=20; NO_BYTECODE=1 compiles every module from source in every worker.
+## The intermittent hang of hierarchical=True (docs/guide/many-hosts.md): its PyTorch and TensorFlow
+## test jobs alternating, again and again, each line stamped, the stacks of a run that hangs dumped
+## (py-spy, which make setup installs). RUNS=20; NO_BYTECODE=1 compiles every module from source in
+## every worker.
 stress-hierarchical: setup
 	$(PYTHON) -m benchmarks.hierarchical_stress --runs $(or $(RUNS),20) $(if $(NO_BYTECODE),--no-bytecode)
 

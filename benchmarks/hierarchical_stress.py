@@ -1,14 +1,17 @@
 """The intermittent hang of ``hierarchical=True`` (docs/guide/many-hosts.md), made easy to catch.
 
-Runs the PyTorch test job of 2 hosts x 2 workers (``tests/workers/hierarchy_torch.py``, the
-two run lists of its test alternating) again and again. Every output line is stamped with the
+Runs the test jobs of 2 hosts x 2 workers again and again, PyTorch's
+(``tests/workers/hierarchy_torch.py``, both Horovod paths) and TensorFlow's
+(``tests/workers/hierarchy_tensorflow.py``) alternating, each through the run lists of its
+test in turn. Every output line is stamped with the
 time. A run still going after ``--dump-after-s`` gets every worker's Python and native stacks
 (py-spy, when it is installed) written beside its log, and is then stopped. Horovod's Gloo
 timeout is raised (``--gloo-timeout-s``) so that a stuck job stays stuck until it is dumped,
 instead of aborting after 30 s with nothing but "Timed out waiting 30000ms". One line per run,
 then a summary::
 
-    python -m benchmarks.hierarchical_stress [--runs 20] [--no-bytecode] [--out DIR]
+    python -m benchmarks.hierarchical_stress [--runs 20] [--frameworks torch,tensorflow]
+        [--no-bytecode] [--out DIR]
 
 ``--no-bytecode`` compiles every module from source in every worker (an empty
 ``PYTHONPYCACHEPREFIX``), as a machine without compiled packages does: the condition of the
@@ -29,15 +32,31 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, List, Optional, Sequence
+from typing import IO, Dict, List, Optional, Sequence, Tuple
 
 from benchmarks import ROOT, worker_env
 
-WORKER = ROOT / "tests" / "workers" / "hierarchy_torch.py"
-# The run lists of the job, alternated here; tests/test_torch_multiprocess.py's hierarchical
-# test runs each once.
+# The run lists of each job, taken in turn here; the hierarchical tests of
+# tests/test_torch_multiprocess.py and tests/test_tensorflow_multiprocess.py run each once.
 RUN_LISTS = ("topk/stock,scalecom/own,blocksign/stock,dgc-sar/own,blocksign-bf16/own",
              "topk/own,scalecom/stock,blocksign/own,dgc-sar/stock,blocksign-bf16/stock")
+TF_KIND_LISTS = ("topk,scalecom", "dgc-sar,blocksign-bf16")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One framework's hierarchical test job: its worker script, the flag that takes a run
+    list, and its run lists."""
+
+    worker: Path
+    list_flag: str
+    run_lists: Tuple[str, ...]
+
+
+JOBS: Dict[str, Job] = {
+    "torch": Job(ROOT / "tests" / "workers" / "hierarchy_torch.py", "--runs", RUN_LISTS),
+    "tensorflow": Job(ROOT / "tests" / "workers" / "hierarchy_tensorflow.py", "--kinds", TF_KIND_LISTS),
+}
 WORKERS = 4
 TIMEOUT_LINE = re.compile(r"^\S+ \[(\d+)\]<stderr>:.*Timed out waiting \d+ms for (send|recv) operation")
 
@@ -79,7 +98,7 @@ def _worker_pids() -> List[int]:
                 cmdline = (entry / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if any(arg.endswith(WORKER.name.encode()) for arg in cmdline[1:2]):
+            if any(arg.endswith(job.worker.name.encode()) for job in JOBS.values() for arg in cmdline[1:2]):
                 pids.append(int(entry.name))
     return pids
 
@@ -106,14 +125,23 @@ def dump_stacks(path: Path) -> None:
                            stderr=subprocess.STDOUT, timeout=60)
 
 
-def run_once(index: int, out_dir: Path, env: dict, dump_after_s: float,
+def planned(index: int, frameworks: Sequence[str]) -> Tuple[str, Job, str]:
+    """(framework, job, run list) of run ``index``: the frameworks' jobs alternating, each
+    job's run lists in turn."""
+    framework = frameworks[index % len(frameworks)]
+    job = JOBS[framework]
+    return framework, job, job.run_lists[index // len(frameworks) % len(job.run_lists)]
+
+
+def run_once(index: int, frameworks: Sequence[str], out_dir: Path, env: dict, dump_after_s: float,
              gloo_timeout_s: int) -> bool:
-    """One run of the job; whether it passed (every ok, no timeout, ended on its own)."""
-    run_list = RUN_LISTS[index % len(RUN_LISTS)]
+    """Run ``index`` of :func:`planned`; whether it passed (every ok, no timeout, ended on its
+    own)."""
+    framework, job, run_list = planned(index, frameworks)
     bin_dir = Path(sys.executable).parent
     cmd = [str(bin_dir / "horovodrun"), "-np", str(WORKERS), "-H", "localhost:2,127.0.0.1:2",
-           "--gloo", "--gloo-timeout-seconds", str(gloo_timeout_s), sys.executable, str(WORKER),
-           "--runs", run_list]
+           "--gloo", "--gloo-timeout-seconds", str(gloo_timeout_s), sys.executable, str(job.worker),
+           job.list_flag, run_list]
     log_path = out_dir / f"run{index:03d}.log"
     started = time.monotonic()
     with log_path.open("w") as log:
@@ -132,7 +160,7 @@ def run_once(index: int, out_dir: Path, env: dict, dump_after_s: float,
         stamper.join(timeout=10)
     result = classify(log_path.read_text(), run_list)
     passed = result.passed and stacks is None
-    print(f"run {index:3d}: {'passed' if passed else 'FAILED'} in {time.monotonic() - started:5.0f} s, "
+    print(f"run {index:3d} ({framework:10s}): {'passed' if passed else 'FAILED'} in {time.monotonic() - started:5.0f} s, "
           f"{result.oks} of {result.expected_oks} ok; Gloo timeouts: "
           f"{', '.join(result.timeouts) or 'none'}; log {log_path}"
           + ("" if passed else f"; last ok line: {result.last_ok}")
@@ -144,6 +172,8 @@ def run_once(index: int, out_dir: Path, env: dict, dump_after_s: float,
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=20)
+    p.add_argument("--frameworks", type=lambda text: text.split(","), default=list(JOBS),
+                   help="the jobs to alternate, comma-separated (default: torch,tensorflow)")
     p.add_argument("--dump-after-s", type=float, default=240.0,
                    help="dump the stacks of a run still going after this long, then stop it "
                         "(a passing run takes 40-170 s on 2 cores, the longer ones with --no-bytecode)")
@@ -162,7 +192,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.no_bytecode:
         env.update(PYTHONPYCACHEPREFIX=tempfile.mkdtemp(prefix="no-bytecode-"),
                    PYTHONDONTWRITEBYTECODE="1")
-    results = [run_once(i, args.out, env, args.dump_after_s, args.gloo_timeout_s)
+    unknown = set(args.frameworks) - set(JOBS)
+    if unknown:
+        print(f"hierarchical_stress: unknown framework(s) {sorted(unknown)}; choose from {list(JOBS)}",
+              file=sys.stderr)
+        return 2
+    results = [run_once(i, args.frameworks, args.out, env, args.dump_after_s, args.gloo_timeout_s)
                for i in range(args.runs)]
     failed = [i for i, passed in enumerate(results) if not passed]
     print(f"\n{len(results) - len(failed)} of {len(results)} runs passed"

@@ -1,5 +1,5 @@
 """The stress harness of the hierarchical hang reads a run's outcome from its log."""
-from benchmarks.hierarchical_stress import RUN_LISTS, classify
+from benchmarks.hierarchical_stress import RUN_LISTS, TF_KIND_LISTS, classify, planned
 
 RUN_LIST = RUN_LISTS[0]
 
@@ -35,3 +35,13 @@ def test_gloo_timeouts_are_read_per_rank_and_fail_the_run():
 def test_missing_oks_fail_a_run_without_timeouts():
     log = "\n".join(_ok(r, "topk stock") for r in range(4))
     assert not classify(log, RUN_LIST).passed
+
+
+def test_the_frameworks_alternate_and_each_takes_its_run_lists_in_turn():
+    plan = [planned(i, ["torch", "tensorflow"]) for i in range(6)]
+    assert [framework for framework, _, _ in plan] == ["torch", "tensorflow"] * 3
+    assert [run_list for _, _, run_list in plan[0::2]] == [RUN_LISTS[0], RUN_LISTS[1], RUN_LISTS[0]]
+    assert [run_list for _, _, run_list in plan[1::2]] == [TF_KIND_LISTS[0], TF_KIND_LISTS[1], TF_KIND_LISTS[0]]
+    assert [job.worker.name for _, job, _ in plan[:2]] == ["hierarchy_torch.py", "hierarchy_tensorflow.py"]
+    assert [run_list for _, _, run_list in (planned(i, ["torch"]) for i in range(3))] == \
+        [RUN_LISTS[0], RUN_LISTS[1], RUN_LISTS[0]]

@@ -5,6 +5,8 @@ Keras 3 variables."""
 
 import pytest
 
+from benchmarks.hierarchical_stress import TF_KIND_LISTS
+
 from conftest import (TWO_HOSTS, check_dgc_hands_300x_fewer_bytes, check_one_worker_job, horovodrun,
                       traffic_figures)
 
@@ -152,7 +154,7 @@ def test_a_run_saved_on_2_workers_resumes_on_3_with_the_memories_redistributed(t
 
 # Slow, as its PyTorch twin, while the intermittent hang of the hierarchical jobs is open.
 @pytest.mark.slow
-@pytest.mark.parametrize("kinds", ["topk,scalecom", "dgc-sar,blocksign-bf16"])
+@pytest.mark.parametrize("kinds", TF_KIND_LISTS)
 def test_hierarchical_compresses_host_averages_between_hosts(kinds):
     """2 hosts x 2 workers in tf.function: each step's gradient and the memories equal a
     naive reference (topk) or the simulation of 2 workers fed the host averages."""
