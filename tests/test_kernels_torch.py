@@ -1,4 +1,5 @@
-"""The compiled selection kernels against the torch compositions they replace."""
+"""The compiled selection kernels against the torch compositions they replace, and TorchOps'
+shorter forms of an operation against torch's own."""
 import math
 
 import pytest
@@ -908,3 +909,26 @@ def test_pieces_read_zeros_past_their_last_and_must_share_one_dtype():
     assert not kernels.supports_accumulate(mixed, torch.zeros(whole.numel()))
     with pytest.raises(TypeError, match="accumulate takes"):
         kernels.error_feedback(mixed, 1.0, torch.zeros(whole.numel()))
+
+
+@pytest.mark.parametrize("a, b", [
+    (0, torch.tensor([5, -3, 7, 2], dtype=torch.int32)),  # a number into an integer tensor
+    (float("nan"), torch.tensor([1.5, -2.0, 0.25, 8.0], dtype=torch.float16)),
+    (0.5, torch.tensor([5, -3, 7, 2])),  # promotes: no in-place fill of an int64 tensor
+    (1, 0), (0, 1), (True, False),  # numbers only
+    (torch.tensor([9, 9, 9, 9]), 0),  # a tensor first
+    (0, torch.tensor(4)),  # a 0-d tensor the predicate broadcasts over
+])
+def test_where_equals_torch_where_in_values_and_dtype(a, b):
+    pred = torch.tensor([True, False, False, True])
+    got, want = TorchOps().where(pred, a, b), torch.where(pred, a, b)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, equal_nan=True)
+
+
+@pytest.mark.parametrize("offset, stride", [(0, 1), (3, 12), (11, 12), (5, 7)])
+def test_strided_sample_of_single_entries_is_every_stride_th_from_the_offset(offset, stride):
+    x = torch.arange(60, dtype=torch.int32)
+    got = TorchOps().strided_sample(x, offset, stride)
+    assert got.is_contiguous()
+    assert got.tolist() == [v for i, v in enumerate(range(60)) if i >= offset and (i - offset) % stride == 0]

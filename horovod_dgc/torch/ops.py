@@ -183,6 +183,12 @@ class TorchOps(TensorOps):
             return torch.as_tensor(a if pred else b)
         # Python numbers go in as they are: a CPU tensor made of one would be copied to the
         # GPU, and that copy waits for it.
+        # One operation each below, where where() first makes a tensor of every number.
+        if isinstance(b, torch.Tensor) and not isinstance(a, torch.Tensor) and pred.shape == b.shape \
+                and torch.result_type(b, a) == b.dtype:
+            return b.masked_fill(pred, a)
+        if pred.dtype == torch.bool and type(a) is int and type(b) is int and (a, b) == (1, 0):
+            return pred.to(torch.int64)
         return torch.where(pred, a, b)
 
     def topk_abs(self, x: torch.Tensor, k: int) -> torch.Tensor:
@@ -204,6 +210,8 @@ class TorchOps(TensorOps):
         return torch.cumsum(x.view(-1, row), 1, dtype=torch.int64).view(-1)
 
     def strided_sample(self, x: torch.Tensor, offset: int, stride: int, block: int = 1) -> torch.Tensor:
+        if block == 1 and x.dim() == 1:
+            return x[offset::stride].contiguous()  # two operations where the blocks' view takes five
         whole = x.numel() // block
         return x[:whole * block].view(-1, block)[offset::stride].reshape(-1)
 
