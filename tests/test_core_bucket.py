@@ -12,6 +12,7 @@ from horovod_dgc.core.bucket import (ALIGN, Bucket, GaussianPlan, Plan, Segment,
                                      select_candidates, select_gaussian, select_segments)
 from horovod_dgc.core.ops import BlockBounds, Candidates
 from horovod_dgc.core.methods import BY_NAME
+from horovod_dgc.core.nonfinite import NonFiniteGradientError
 from horovod_dgc.core.wire import MessageError
 from horovod_dgc.torch.engine import Engine
 from horovod_dgc.torch.ops import TorchOps
@@ -672,3 +673,36 @@ def test_buckets_hold_their_candidates_on_steady_gradients(method):
         want = per.decompress(torch.cat([o.message for o in outs]), outs)
         assert all(torch.equal(a, b) for a, b in zip(got, want)), step
     assert held[3:] == [True] * 5, held
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["checked-at-once", "checks-deferred-as-on-a-gpu"])
+def test_dense_tensors_received_as_one_equal_each_received_alone_and_a_non_finite_one_is_named(deferred):
+    """The fused optimizer all-reduces the tensors a method sends dense (blocksign's biases)
+    as one flat tensor and receives them at once: each average as dense_received gives it
+    alone (shape, dtype, values), and with nonfinite="raise" a NaN in one raises naming it."""
+    gen = torch.Generator().manual_seed(0)
+    grads = {"a.bias": torch.randn(5, generator=gen), "b.bias": torch.randn(2, 3, generator=gen).bfloat16(),
+             "c.bias": torch.randn(7, generator=gen)}
+    offsets = [0, 5, 11]
+
+    def engine() -> Engine:
+        made = Engine(BY_NAME["blocksign"].build(nonfinite="raise"), 1, 0)
+        made.ops = WaitingOps(defer_checks=True) if deferred else made.ops
+        return made
+
+    alone = engine()
+    # One worker: each all-reduce hands back what was sent.
+    want = [alone.dense_received(update, update.tensor)
+            for update in [alone.dense(name, grad, None) for name, grad in grads.items()]]
+    for poisoned in (None, 8):  # 8: an entry of b.bias
+        together = engine()
+        sent = [together.dense(name, grad, None) for name, grad in grads.items()]
+        flat = torch.cat([update.tensor.reshape(-1) for update in sent])
+        if poisoned is None:
+            got = together.dense_received_all(flat, list(zip(offsets, sent)))
+            assert [(g.shape, g.dtype) for g in got] == [(w.shape, w.dtype) for w in want]
+            assert all(torch.equal(g, w) for g, w in zip(got, want))
+        else:
+            flat[poisoned] = float("nan")
+            with pytest.raises(NonFiniteGradientError, match="gradient of tensor 'b.bias' held NaN"):
+                together.dense_received_all(flat, list(zip(offsets, sent)))

@@ -510,19 +510,40 @@ class Engine:
     def dense_received(self, sent: DenseUpdate, averaged: torch.Tensor) -> torch.Tensor:
         """The all-reduced ``sent.tensor`` in the gradient's dtype; a non-finite result (some
         rank's gradient was not finite) drops the step's memories."""
-        finite = torch.isfinite(averaged.sum(dtype=torch.float32))
+        self._received([sent.name], torch.isfinite(averaged.sum(dtype=torch.float32)), lambda: sent.name)
+        return averaged.to(sent.dtype)
+
+    def dense_received_all(self, averaged: torch.Tensor,
+                           sent: Sequence[Tuple[int, DenseUpdate]]) -> List[torch.Tensor]:
+        """:meth:`dense_received` of tensors all-reduced as one flat tensor, ``averaged``,
+        which holds each ``(offset, update)``'s average at that offset (elements) and nothing
+        but zero-element tensors besides: each average shaped as its gradient, in its dtype
+        (a view of ``averaged`` where that is the same), after one finiteness check of the
+        whole (its operations per bucket, not per tensor; the error of ``nonfinite="raise"``
+        still names a tensor that was not finite)."""
+        spans = [(offset, offset + update.tensor.numel(), update) for offset, update in sent]
+
+        def culprit() -> str:
+            return next(u.name for start, end, u in spans if not bool(torch.isfinite(averaged[start:end]).all()))
+
+        self._received([u.name for _, _, u in spans], torch.isfinite(averaged).all(), culprit)
+        parts = [averaged[start:end].view(u.tensor.shape) for start, end, u in spans]
+        return [part if part.dtype == u.dtype else part.to(u.dtype) for part, (_, _, u) in zip(parts, spans)]
+
+    def _received(self, names: Sequence[str], finite: Any, culprit: Callable[[], str]) -> None:
+        """These dense tensors came back, ``finite`` or not; with ``nonfinite="raise"`` a
+        non-finite one raises, naming ``culprit()``, once the step's checks are read."""
         if self.config.nonfinite == "raise":
             def explain() -> None:
-                raise NonFiniteGradientError(f"gradient of tensor {sent.name!r} held NaN or Inf on "
+                raise NonFiniteGradientError(f"gradient of tensor {culprit()!r} held NaN or Inf on "
                                              f"some rank; every memory was left as it was before "
                                              f"this step")
             if self.ops.defers_checks(finite):
                 finite = self.ops.verify(finite, [], explain, finite)
             elif not bool(finite):
-                self._conclude([sent.name], False)
+                self._conclude(names, False)
                 explain()
-        self._conclude([sent.name], finite)
-        return averaged.to(sent.dtype)
+        self._conclude(names, finite)
 
     def first(self, name: str, grad: torch.Tensor,
               param: Optional[torch.Tensor]) -> Tuple[torch.Tensor, StageHandover]:

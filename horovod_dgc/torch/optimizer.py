@@ -171,12 +171,17 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         engine = self._compression.engine
         for bucket in sorted(self._dense_exchanges):
             for handle, members in self._dense_exchanges[bucket]:
-                averaged, offset = wait(handle), 0
+                averaged, offset, received, grads = wait(handle), 0, [], []
                 for p in members:
                     sent, update = self._dense_ready[p]
-                    part = averaged[offset:offset + sent.numel()].view(sent.shape)
+                    if update is None:  # handed on untouched
+                        p.grad.copy_(averaged[offset:offset + sent.numel()].view(sent.shape))
+                    else:
+                        received.append((offset, update))
+                        grads.append(p.grad)
                     offset += sent.numel()
-                    p.grad.copy_(part if update is None else engine.dense_received(update, part))
+                if received:
+                    torch._foreach_copy_(grads, engine.dense_received_all(averaged, received))
 
     def _finish_buckets(self) -> None:
         """Install every bucket's averaged gradients as ``.grad``: views of the bucket's buffer
