@@ -16,8 +16,10 @@ CPU, one thread (or on ``--device cuda``):
 * **one tensor**: a single tensor of the same 25,557,032 entries, shaped ``(25557032, 1)`` so
   that it is compressed as a large tensor (a 1-D one would count as small).
 
-Tensors the method does not compress (blocksign's norms and biases, ``min_numel``) go dense in
-every layout, all-reduced tensor by tensor, as both Horovod paths send them.
+Tensors the method does not compress (blocksign's norms and biases, ``min_numel``) go dense:
+all-reduced tensor by tensor in the per-tensor and one-tensor layouts, as the stock path
+sends them, and in the buckets layout as one flat tensor received at once, as the fused
+optimizer's dense bucket.
 
 For each it prints the milliseconds of compress and decode per rank per step (medians,
 layouts interleaved in every round), and, from separate steps, the ATen operations dispatched
@@ -32,6 +34,7 @@ themselves (``host_syncs.SyncCounter``)::
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import statistics
 import time
@@ -42,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.compress import synchronize
 from benchmarks.host_syncs import compress_all, counter, decode_all, decode_buckets, resnet50, two_stages
-from horovod_dgc.core.collectives import DEFAULT_BUCKET_CAP_MB, cut_buckets
+from horovod_dgc.core.collectives import ALLREDUCE, DEFAULT_BUCKET_CAP_MB, cut_buckets, emulate
 from horovod_dgc.core.methods import BY_NAME, METHODS
 from horovod_dgc.torch.engine import Engine
 
@@ -106,10 +109,17 @@ class Run:
             decode_all(self.engines, self.names, self.shapes, outputs)
 
     def _dense_step(self, grads: List[List[torch.Tensor]]) -> None:
-        """The tensors the method does not compress, all-reduced one by one."""
-        picked = [[rank_grads[i] for i in self.dense] for rank_grads in grads]
-        names, shapes = [self.names[i] for i in self.dense], [self.shapes[i] for i in self.dense]
-        decode_all(self.engines, names, shapes, compress_all(self.engines, names, picked))
+        """The tensors the method does not compress, as the fused optimizer's dense bucket:
+        every rank's all-reduced as one flat tensor and received at once."""
+        if not self.dense:
+            return
+        sent = [[engine.dense(self.names[i], rank_grads[i], None) for i in self.dense]
+                for engine, rank_grads in zip(self.engines, grads)]
+        offsets = [0] + list(itertools.accumulate(update.tensor.numel() for update in sent[0]))[:-1]
+        reduced = emulate(self.engines[0].ops, ALLREDUCE,
+                          [torch.cat([update.tensor.reshape(-1) for update in rank_sent]) for rank_sent in sent])
+        for engine, rank_sent, averaged in zip(self.engines, sent, reduced):
+            engine.dense_received_all(averaged, list(zip(offsets, rank_sent)))
 
     def _bucketed_step(self, grads: List[List[torch.Tensor]]) -> None:
         """Every bucket compressed, then every bucket decoded, as a training step runs them
