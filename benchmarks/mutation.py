@@ -411,8 +411,11 @@ MUTANTS: Tuple[Mutant, ...] = (
        "DGC accepts an SGD with momentum"),
     _m("zero-judged-by-wrapper", "torch/compression.py", "return optimizer.optim", "return optimizer",
        "a ZeroRedundancyOptimizer judged by itself, not by the SGD it builds"),
-    _m("ddp-dense-momentum-dropped", "torch/ddp.py", "averaged = engine.dense_received(update, averaged)",
-       "averaged = averaged", "the DDP hook hands a dense tensor's average without DGC's momentum"),
+    _m("ddp-dense-momentum-dropped", "torch/ddp.py", "results = engine.dense_received_all(transport.wait(handle),",
+       "results = (lambda averaged, received: [averaged[o:o + u.tensor.numel()].view(u.tensor.shape)\n"
+       "                                                             for o, u in received])(transport.wait(handle),",
+       "the DDP hook hands its dense tensors' averages on without the engine (their memories "
+       "never concluded)"),
     _m("stock-average-compressed-again", "torch/compression.py",
        "if synchronizing and name in self._exchanged:\n                return True",
        "if False:\n                return True",

@@ -33,6 +33,7 @@ Horovod need not be installed and is never initialised here: the collectives are
 ``torch.distributed``'s, over DDP's own process group (Gloo on CPU, NCCL for CUDA tensors).
 """
 # No ``from __future__ import annotations``: DDP checks the hook's annotations as objects.
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
@@ -64,8 +65,10 @@ class _BucketInFlight:
         future: what the hook returned to DDP; completed with ``buffer`` by :meth:`finish`.
         exchange: the compressed tensors' exchange (the family's), or None.
         compressed: positions in ``views`` of the compressed tensors, in ``exchange`` order.
-        dense: (position, launched all-reduce, what the engine sent or None for a tensor
-            that passes through) for every tensor that travels dense.
+        passed: (position, launched all-reduce) of every tensor that passes through
+            untouched (zero-element or not floating-point).
+        dense: the tensors the method sends dense, all-reduced as one flat tensor per dtype:
+            (launched all-reduce, (position, offset in it, what the engine sent) each).
         used: the all-reduce of whether each rank used each parameter, when the model may
             leave parameters unused (else None).
     """
@@ -77,7 +80,8 @@ class _BucketInFlight:
     future: torch.futures.Future
     exchange: Any = None
     compressed: List[int] = field(default_factory=list)
-    dense: List[Tuple[int, Pending, Optional[DenseUpdate]]] = field(default_factory=list)
+    passed: List[Tuple[int, Pending]] = field(default_factory=list)
+    dense: List[Tuple[Pending, List[Tuple[int, int, DenseUpdate]]]] = field(default_factory=list)
     used: Optional[Pending] = None
 
 
@@ -222,21 +226,26 @@ class DDPCompressionState:
             flags = torch.tensor([float(name in self._used) for name in flight.names],
                                  device=flight.buffer.device)  # NCCL takes CUDA tensors only
             flight.used = transport.launch(ALLREDUCE, flags, f"used.bucket{flight.index}")
-        entries = []
+        entries, dense = [], {}
         for position, (name, param, grad) in enumerate(zip(flight.names, params, flight.views)):
             if grad.numel() and not _inside(grad, flight.buffer):
                 raise RuntimeError(f"rank {transport.rank()}: DDP's gradient of {name!r} is not a "
                                    f"view of its bucket's buffer; this hook writes its results there")
             if Engine.passes_through(grad):
-                handle = transport.launch(ALLREDUCE, grad.reshape(-1), f"dense.{name}")
-                flight.dense.append((position, handle, None))
+                flight.passed.append((position, transport.launch(ALLREDUCE, grad.reshape(-1), f"dense.{name}")))
             elif not engine.compresses(grad):
                 update = engine.dense(name, grad, param)
-                handle = transport.launch(ALLREDUCE, update.tensor.reshape(-1), f"dense.{name}")
-                flight.dense.append((position, handle, update))
+                dense.setdefault(update.tensor.dtype, []).append((position, update))
             else:
                 flight.compressed.append(position)
                 entries.append((name, grad, param))
+        for dtype, members in dense.items():
+            # One all-reduce for the bucket's dense tensors of a dtype, not one each.
+            offsets = itertools.accumulate((update.tensor.numel() for _, update in members), initial=0)
+            flat = torch.cat([update.tensor.reshape(-1) for _, update in members])
+            handle = transport.launch(ALLREDUCE, flat, f"dense.{members[0][1].name}.{str(dtype).replace('torch.', '')}")
+            flight.dense.append((handle, [(position, offset, update) for (position, update), offset
+                                          in zip(members, offsets)]))
         if entries:
             flight.exchange = self.compression.launch(f"bucket{flight.index}", entries)
 
@@ -254,11 +263,12 @@ class DDPCompressionState:
                 if flight.exchange is not None:
                     results = self.compression.finish(flight.exchange)
                     torch._foreach_copy_([flight.views[position] for position in flight.compressed], results)
-                for position, handle, update in flight.dense:
-                    averaged = transport.wait(handle)
-                    if update is not None:
-                        averaged = engine.dense_received(update, averaged)
-                    flight.views[position].copy_(averaged.reshape(flight.views[position].shape))
+                for position, handle in flight.passed:
+                    flight.views[position].copy_(transport.wait(handle).reshape(flight.views[position].shape))
+                for handle, members in flight.dense:
+                    results = engine.dense_received_all(transport.wait(handle),
+                                                        [(offset, update) for _, offset, update in members])
+                    torch._foreach_copy_([flight.views[position] for position, _, _ in members], results)
             self.compression.end_step()
         except BaseException as error:
             self._fail(error)
