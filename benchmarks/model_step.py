@@ -115,7 +115,7 @@ class Run:
             return
         sent = [[engine.dense(self.names[i], rank_grads[i], None) for i in self.dense]
                 for engine, rank_grads in zip(self.engines, grads)]
-        offsets = [0] + list(itertools.accumulate(update.tensor.numel() for update in sent[0]))[:-1]
+        offsets = list(itertools.accumulate((update.tensor.numel() for update in sent[0]), initial=0))
         reduced = emulate(self.engines[0].ops, ALLREDUCE,
                           [torch.cat([update.tensor.reshape(-1) for update in rank_sent]) for rank_sent in sent])
         for engine, rank_sent, averaged in zip(self.engines, sent, reduced):

@@ -181,14 +181,14 @@ class TorchOps(TensorOps):
     def where(self, pred: Scalar, a: Scalar, b: Scalar) -> torch.Tensor:
         if not isinstance(pred, torch.Tensor):
             return torch.as_tensor(a if pred else b)
-        # Python numbers go in as they are: a CPU tensor made of one would be copied to the
-        # GPU, and that copy waits for it.
         # One operation each below, where where() first makes a tensor of every number.
         if isinstance(b, torch.Tensor) and not isinstance(a, torch.Tensor) and pred.shape == b.shape \
                 and torch.result_type(b, a) == b.dtype:
             return b.masked_fill(pred, a)
         if pred.dtype == torch.bool and type(a) is int and type(b) is int and (a, b) == (1, 0):
             return pred.to(torch.int64)
+        # Python numbers go in as they are: a CPU tensor made of one would be copied to the
+        # GPU, and that copy waits for it.
         return torch.where(pred, a, b)
 
     def topk_abs(self, x: torch.Tensor, k: int) -> torch.Tensor:
