@@ -34,7 +34,6 @@ themselves (``host_syncs.SyncCounter``)::
 from __future__ import annotations
 
 import argparse
-import itertools
 import math
 import statistics
 import time
@@ -109,17 +108,16 @@ class Run:
             decode_all(self.engines, self.names, self.shapes, outputs)
 
     def _dense_step(self, grads: List[List[torch.Tensor]]) -> None:
-        """The tensors the method does not compress, as the fused optimizer's dense bucket:
-        every rank's all-reduced as one flat tensor and received at once."""
+        """The tensors the method does not compress, as the fused optimizer's dense bucket
+        sends them (``Engine.dense_all``: one flat tensor per dtype), all-reduced and received."""
         if not self.dense:
             return
-        sent = [[engine.dense(self.names[i], rank_grads[i], None) for i in self.dense]
+        sent = [engine.dense_all("dense", [(self.names[i], rank_grads[i], None) for i in self.dense])
                 for engine, rank_grads in zip(self.engines, grads)]
-        offsets = list(itertools.accumulate((update.tensor.numel() for update in sent[0]), initial=0))
-        reduced = emulate(self.engines[0].ops, ALLREDUCE,
-                          [torch.cat([update.tensor.reshape(-1) for update in rank_sent]) for rank_sent in sent])
-        for engine, rank_sent, averaged in zip(self.engines, sent, reduced):
-            engine.dense_received_all(averaged, list(zip(offsets, rank_sent)))
+        for j in range(len(sent[0])):
+            reduced = emulate(self.engines[0].ops, ALLREDUCE, [rank_sent[j][0].tensor for rank_sent in sent])
+            for engine, rank_sent, averaged in zip(self.engines, sent, reduced):
+                engine.dense_all_received(rank_sent[j][0], averaged)
 
     def _bucketed_step(self, grads: List[List[torch.Tensor]]) -> None:
         """Every bucket compressed, then every bucket decoded, as a training step runs them

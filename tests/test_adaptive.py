@@ -50,8 +50,7 @@ def dense_step(engines, grads):
     updates = [e.flush_bucket(b, [g.clone() for g in gs], [None] * len(NAMES))
                for e, b, gs in zip(engines, buckets, grads)]
     average = sum(u.tensor for u in updates) / len(engines)
-    return [[t.clone() for t in e.flushed(u, average.clone(), b, [g.shape for g in gs])]
-            for e, u, b, gs in zip(engines, updates, buckets, grads)]
+    return [[t.clone() for t in e.bucket_received(u, average.clone())] for e, u in zip(engines, updates)]
 
 
 def owed(engines, name: str, numel: int) -> torch.Tensor:
@@ -102,8 +101,8 @@ def test_a_dense_step_of_float16_gradients_keeps_what_the_wire_rounds_away():
     buckets = [e.bucket("layer", list(zip(NAMES, gs))) for e, gs in zip(engines, grads)]
     updates = [e.flush_bucket(b, gs, [None] * len(NAMES)) for e, b, gs in zip(engines, buckets, grads)]
     average = sum(u.tensor.float() for u in updates) / world
-    for e, u, b, gs in zip(engines, updates, buckets, grads):
-        e.flushed(u, average.half(), b, [g.shape for g in gs])
+    for e, u in zip(engines, updates):
+        e.bucket_received(u, average.half())
     rounded = 0
     for r, engine in enumerate(engines):
         assert updates[r].tensor.dtype == torch.float16

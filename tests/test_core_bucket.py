@@ -675,34 +675,93 @@ def test_buckets_hold_their_candidates_on_steady_gradients(method):
     assert held[3:] == [True] * 5, held
 
 
+# Tensors sent dense, and what one worker sends for each at every step, with its momentum m
+# (float32): blocksign's Nesterov momentum, DGC's momentum with each tensor's weight decay
+# (the decayed gradient in the gradient's dtype), Top-k's gradient as it is.
+DENSE_SENDS = {
+    "blocksign": ({"momentum": 0.9}, lambda g, p, m, wd, dtype: (0.9 * m + g, g + 0.9 * (0.9 * m + g))),
+    "dgc": ({"small_density": None},
+            lambda g, p, m, wd, dtype: (0.9 * m + (g + wd * p).to(dtype).float(),) * 2),
+    "topk": ({"small_density": None}, lambda g, p, m, wd, dtype: (m, g)),
+}
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["averaged-elsewhere", "averaged-in-place"])
+@pytest.mark.parametrize("method", sorted(DENSE_SENDS))
+def test_dense_tensors_sent_as_one_flat_tensor_per_dtype_follow_each_tensors_equation(method, in_place):
+    """Engine.dense_all (the fused optimizer's and the DDP hook's dense tensors): one flat
+    tensor per dtype; on one worker each tensor's average is what the method's equation sends
+    for it (its own momentum and weight decay, bfloat16 tensors rounded once), step after
+    step, the memories kept per tensor as the equation's, and a checkpoint laid out per tensor
+    as the stock path's (tensor by tensor) is."""
+    options, equation = DENSE_SENDS[method]
+    gen = torch.Generator().manual_seed(2)
+    shapes = {"a.bias": (5,), "b.weight": (2, 3), "c.bias": (7,), "d.bias": (1,)}
+    dtypes = {"a.bias": torch.float32, "b.weight": torch.bfloat16, "c.bias": torch.float32,
+              "d.bias": torch.bfloat16}
+    decays = {"a.bias": 0.0, "b.weight": 1e-2, "c.bias": 0.5, "d.bias": 0.0} if method == "dgc" else {}
+    params = {n: torch.randn(shapes[n], generator=gen).to(dtypes[n]) for n in shapes}
+    together, alone = (Engine(BY_NAME[method].build(**options), 1, 0) for _ in range(2))
+    for engine in (together, alone):
+        engine.set_weight_decays(decays)
+    momenta = {n: torch.zeros(shapes[n]) for n in shapes}
+    for step in range(3):
+        grads = {n: torch.randn(shapes[n], generator=gen).to(dtypes[n]) for n in shapes}
+        sends = together.dense_all("dense", [(n, grads[n], params[n]) for n in shapes])
+        assert [update.tensor.dtype for update, _ in sends] == [torch.float32] * 2
+        got = {}
+        for update, places in sends:
+            averaged = update.tensor if in_place else update.tensor.clone()
+            for i, result in zip(places, together.dense_all_received(update, averaged)):
+                got[list(shapes)[i]] = result
+        for n in shapes:
+            momenta[n], want = equation(grads[n].float(), params[n].float(), momenta[n], decays.get(n, 0.0),
+                                        dtypes[n])
+            assert got[n].dtype == dtypes[n] and got[n].shape == shapes[n], n
+            torch.testing.assert_close(got[n].float(), want.to(dtypes[n]).float(), rtol=1e-6, atol=1e-6,
+                                       msg=f"{n} at step {step}")
+            if method != "topk":
+                torch.testing.assert_close(together.memories(n)["momentum"].reshape(shapes[n]), momenta[n],
+                                           rtol=1e-6, atol=1e-6, msg=f"{n}'s momentum at step {step}")
+            update = alone.dense(n, grads[n], params[n])
+            alone.dense_received(update, update.tensor)
+    saved, each = together.state_dict()["states"], alone.state_dict()["states"]
+    assert sorted(saved) == sorted(each)
+    assert all(torch.equal(saved[n][k], each[n][k]) for n in each for k in each[n])
+
+
 @pytest.mark.parametrize("deferred", [False, True], ids=["checked-at-once", "checks-deferred-as-on-a-gpu"])
-def test_dense_tensors_received_as_one_equal_each_received_alone_and_a_non_finite_one_is_named(deferred):
-    """The fused optimizer all-reduces the tensors a method sends dense (blocksign's biases)
-    as one flat tensor and receives them at once: each average as dense_received gives it
-    alone (shape, dtype, values), and with nonfinite="raise" a NaN in one raises naming it."""
+def test_a_non_finite_average_of_dense_tensors_sent_as_one_names_the_tensor_and_keeps_memories(deferred):
+    """A NaN in one tensor's part of a dense bucket's average: with nonfinite="raise" the
+    error names that tensor, every memory is left as it was before the step, and the next
+    step goes on (nothing of the NaN kept in the bucket's buffers)."""
     gen = torch.Generator().manual_seed(0)
-    grads = {"a.bias": torch.randn(5, generator=gen), "b.bias": torch.randn(2, 3, generator=gen).bfloat16(),
+    grads = {"a.bias": torch.randn(5, generator=gen), "b.bias": torch.randn(2, 3, generator=gen),
              "c.bias": torch.randn(7, generator=gen)}
-    offsets = [0, 5, 11]
-
-    def engine() -> Engine:
-        made = Engine(BY_NAME["blocksign"].build(nonfinite="raise"), 1, 0)
-        made.ops = WaitingOps(defer_checks=True) if deferred else made.ops
-        return made
-
-    alone = engine()
-    # One worker: each all-reduce hands back what was sent.
-    want = [alone.dense_received(update, update.tensor)
-            for update in [alone.dense(name, grad, None) for name, grad in grads.items()]]
-    for poisoned in (None, 8):  # 8: an entry of b.bias
-        together = engine()
-        sent = [together.dense(name, grad, None) for name, grad in grads.items()]
-        flat = torch.cat([update.tensor.reshape(-1) for update in sent])
+    engine = Engine(BY_NAME["blocksign"].build(nonfinite="raise", momentum=0.9), 1, 0)
+    engine.ops = WaitingOps(defer_checks=True) if deferred else engine.ops
+    for poisoned in (None, ALIGN + 2, None):  # an entry of b.bias (each starts at a multiple of ALIGN)
+        before = {n: engine.memories(n)["momentum"].clone() for n in grads} if poisoned else None
+        [(update, _)] = engine.dense_all("dense", [(n, g, None) for n, g in grads.items()])
+        averaged = update.tensor.clone()
         if poisoned is None:
-            got = together.dense_received_all(flat, list(zip(offsets, sent)))
-            assert [(g.shape, g.dtype) for g in got] == [(w.shape, w.dtype) for w in want]
-            assert all(torch.equal(g, w) for g, w in zip(got, want))
-        else:
-            flat[poisoned] = float("nan")
-            with pytest.raises(NonFiniteGradientError, match="gradient of tensor 'b.bias' held NaN"):
-                together.dense_received_all(flat, list(zip(offsets, sent)))
+            assert all(torch.isfinite(r).all() for r in engine.dense_all_received(update, averaged))
+            continue
+        averaged[poisoned] = float("nan")
+        with pytest.raises(NonFiniteGradientError, match="gradient of tensor 'b.bias' held NaN"):
+            engine.dense_all_received(update, averaged)
+        assert all(torch.equal(engine.memories(n)["momentum"], before[n]) for n in grads)
+
+
+def test_dense_tensors_of_a_method_that_clips_each_go_one_by_one():
+    """DGC with clip_norm bounds each tensor's own norm, which a bucket's pass does not take:
+    Engine.dense_all sends each tensor sent dense on its own, as Engine.dense does."""
+    gen = torch.Generator().manual_seed(3)
+    grads = {"a.bias": torch.randn(5, generator=gen), "b.bias": torch.randn(3, generator=gen)}
+    together, alone = (Engine(BY_NAME["dgc"].build(small_density=None, clip_norm=0.5), 1, 0) for _ in range(2))
+    sends = together.dense_all("dense", [(n, g, None) for n, g in grads.items()])
+    assert [places for _, places in sends] == [[0], [1]]
+    for (update, _), (n, g) in zip(sends, grads.items()):
+        want = alone.dense(n, g, None).tensor
+        assert update.bucket is None and torch.equal(update.tensor, want)
+        assert torch.linalg.vector_norm(want) <= 0.5 + 1e-6

@@ -363,11 +363,20 @@ class BlockSign(TwoStageMethod):
         return ops.add(state["residual"], direction, 1.0, factor), emptied(ops, state, "residual")
 
     def dense(self, ops: TensorOps, state: State, grad: Tensor, call: CompressCall) -> Tuple[Tensor, State]:
-        direction, factor, state = self._momentum_step(ops, state, grad, call.unscale)
-        update = ops.copy(direction) if direction is grad else direction
-        if not (isinstance(factor, (int, float)) and factor == 1.0):
-            update = ops.scale(update, factor)
-        return update, state
+        update, state = self._dense_step(ops, state, grad, call.unscale)
+        return (ops.copy(update) if update is grad else update), state
+
+    def dense_bucket(self, ops: TensorOps, state: State, grad: Tensor,
+                     call: BucketCall) -> Tuple[Tensor, State]:
+        """:meth:`dense` on the bucket's own flat buffer, which it may hand back itself."""
+        return self._dense_step(ops, state, grad, call.unscale)
+
+    def _dense_step(self, ops: TensorOps, state: State, grad: Tensor, unscale: Scalar) -> Tuple[Tensor, State]:
+        """The step's direction (``grad`` itself where nothing changes it), and the state."""
+        direction, factor, state = self._momentum_step(ops, state, grad, unscale)
+        if isinstance(factor, (int, float)) and factor == 1.0:
+            return direction, state
+        return ops.scale(direction, factor), state
 
     def first(self, ops: TensorOps, state: State, grad: Tensor,
               call: CompressCall) -> Tuple[Tensor, State, StageHandover]:

@@ -85,7 +85,8 @@ class Segment:
 @dataclass(frozen=True)
 class Bucket:
     """Tensors exchanged as one: a label identical on every rank, the segments in order and
-    the dtype of their gradients (a bucket holds one dtype).
+    the dtype of their gradients (a bucket holds one dtype), and whether they are compressed
+    (else sent dense: their memories are a tensor's that is not compressed).
 
     Raises ValueError on construction for an empty bucket, repeated names, or segments that
     are not laid out one after another at multiples of ALIGN.
@@ -94,6 +95,7 @@ class Bucket:
     label: str
     segments: Tuple[Segment, ...]
     dtype: str
+    compressed: bool = True
 
     def __post_init__(self) -> None:
         if not self.segments:
@@ -109,13 +111,14 @@ class Bucket:
             offset += s.span
 
     @classmethod
-    def of(cls, label: str, members: Sequence[Tuple[str, int, bool]], dtype: str) -> "Bucket":
+    def of(cls, label: str, members: Sequence[Tuple[str, int, bool]], dtype: str,
+           compressed: bool = True) -> "Bucket":
         """The bucket of ``members``, (name, numel, small) each, laid out in that order."""
         segments, offset = [], 0
         for name, numel, small in members:
             segments.append(Segment(name, numel, offset, small))
             offset += aligned(numel)
-        return cls(label, tuple(segments), dtype)
+        return cls(label, tuple(segments), dtype, compressed)
 
     @property
     def numel(self) -> int:

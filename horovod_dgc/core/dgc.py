@@ -112,6 +112,11 @@ class DGC(SparseMethod):
         config with ``clip_norm`` compresses tensor by tensor."""
         return self.config.clip_norm is None
 
+    @property
+    def dense_bucketed(self) -> bool:
+        """As :attr:`bucketed`: the tensors sent dense are clipped too."""
+        return self.bucketed
+
     def prepare_bucket(self, ops: TensorOps, grad: Tensor, call: BucketCall) -> Tuple[Tensor, Scalar]:
         """:meth:`prepare` of every segment: the loss scale undone and each segment's weight
         decay added (one factor for the bucket when they are all alike)."""

@@ -190,6 +190,18 @@ class Method(ABC):
         else each is compressed on its own."""
         return False
 
+    @property
+    def dense_bucketed(self) -> bool:
+        """Whether :meth:`dense_bucket` takes a bucket of the tensors sent dense (doing to
+        each what :meth:`dense` does); else each goes on its own."""
+        return True
+
+    def require_dense_bucketed(self) -> None:
+        """Raises TypeError unless :attr:`dense_bucketed`."""
+        if not self.dense_bucketed:
+            raise TypeError(f"{type(self).__name__} with these settings sends its dense tensors "
+                            f"one by one")
+
     def require_bucketed(self) -> None:
         """Raises TypeError unless the method compresses a bucket as one (:attr:`bucketed`)."""
         if not self.bucketed:
@@ -239,8 +251,9 @@ class Method(ABC):
     def state_buckets(self, bucket: Bucket, world_size: int) -> Dict[str, Bucket]:
         """Per memory, the layout of its flat buffer when ``bucket``'s tensors keep their
         memories as one: ``bucket`` itself for a per-worker memory, this rank's shards of every
-        tensor (:func:`~.bucket.shards_of`, :meth:`shard_length` entries each) for a sharded one."""
-        layout = self.state_layout(True)
+        tensor (:func:`~.bucket.shards_of`, :meth:`shard_length` entries each) for a sharded one
+        (the memories of a compressed tensor, or of one sent dense: ``bucket.compressed``)."""
+        layout = self.state_layout(bucket.compressed)
         layouts = {name: bucket for name in layout.per_worker}
         if layout.sharded:
             shards = shards_of(bucket, tuple(self.shard_length(s.numel, world_size) for s in bucket.segments))
@@ -257,6 +270,12 @@ class Method(ABC):
     def dense(self, ops: TensorOps, state: State, grad: Tensor,
               call: CompressCall) -> Tuple[Tensor, State]:
         """What to all-reduce for a tensor that is not compressed, and the new state."""
+        return grad, state
+
+    def dense_bucket(self, ops: TensorOps, state: State, grad: Tensor,
+                     call: BucketCall) -> Tuple[Tensor, State]:
+        """:meth:`dense` of every tensor of a bucket that is not compressed, at once:
+        ``grad`` and ``state`` flat as the bucket lays them out (``state_buckets``)."""
         return grad, state
 
     # -- a compressed tensor sent dense (an adaptive switch, docs/algorithms.md#adaptive) -------

@@ -268,6 +268,10 @@ class SparseMethod(Method):
         """What to all-reduce for a tensor that is not compressed, and the new state."""
         return self.memory.dense(ops, state, *self.prepare(ops, grad, call), spare=call.spare)
 
+    def dense_bucket(self, ops: TensorOps, state: State, grad: Tensor,
+                     call: BucketCall) -> Tuple[Tensor, State]:
+        return self.memory.dense(ops, state, *self.prepare_bucket(ops, grad, call), spare=call.spare)
+
     @property
     def pending_memory(self) -> str:
         return self.memory.pending

@@ -22,10 +22,10 @@ from .engine import REDUCIBLE, DenseUpdate, Entry, in_entry_order
 
 @dataclass
 class FlushExchange:
-    """A label's dense step in flight: per bucket, the all-reduce, what was sent, the bucket,
-    its members' shapes and their places among the entries."""
+    """A label's dense step in flight: per bucket, the all-reduce, what was sent (the bucket
+    with it) and its members' places among the entries."""
 
-    launched: List[Tuple[Any, DenseUpdate, Bucket, Tuple[torch.Size, ...], List[int]]]
+    launched: List[Tuple[Any, DenseUpdate, List[int]]]
     step: int
 
 
@@ -67,14 +67,14 @@ class AdaptiveExchanges:
         for bucket, members in buckets:
             update = engine.flush_bucket(bucket, [entries[i][1] for i in members], [entries[i][2] for i in members])
             handle = transport.launch(ALLREDUCE, update.tensor, f"flush.{bucket.key}")
-            launched.append((handle, update, bucket, tuple(entries[i][1].shape for i in members), members))
+            launched.append((handle, update, members))
         return FlushExchange(launched, engine.steps_taken - 1)
 
     def finish(self, exchange: FlushExchange) -> List[torch.Tensor]:
         engine, transport = self.compressor.engine, self.compressor.transport
         places, averaged = [], []
-        for handle, update, bucket, shapes, members in exchange.launched:
-            averaged += engine.flushed(update, transport.wait(handle), bucket, shapes)
+        for handle, update, members in exchange.launched:
+            averaged += engine.bucket_received(update, transport.wait(handle))
             places += members
         return in_entry_order(places, averaged)
 

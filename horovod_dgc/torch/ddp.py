@@ -33,7 +33,6 @@ Horovod need not be installed and is never initialised here: the collectives are
 ``torch.distributed``'s, over DDP's own process group (Gloo on CPU, NCCL for CUDA tensors).
 """
 # No ``from __future__ import annotations``: DDP checks the hook's annotations as objects.
-import itertools
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
@@ -67,8 +66,9 @@ class _BucketInFlight:
         compressed: positions in ``views`` of the compressed tensors, in ``exchange`` order.
         passed: (position, launched all-reduce) of every tensor that passes through
             untouched (zero-element or not floating-point).
-        dense: the tensors the method sends dense, all-reduced as one flat tensor per dtype:
-            (launched all-reduce, (position, offset in it, what the engine sent) each).
+        dense: the tensors the method sends dense, all-reduced as one flat tensor per dtype
+            (``Engine.dense_all``): (launched all-reduce, what the engine sent, the
+            tensors' positions) each.
         used: the all-reduce of whether each rank used each parameter, when the model may
             leave parameters unused (else None).
     """
@@ -81,7 +81,7 @@ class _BucketInFlight:
     exchange: Any = None
     compressed: List[int] = field(default_factory=list)
     passed: List[Tuple[int, Pending]] = field(default_factory=list)
-    dense: List[Tuple[Pending, List[Tuple[int, int, DenseUpdate]]]] = field(default_factory=list)
+    dense: List[Tuple[Pending, DenseUpdate, List[int]]] = field(default_factory=list)
     used: Optional[Pending] = None
 
 
@@ -226,7 +226,7 @@ class DDPCompressionState:
             flags = torch.tensor([float(name in self._used) for name in flight.names],
                                  device=flight.buffer.device)  # NCCL takes CUDA tensors only
             flight.used = transport.launch(ALLREDUCE, flags, f"used.bucket{flight.index}")
-        entries, dense = [], {}
+        entries, dense = [], []
         for position, (name, param, grad) in enumerate(zip(flight.names, params, flight.views)):
             if grad.numel() and not _inside(grad, flight.buffer):
                 raise RuntimeError(f"rank {transport.rank()}: DDP's gradient of {name!r} is not a "
@@ -234,18 +234,14 @@ class DDPCompressionState:
             if Engine.passes_through(grad):
                 flight.passed.append((position, transport.launch(ALLREDUCE, grad.reshape(-1), f"dense.{name}")))
             elif not engine.compresses(grad):
-                update = engine.dense(name, grad, param)
-                dense.setdefault(update.tensor.dtype, []).append((position, update))
+                dense.append((position, (name, grad, param)))
             else:
                 flight.compressed.append(position)
                 entries.append((name, grad, param))
-        for dtype, members in dense.items():
-            # One all-reduce for the bucket's dense tensors of a dtype, not one each.
-            offsets = itertools.accumulate((update.tensor.numel() for _, update in members), initial=0)
-            flat = torch.cat([update.tensor.reshape(-1) for _, update in members])
-            handle = transport.launch(ALLREDUCE, flat, f"dense.{members[0][1].name}.{str(dtype).replace('torch.', '')}")
-            flight.dense.append((handle, [(position, offset, update) for (position, update), offset
-                                          in zip(members, offsets)]))
+        if dense:
+            for update, places in engine.dense_all(f"bucket{flight.index}", [entry for _, entry in dense]):
+                flight.dense.append((transport.launch(ALLREDUCE, update.tensor, f"dense.{update.name}"), update,
+                                     [dense[i][0] for i in places]))
         if entries:
             flight.exchange = self.compression.launch(f"bucket{flight.index}", entries)
 
@@ -265,10 +261,9 @@ class DDPCompressionState:
                     torch._foreach_copy_([flight.views[position] for position in flight.compressed], results)
                 for position, handle in flight.passed:
                     flight.views[position].copy_(transport.wait(handle).reshape(flight.views[position].shape))
-                for handle, members in flight.dense:
-                    results = engine.dense_received_all(transport.wait(handle),
-                                                        [(offset, update) for _, offset, update in members])
-                    torch._foreach_copy_([flight.views[position] for position, _, _ in members], results)
+                for handle, update, positions in flight.dense:
+                    results = engine.dense_all_received(update, transport.wait(handle))
+                    torch._foreach_copy_([flight.views[position] for position in positions], results)
             self.compression.end_step()
         except BaseException as error:
             self._fail(error)

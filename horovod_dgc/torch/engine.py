@@ -65,12 +65,14 @@ class OutgoingMessage:
 
 @dataclass
 class DenseUpdate:
-    """A tensor that travels dense: what to all-reduce, and how to give the result back."""
+    """A tensor that travels dense, or a bucket's tensors as one (``bucket``): what to
+    all-reduce, and how to give the result back."""
 
     name: str
     tensor: torch.Tensor
     dtype: torch.dtype
     loss_scale: float = 1.0
+    bucket: Optional[Bucket] = None
 
 
 # What one tensor brings to an exchange: its name, gradient and parameter.
@@ -316,17 +318,19 @@ class Engine:
         return OutgoingMessage(name, result.message, result.layout, step, grad.shape, grad.dtype,
                                scale, flat if _consumed(flat, result.message, result.state) else None)
 
-    def bucket(self, label: str, entries: Sequence[Tuple[str, torch.Tensor]]) -> Bucket:
-        """The bucket of these (name, gradient) pairs under ``label`` (one dtype), made once."""
+    def bucket(self, label: str, entries: Sequence[Tuple[str, torch.Tensor]], compressed: bool = True) -> Bucket:
+        """The bucket of these (name, gradient) pairs under ``label`` (one dtype), made once;
+        ``compressed=False`` for tensors the method sends dense (:meth:`dense_bucket`)."""
         known = self._bucket_of.get((label, tuple(name for name, _ in entries)))
-        if known is not None and all(g.dtype == entries[0][1].dtype for _, g in entries) and [
+        if known is not None and known.compressed == compressed and all(
+                g.dtype == entries[0][1].dtype for _, g in entries) and [
                 s.numel for s in known.segments] == [g.numel() for _, g in entries]:
             return known
         dtypes = {grad.dtype for _, grad in entries}
         if len(dtypes) != 1:
             raise ValueError(f"bucket {label!r} holds gradients of several dtypes: {sorted(map(str, dtypes))}")
         bucket = Bucket.of(label, [(name, grad.numel(), self.config.is_small(tuple(grad.shape)))
-                                   for name, grad in entries], dtype_name(dtypes.pop()))
+                                   for name, grad in entries], dtype_name(dtypes.pop()), compressed)
         with self._lock:
             bucket = self._buckets.setdefault(bucket.key, bucket)
             self._bucket_of[(label, bucket.names)] = bucket
@@ -373,7 +377,7 @@ class Engine:
                      params: Sequence[Optional[torch.Tensor]]) -> DenseUpdate:
         """A compressed bucket's dense step (``Method.flush_bucket``: its gradients with every
         update its memories owe): what to all-reduce (averaged), flat; give the result to
-        :meth:`flushed`."""
+        :meth:`bucket_received`."""
         call, flat = self._bucket_call(bucket, grads, params)
         wire = REDUCIBLE.get(grads[0].dtype, grads[0].dtype)
         update, state = self.method.flush_bucket(self.ops, self._bucket_state(bucket, flat), flat, call,
@@ -381,13 +385,65 @@ class Engine:
         self._stage(bucket.key, state)
         self._record(call.step, ALLREDUCE, update.numel() * update.element_size(), None,
                      dense_bytes=sum(s.numel for s in bucket.segments) * flat.element_size())
-        return DenseUpdate(bucket.key, update, grads[0].dtype, call.loss_scale)
+        return DenseUpdate(bucket.key, update, grads[0].dtype, call.loss_scale, bucket)
 
-    def flushed(self, sent: DenseUpdate, averaged: torch.Tensor, bucket: Bucket,
-                shapes: Sequence[torch.Size]) -> List[torch.Tensor]:
-        """A flushed bucket's averaged gradients, one per member shaped like it (see
-        :meth:`dense_received`)."""
-        return self._segments(bucket, shapes, self.dense_received(sent, averaged))
+    def dense_bucket(self, bucket: Bucket, grads: Sequence[torch.Tensor],
+                     params: Sequence[Optional[torch.Tensor]]) -> DenseUpdate:
+        """:meth:`dense` of every tensor of ``bucket`` (made with ``compressed=False``) at
+        once (``Method.dense_bucket``, on the bucket's flat buffer and memories): what to
+        all-reduce (averaged), flat, float32 for bfloat16 gradients; give the result to
+        :meth:`bucket_received`. The bucket's operations do not grow with its tensors."""
+        self.method.require_dense_bucketed()
+        call, flat = self._bucket_call(bucket, grads, params)
+        update, state = self.method.dense_bucket(self.ops, self._bucket_state(bucket, flat), flat, call)
+        self._stage(bucket.key, state)
+        if call.loss_scale != 1.0:
+            update = update * call.loss_scale
+        update = update.to(REDUCIBLE.get(grads[0].dtype, grads[0].dtype))
+        self._record(call.step, ALLREDUCE, update.numel() * update.element_size(), None,
+                     dense_bytes=sum(s.numel for s in bucket.segments) * flat.element_size())
+        return DenseUpdate(bucket.key, update, grads[0].dtype, call.loss_scale, bucket)
+
+    def bucket_received(self, sent: DenseUpdate, averaged: torch.Tensor) -> List[torch.Tensor]:
+        """The averaged gradients of a bucket sent dense (:meth:`dense_bucket`,
+        :meth:`flush_bucket`), one per member shaped like it and in its dtype: views of the
+        bucket's gradient buffer, where ``averaged`` is copied unless it was averaged there
+        in place (valid until the bucket's next step). A result that is not finite (some
+        rank's gradient was not) drops the step's memories; ``nonfinite="raise"`` names a
+        tensor that was not finite."""
+        bucket = sent.bucket
+
+        def culprit() -> str:
+            return next(s.name for s in bucket.segments if not bool(torch.isfinite(averaged[s.offset:s.end]).all()))
+
+        self._received([sent.name], torch.isfinite(averaged).all(), culprit)
+        own, views = self._flats[(bucket.key, "gradients")]
+        if averaged.data_ptr() != own.data_ptr():
+            own.copy_(averaged)
+        return list(views)
+
+    def dense_all(self, label: str, entries: Sequence[Entry]) -> List[Tuple[DenseUpdate, List[int]]]:
+        """What to all-reduce (averaged) for ``entries``, tensors the method sends dense: one
+        flat tensor per dtype, a bucket labelled ``label`` and the dtype (:meth:`dense_bucket`),
+        where the method takes them so (``Method.dense_bucketed``), else one per tensor
+        (:meth:`dense`); each with its tensors' places in ``entries``. Give each result to
+        :meth:`dense_all_received`."""
+        if not self.method.dense_bucketed:
+            return [(self.dense(name, grad, param), [i]) for i, (name, grad, param) in enumerate(entries)]
+        by_dtype: Dict[torch.dtype, List[int]] = {}
+        for i, (_, grad, _) in enumerate(entries):
+            by_dtype.setdefault(grad.dtype, []).append(i)
+        sends = []
+        for dtype, places in by_dtype.items():
+            bucket = self.bucket(f"{label}.{str(dtype).replace('torch.', '')}",
+                                 [entries[i][:2] for i in places], compressed=False)
+            sends.append((self.dense_bucket(bucket, [entries[i][1] for i in places],
+                                            [entries[i][2] for i in places]), places))
+        return sends
+
+    def dense_all_received(self, sent: DenseUpdate, averaged: torch.Tensor) -> List[torch.Tensor]:
+        """The averages of the tensors of one of :meth:`dense_all`'s updates, in its order."""
+        return self.bucket_received(sent, averaged) if sent.bucket is not None else [self.dense_received(sent, averaged)]
 
     def _record_bucket(self, call: BucketCall, kind: str, nbytes: int, flat: torch.Tensor, sent: int,
                        started: float) -> None:
@@ -512,23 +568,6 @@ class Engine:
         rank's gradient was not finite) drops the step's memories."""
         self._received([sent.name], torch.isfinite(averaged.sum(dtype=torch.float32)), lambda: sent.name)
         return averaged.to(sent.dtype)
-
-    def dense_received_all(self, averaged: torch.Tensor,
-                           sent: Sequence[Tuple[int, DenseUpdate]]) -> List[torch.Tensor]:
-        """:meth:`dense_received` of tensors all-reduced as one flat tensor, ``averaged``,
-        which holds each ``(offset, update)``'s average at that offset (elements) and nothing
-        but zero-element tensors besides: each average shaped as its gradient, in its dtype
-        (a view of ``averaged`` where that is the same), after one finiteness check of the
-        whole (its operations per bucket, not per tensor; the error of ``nonfinite="raise"``
-        still names a tensor that was not finite)."""
-        spans = [(offset, offset + update.tensor.numel(), update) for offset, update in sent]
-
-        def culprit() -> str:
-            return next(u.name for start, end, u in spans if not bool(torch.isfinite(averaged[start:end]).all()))
-
-        self._received([u.name for _, _, u in spans], torch.isfinite(averaged).all(), culprit)
-        parts = [averaged[start:end].view(u.tensor.shape) for start, end, u in spans]
-        return [part if part.dtype == u.dtype else part.to(u.dtype) for part, (_, _, u) in zip(parts, spans)]
 
     def _received(self, names: Sequence[str], finite: Any, culprit: Callable[[], str]) -> None:
         """These dense tensors came back, ``finite`` or not; with ``nonfinite="raise"`` a

@@ -100,10 +100,10 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         self._delay = {p: self.backward_passes_per_step for p in self._params}
         self._ready: set = set()
         self._exchanges: Dict[int, object] = {}
-        # A dense tensor waits in _dense_ready (what to send, how to give the result back)
-        # until its bucket is complete; the bucket then sends one all-reduce per dtype.
-        self._dense_ready: Dict[torch.nn.Parameter, Tuple[torch.Tensor, Optional[DenseUpdate]]] = {}
-        self._dense_exchanges: Dict[int, List[Tuple[int, List[torch.nn.Parameter]]]] = {}
+        # A dense tensor waits in _dense_ready until its bucket is complete; the bucket then
+        # sends one all-reduce per dtype.
+        self._dense_ready: set = set()
+        self._dense_exchanges: Dict[int, List[Tuple[int, Optional[DenseUpdate], List[torch.nn.Parameter]]]] = {}
 
     # -- per-parameter work as gradients become ready ------------------------------------------------
     def _hook(self, p: torch.nn.Parameter) -> None:
@@ -130,10 +130,8 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
                                  "pass sparse_as_dense=True, as to Horovod's DistributedOptimizer, "
                                  "to compress it as a dense one")
             p.grad = p.grad.to_dense()
-        engine, name, grad = self._compression.engine, self._names[p], p.grad
         if p in self._dense_bucket_of:
-            update = None if Engine.passes_through(grad) else engine.dense(name, grad, p)
-            self._dense_ready[p] = (grad.clone() if update is None else update.tensor, update)
+            self._dense_ready.add(p)
             bucket = self._dense_bucket_of[p]
             if all(q in self._dense_ready for q in self._dense_buckets[bucket]):
                 self._dense_exchanges[bucket] = self._launch_dense(bucket)
@@ -152,36 +150,31 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         bucket's number would be the same in two optimizers stepping in one backward pass."""
         return f"{kind}.{self._names[members[0]]}"
 
-    def _launch_dense(self, bucket: int) -> List[Tuple[int, List[torch.nn.Parameter]]]:
-        """One all-reduce per dtype of the bucket's dense tensors, each under a name of its
-        own that no step changes: Horovod negotiates every cycle over one bit per name it has
-        seen, and one name per tensor made that several times larger."""
-        by_dtype: Dict[torch.dtype, List[torch.nn.Parameter]] = {}
-        for p in self._dense_buckets[bucket]:
-            by_dtype.setdefault(self._dense_ready[p][0].dtype, []).append(p)
-        launched = []
-        for dtype, members in by_dtype.items():
-            flat = torch.cat([self._dense_ready[p][0].reshape(-1) for p in members])
-            name = f"{PREFIX}{self._label('dense', members)}.{str(dtype).replace('torch.', '')}"
-            launched.append((hvd.allreduce_async_(flat, name=name, op=hvd.Average), members))
+    def _launch_dense(self, bucket: int) -> List[Tuple[int, Optional[DenseUpdate], List[torch.nn.Parameter]]]:
+        """The bucket's dense tensors all-reduced as one flat tensor per dtype
+        (``Engine.dense_all``), each under a name of its own that no step changes: Horovod
+        negotiates every cycle over one bit per name it has seen, and one name per tensor made
+        that several times larger. A tensor handed on untouched (not floating-point) goes
+        alone; one of zero elements has nothing to average."""
+        members = self._dense_buckets[bucket]
+        sent = [p for p in members if not Engine.passes_through(p.grad)]
+        launched = [(hvd.allreduce_async_(p.grad.clone(), name=f"{PREFIX}dense.{self._names[p]}", op=hvd.Average),
+                     None, [p]) for p in members if Engine.passes_through(p.grad) and p.grad.numel()]
+        if sent:
+            for update, places in self._compression.engine.dense_all(
+                    self._names[sent[0]], [(self._names[p], p.grad, p) for p in sent]):
+                launched.append((hvd.allreduce_async_(update.tensor, name=f"{PREFIX}dense.{update.name}",
+                                                      op=hvd.Average), update, [sent[i] for i in places]))
         return launched
 
     def _finish_dense(self) -> None:
         """Write every dense bucket's averaged gradients to ``.grad``."""
         engine = self._compression.engine
         for bucket in sorted(self._dense_exchanges):
-            for handle, members in self._dense_exchanges[bucket]:
-                averaged, offset, received, grads = wait(handle), 0, [], []
-                for p in members:
-                    sent, update = self._dense_ready[p]
-                    if update is None:  # handed on untouched
-                        p.grad.copy_(averaged[offset:offset + sent.numel()].view(sent.shape))
-                    else:
-                        received.append((offset, update))
-                        grads.append(p.grad)
-                    offset += sent.numel()
-                if received:
-                    torch._foreach_copy_(grads, engine.dense_received_all(averaged, received))
+            for handle, update, members in self._dense_exchanges[bucket]:
+                averaged = wait(handle)
+                results = [averaged] if update is None else engine.dense_all_received(update, averaged)
+                torch._foreach_copy_([p.grad for p in members], results)
 
     def _finish_buckets(self) -> None:
         """Install every bucket's averaged gradients as ``.grad``: views of the bucket's buffer
