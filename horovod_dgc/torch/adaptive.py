@@ -9,24 +9,14 @@ that every rank feeds the same numbers to the same rule and takes the same decis
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
 from ..core.adaptive import DENSE, Adaptive, BucketTraffic, Decision, StepEnd, Switch
 from ..core.bucket import Bucket
 from ..core.collectives import ALLREDUCE
-from .engine import REDUCIBLE, DenseUpdate, Entry, in_entry_order
-
-
-@dataclass
-class FlushExchange:
-    """A label's dense step in flight: per bucket, the all-reduce, what was sent (the bucket
-    with it) and its members' places among the entries."""
-
-    launched: List[Tuple[Any, DenseUpdate, List[int]]]
-    step: int
+from .engine import REDUCIBLE, DenseExchange, Entry
 
 
 class AdaptiveExchanges:
@@ -58,25 +48,15 @@ class AdaptiveExchanges:
     def dense(self, label: str) -> bool:
         return self.switch.mode(label) == DENSE
 
-    def launch(self, label: str, entries: Sequence[Entry]) -> FlushExchange:
-        """Every bucket of ``label`` flushed and its all-reduce launched."""
-        compressor, launched = self.compressor, []
-        engine, transport = compressor.engine, compressor.transport
+    def launch(self, label: str, entries: Sequence[Entry]) -> DenseExchange:
+        """Every bucket of ``label`` flushed and its all-reduce launched (the compressor's
+        ``finish_dense`` ends it)."""
+        compressor = self.compressor
         buckets = compressor._buckets(label, entries)
         self.note(label, [bucket for bucket, _ in buckets], entries[0][1].device)
-        for bucket, members in buckets:
-            update = engine.flush_bucket(bucket, [entries[i][1] for i in members], [entries[i][2] for i in members])
-            handle = transport.launch(ALLREDUCE, update.tensor, f"flush.{bucket.key}")
-            launched.append((handle, update, members))
-        return FlushExchange(launched, engine.steps_taken - 1)
-
-    def finish(self, exchange: FlushExchange) -> List[torch.Tensor]:
-        engine, transport = self.compressor.engine, self.compressor.transport
-        places, averaged = [], []
-        for handle, update, members in exchange.launched:
-            averaged += engine.bucket_received(update, transport.wait(handle))
-            places += members
-        return in_entry_order(places, averaged)
+        return compressor.launch_updates("flush", [
+            (compressor.engine.flush_bucket(bucket, [entries[i][1] for i in members], [entries[i][2] for i in members]),
+             members) for bucket, members in buckets])
 
     def end_step(self) -> List[Decision]:
         """After every exchange of a step: keep its compute times if the next decision samples

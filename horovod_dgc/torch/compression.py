@@ -41,7 +41,7 @@ except ImportError as error:  # the DDP hook needs no Horovod; the Horovod paths
 from ..core.adaptive import STATE_KEY, Adaptive
 from ..core.bucket import Bucket
 from ..core.callers import caller_frames, calling_object, values_among_callers
-from ..core.collectives import ALLGATHER, Transport, backward_buckets, join, joined_chunks, split
+from ..core.collectives import ALLGATHER, ALLREDUCE, Transport, backward_buckets, join, joined_chunks, split
 from ..core.config import keeping_yours
 from ..core.controls import CompressorControls
 from ..core.hosts import Hosts
@@ -49,8 +49,8 @@ from ..core.method import Method
 from ..core.methods import METHODS, MethodSpec, spec_of
 from ..core.one_worker import refuse_or_warn
 from ..core.twostage import StageHandover
-from .adaptive import AdaptiveExchanges, FlushExchange
-from .engine import DenseUpdate, Engine, Entry, OutgoingMessage, in_entry_order
+from .adaptive import AdaptiveExchanges
+from .engine import DenseExchange, DenseUpdate, Engine, Entry, OutgoingMessage, in_entry_order
 from .queue import Queued, StockQueue
 
 if TYPE_CHECKING:  # imported by the hierarchical path only: it needs Horovod
@@ -96,6 +96,7 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
         self._transport: Optional[Transport] = None
         self._host_reductions: Optional[HostReductions] = None
         self._queue: Optional[StockQueue] = None
+        self._dense_queue: Optional[StockQueue] = None
         self._adaptive = AdaptiveExchanges(self, Adaptive.of(adaptive))
         if adaptive:
             method.require_bucketed()
@@ -254,13 +255,17 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
         if self._handed_over_again(name):
             return tensor.new_zeros(1, dtype=torch.float32), AlreadyAveraged(tensor)
         if not self.engine.compresses(tensor):
-            update = self.engine.dense(name, tensor, param)
-            return update.tensor, update
-        queue = self._stock_queue()
-        if queue is not None and queue.takes(name):
+            queue = self._dense_stock_queue()
+            if queue is None or not queue.takes(name):
+                update = self.engine.dense(name, tensor, param)
+                return update.tensor, update
             exchange = queue.add(name, tensor, param)
         else:
-            exchange = self.launch(name, [(name, tensor, param)])
+            queue = self._stock_queue()
+            if queue is not None and queue.takes(name):
+                exchange = queue.add(name, tensor, param)
+            else:
+                exchange = self.launch(name, [(name, tensor, param)])
         # float32 whatever the gradient's dtype: Horovod all-reduces no bfloat16.
         return tensor.new_zeros(1, dtype=torch.float32), exchange
 
@@ -269,12 +274,23 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
         one (``bucketed``) outside the hierarchical mode: the compressed parameters cut as
         ``collectives.backward_buckets`` says."""
         if self._queue is None and self.method.bucketed and not self.hierarchical:
-            with self._lock:
-                params = [(n, p) for n, p in self._parameters().items() if p.requires_grad
-                          and not Engine.passes_through(p) and self.engine.compresses(p)]
-            buckets = backward_buckets([n for n, _ in params], [p.numel() * p.element_size() for _, p in params])
-            self._queue = StockQueue(buckets, self.launch, self.finish)
+            self._queue = StockQueue(self._stock_buckets(compressed=True), self.launch, self.finish)
         return self._queue
+
+    def _dense_stock_queue(self) -> Optional[StockQueue]:
+        """The stock path's buckets of the tensors the method sends dense, for a method that
+        takes them as one (``dense_bucketed``), as the fused path sends them."""
+        if self._dense_queue is None and self.method.dense_bucketed and not self.hierarchical:
+            self._dense_queue = StockQueue(self._stock_buckets(compressed=False), self.launch_dense, self.finish_dense)
+        return self._dense_queue
+
+    def _stock_buckets(self, compressed: bool) -> List[Tuple[str, ...]]:
+        """The names of the parameters that are (or are not) compressed, cut as
+        ``collectives.backward_buckets`` says."""
+        with self._lock:
+            params = [(n, p) for n, p in self._parameters().items() if p.requires_grad
+                      and not Engine.passes_through(p) and self.engine.compresses(p) == compressed]
+        return backward_buckets([n for n, _ in params], [p.numel() * p.element_size() for _, p in params])
 
     def decompress(self, tensor: torch.Tensor, ctx) -> torch.Tensor:
         self.check_grad_scaler_use()
@@ -288,7 +304,7 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
         if isinstance(ctx, DenseUpdate):
             return self.engine.dense_received(ctx, tensor)
         if isinstance(ctx, Queued):
-            averaged = self._queue.result(ctx)
+            averaged = ctx.queue.result(ctx)
             self.engine.record_allreduce(ctx.bucket.exchange.step, tensor.element_size())
             return averaged
         averaged = self.finish(ctx)[0]
@@ -344,6 +360,27 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
                             if self.adaptive is not None else [], entries[0][1].device)
         return self._launch(label, entries)
 
+    def launch_dense(self, label: str, entries: Sequence[Entry]) -> DenseExchange:
+        """Start averaging ``entries``, tensors the method sends dense: one all-reduce per
+        dtype where the method takes them as one (``Engine.dense_all``), named after ``label``
+        (identical on every rank); :meth:`finish_dense` ends it."""
+        self._check_place_in_the_world()
+        return self.launch_updates("dense", self.engine.dense_all(label, entries))
+
+    def launch_updates(self, kind: str, updates: Sequence[Tuple[DenseUpdate, List[int]]]) -> DenseExchange:
+        """The averaging all-reduce of each ``(update, its tensors' places)``, named
+        ``kind.`` and the update's name."""
+        return DenseExchange([(self.transport.launch(ALLREDUCE, update.tensor, f"{kind}.{update.name}"), update, places)
+                              for update, places in updates], self.engine.steps_taken - 1)
+
+    def finish_dense(self, exchange: DenseExchange) -> List[torch.Tensor]:
+        """The averages of a :class:`DenseExchange`'s tensors, in its entries' order."""
+        places, averaged = [], []
+        for handle, update, members in exchange.launched:
+            averaged += self.engine.dense_all_received(update, self.transport.wait(handle))
+            places += members
+        return in_entry_order(places, averaged)
+
     def _check_place_in_the_world(self) -> None:
         """The memories, the step counters and the message layouts belong to the world the
         engine joined: a world resized by an elastic reset that did not go through
@@ -361,8 +398,8 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
         """The averaged gradients of an exchange's tensors, shaped like them."""
         started = time.perf_counter()
         try:
-            if isinstance(exchange, FlushExchange):
-                return self._adaptive.finish(exchange)
+            if isinstance(exchange, DenseExchange):
+                return self.finish_dense(exchange)
             return self._finish_exchange(exchange)
         finally:
             self._adaptive.exchanged(time.perf_counter() - started)
@@ -388,8 +425,9 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
         if self.hierarchical:
             self._host_reductions.forget()
             self.transport.forget()
-        if self._queue is not None:
-            self._queue.forget()
+        for queue in (self._queue, self._dense_queue):
+            if queue is not None:
+                queue.forget()
         self.engine.abandon_step()
         self._forget_the_exchanged()
 

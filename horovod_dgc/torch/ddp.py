@@ -45,7 +45,7 @@ from ..core.methods import METHODS
 from ..core.stats import CompressionStats
 from .compression import MethodCompressor, check_plain_optimizer
 from .dist_collectives import DistTransport, Pending
-from .engine import DenseUpdate, Engine
+from .engine import DenseExchange, Engine
 
 _FACTORIES = ", ".join(f"Compression.{spec.name}" for spec in METHODS)
 _INSTEAD = ("use an optimizer without it (torch.optim.SGD(momentum=0, weight_decay=0)): with a "
@@ -66,9 +66,8 @@ class _BucketInFlight:
         compressed: positions in ``views`` of the compressed tensors, in ``exchange`` order.
         passed: (position, launched all-reduce) of every tensor that passes through
             untouched (zero-element or not floating-point).
-        dense: the tensors the method sends dense, all-reduced as one flat tensor per dtype
-            (``Engine.dense_all``): (launched all-reduce, what the engine sent, the
-            tensors' positions) each.
+        dense: the tensors the method sends dense, in flight (``launch_dense`` of the
+            compressor: one all-reduce per dtype), and their positions in ``views``.
         used: the all-reduce of whether each rank used each parameter, when the model may
             leave parameters unused (else None).
     """
@@ -81,7 +80,7 @@ class _BucketInFlight:
     exchange: Any = None
     compressed: List[int] = field(default_factory=list)
     passed: List[Tuple[int, Pending]] = field(default_factory=list)
-    dense: List[Tuple[Pending, DenseUpdate, List[int]]] = field(default_factory=list)
+    dense: Optional[Tuple[DenseExchange, List[int]]] = None
     used: Optional[Pending] = None
 
 
@@ -239,9 +238,8 @@ class DDPCompressionState:
                 flight.compressed.append(position)
                 entries.append((name, grad, param))
         if dense:
-            for update, places in engine.dense_all(f"bucket{flight.index}", [entry for _, entry in dense]):
-                flight.dense.append((transport.launch(ALLREDUCE, update.tensor, f"dense.{update.name}"), update,
-                                     [dense[i][0] for i in places]))
+            flight.dense = (self.compression.launch_dense(f"bucket{flight.index}", [entry for _, entry in dense]),
+                            [position for position, _ in dense])
         if entries:
             flight.exchange = self.compression.launch(f"bucket{flight.index}", entries)
 
@@ -261,9 +259,10 @@ class DDPCompressionState:
                     torch._foreach_copy_([flight.views[position] for position in flight.compressed], results)
                 for position, handle in flight.passed:
                     flight.views[position].copy_(transport.wait(handle).reshape(flight.views[position].shape))
-                for handle, update, positions in flight.dense:
-                    results = engine.dense_all_received(update, transport.wait(handle))
-                    torch._foreach_copy_([flight.views[position] for position in positions], results)
+                if flight.dense is not None:
+                    exchange, positions = flight.dense
+                    torch._foreach_copy_([flight.views[position] for position in positions],
+                                         self.compression.finish_dense(exchange))
             self.compression.end_step()
         except BaseException as error:
             self._fail(error)

@@ -75,6 +75,15 @@ class DenseUpdate:
     bucket: Optional[Bucket] = None
 
 
+@dataclass
+class DenseExchange:
+    """Dense updates in flight: per update, its all-reduce, the update, and its tensors'
+    places among the entries it was made from; the step they belong to."""
+
+    launched: List[Tuple[Any, DenseUpdate, List[int]]]
+    step: int
+
+
 # What one tensor brings to an exchange: its name, gradient and parameter.
 Entry = Tuple[str, torch.Tensor, Optional[torch.nn.Parameter]]
 

@@ -32,7 +32,7 @@ from ..core.collectives import DEFAULT_BUCKET_CAP_MB, backward_buckets
 from ..core.methods import spec_of
 from .collectives import PREFIX, wait
 from .compression import Compression, MethodCompressor, check_optimizer_compatible, check_plain_optimizer
-from .engine import DenseUpdate, Engine
+from .engine import DenseExchange, Engine
 
 _MOVED_AT_CONSTRUCTION = ("keep it 0 after construction, when this DistributedOptimizer moved the "
                           "SGD's momentum and weight decay into the compressor")
@@ -103,7 +103,8 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         # A dense tensor waits in _dense_ready until its bucket is complete; the bucket then
         # sends one all-reduce per dtype.
         self._dense_ready: set = set()
-        self._dense_exchanges: Dict[int, List[Tuple[int, Optional[DenseUpdate], List[torch.nn.Parameter]]]] = {}
+        self._dense_exchanges: Dict[int, Tuple[Optional[DenseExchange], List[torch.nn.Parameter],
+                                               List[Tuple[int, torch.nn.Parameter]]]] = {}
 
     # -- per-parameter work as gradients become ready ------------------------------------------------
     def _hook(self, p: torch.nn.Parameter) -> None:
@@ -150,31 +151,29 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         bucket's number would be the same in two optimizers stepping in one backward pass."""
         return f"{kind}.{self._names[members[0]]}"
 
-    def _launch_dense(self, bucket: int) -> List[Tuple[int, Optional[DenseUpdate], List[torch.nn.Parameter]]]:
-        """The bucket's dense tensors all-reduced as one flat tensor per dtype
-        (``Engine.dense_all``), each under a name of its own that no step changes: Horovod
-        negotiates every cycle over one bit per name it has seen, and one name per tensor made
-        that several times larger. A tensor handed on untouched (not floating-point) goes
-        alone; one of zero elements has nothing to average."""
+    def _launch_dense(self, bucket: int) -> Tuple[Optional[DenseExchange], List[torch.nn.Parameter],
+                                                 List[Tuple[int, torch.nn.Parameter]]]:
+        """The bucket's dense tensors averaged as one flat tensor per dtype (the compressor's
+        ``launch_dense``), under names that no step changes: Horovod negotiates every cycle
+        over one bit per name it has seen, and one name per tensor made that several times
+        larger. A tensor handed on untouched (not floating-point) goes alone; one of zero
+        elements has nothing to average."""
         members = self._dense_buckets[bucket]
         sent = [p for p in members if not Engine.passes_through(p.grad)]
-        launched = [(hvd.allreduce_async_(p.grad.clone(), name=f"{PREFIX}dense.{self._names[p]}", op=hvd.Average),
-                     None, [p]) for p in members if Engine.passes_through(p.grad) and p.grad.numel()]
-        if sent:
-            for update, places in self._compression.engine.dense_all(
-                    self._names[sent[0]], [(self._names[p], p.grad, p) for p in sent]):
-                launched.append((hvd.allreduce_async_(update.tensor, name=f"{PREFIX}dense.{update.name}",
-                                                      op=hvd.Average), update, [sent[i] for i in places]))
-        return launched
+        alone = [(hvd.allreduce_async_(p.grad.clone(), name=f"{PREFIX}dense.{self._names[p]}", op=hvd.Average), p)
+                 for p in members if Engine.passes_through(p.grad) and p.grad.numel()]
+        exchange = self._compression.launch_dense(self._names[sent[0]], [(self._names[p], p.grad, p) for p in sent]
+                                                  ) if sent else None
+        return exchange, sent, alone
 
     def _finish_dense(self) -> None:
         """Write every dense bucket's averaged gradients to ``.grad``."""
-        engine = self._compression.engine
         for bucket in sorted(self._dense_exchanges):
-            for handle, update, members in self._dense_exchanges[bucket]:
-                averaged = wait(handle)
-                results = [averaged] if update is None else engine.dense_all_received(update, averaged)
-                torch._foreach_copy_([p.grad for p in members], results)
+            exchange, sent, alone = self._dense_exchanges[bucket]
+            if exchange is not None:
+                torch._foreach_copy_([p.grad for p in sent], self._compression.finish_dense(exchange))
+            for handle, p in alone:
+                p.grad.copy_(wait(handle))
 
     def _finish_buckets(self) -> None:
         """Install every bucket's averaged gradients as ``.grad``: views of the bucket's buffer

@@ -39,10 +39,12 @@ class QueuedBucket:
 
 @dataclass(frozen=True)
 class Queued:
-    """``compress``'s ctx for a queued tensor: its name and its bucket of this step."""
+    """``compress``'s ctx for a queued tensor: its name, its bucket of this step and the
+    queue that gives its result."""
 
     name: str
     bucket: QueuedBucket
+    queue: "StockQueue"
 
 
 class StockQueue:
@@ -81,7 +83,7 @@ class StockQueue:
                 del self._open[index]
         if ready:
             self._start(bucket)
-        return Queued(name, bucket)
+        return Queued(name, bucket, self)
 
     def result(self, ctx: Queued) -> torch.Tensor:
         """The averaged gradient of a queued tensor: its bucket launched (with every bucket
