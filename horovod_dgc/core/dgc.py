@@ -114,8 +114,9 @@ class DGC(SparseMethod):
 
     @property
     def dense_bucketed(self) -> bool:
-        """As :attr:`bucketed`: the tensors sent dense are clipped too."""
-        return self.bucketed
+        """Clipping bounds each tensor's own norm, the tensors sent dense too: a config with
+        ``clip_norm`` sends them one by one."""
+        return self.config.clip_norm is None
 
     def prepare_bucket(self, ops: TensorOps, grad: Tensor, call: BucketCall) -> Tuple[Tensor, Scalar]:
         """:meth:`prepare` of every segment: the loss scale undone and each segment's weight

@@ -254,18 +254,15 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
         name, param = self._lookup(tensor)
         if self._handed_over_again(name):
             return tensor.new_zeros(1, dtype=torch.float32), AlreadyAveraged(tensor)
-        if not self.engine.compresses(tensor):
-            queue = self._dense_stock_queue()
-            if queue is None or not queue.takes(name):
-                update = self.engine.dense(name, tensor, param)
-                return update.tensor, update
+        compressed = self.engine.compresses(tensor)
+        queue = self._stock_queue() if compressed else self._dense_stock_queue()
+        if queue is not None and queue.takes(name):
             exchange = queue.add(name, tensor, param)
+        elif compressed:
+            exchange = self.launch(name, [(name, tensor, param)])
         else:
-            queue = self._stock_queue()
-            if queue is not None and queue.takes(name):
-                exchange = queue.add(name, tensor, param)
-            else:
-                exchange = self.launch(name, [(name, tensor, param)])
+            update = self.engine.dense(name, tensor, param)
+            return update.tensor, update
         # float32 whatever the gradient's dtype: Horovod all-reduces no bfloat16.
         return tensor.new_zeros(1, dtype=torch.float32), exchange
 
