@@ -55,14 +55,15 @@ bench-compress: setup
 	$(PYTHON) -m benchmarks.compress --device $(DEVICE)
 
 ## The engine's CPU time per step on ResNet-50's 161 tensors, every method (a minute or two):
-## the fixed cost per tensor that bench-compress's one large gradient does not show.
+## the fixed cost per tensor that bench-compress's one large gradient does not show. Triton's
+## interpreter runs the GPU's Triton kernels in the operation counts (timings take the C kernels).
 bench-model-step: setup
-	$(PYTHON) -m benchmarks.model_step
+	TRITON_INTERPRET=1 $(PYTHON) -m benchmarks.model_step
 
 ## One optimizer step of 2 workers on loopback with ResNet-50's gradients in place: Horovod's
 ## dense all-reduce against dgc on the stock and fused paths (a few minutes).
 bench-optimizer-step: setup
-	TF_CPP_MIN_LOG_LEVEL=3 $(VENV)/bin/horovodrun -np 2 -H localhost:2 --gloo \
+	TRITON_INTERPRET=1 TF_CPP_MIN_LOG_LEVEL=3 $(VENV)/bin/horovodrun -np 2 -H localhost:2 --gloo \
 		$(PYTHON) -m benchmarks.optimizer_step
 
 bench-tf-step: setup

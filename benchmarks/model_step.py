@@ -23,12 +23,14 @@ optimizer's dense bucket.
 
 For each it prints the milliseconds of compress and decode per rank per step (medians,
 layouts interleaved in every round), and, from separate steps, the ATen operations dispatched
-per rank per step (what a GPU launches, views included) and the waits for the device: on the
-CPU with the choices TorchOps makes on a GPU (fixed sizes, no C kernels) and the host reads
+per rank per step (what a GPU launches, views included; a Triton kernel counts as one) and
+the waits for the device: on the CPU with the choices TorchOps makes on a GPU (fixed sizes,
+no C kernels; the GPU's Triton kernels run by Triton's interpreter when the process starts
+with ``TRITON_INTERPRET=1``, as ``make bench-model-step`` starts it) and the host reads
 that would wait for it (``host_syncs.HostReadCounter``); on a GPU the synchronisations
 themselves (``host_syncs.SyncCounter``)::
 
-    python -m benchmarks.model_step [--methods dgc topk dgc-sar ...] [--world 2] [--rounds 5]
+    TRITON_INTERPRET=1 python -m benchmarks.model_step [--methods dgc topk dgc-sar ...] [--world 2] [--rounds 5]
         [--split 10] [--device cpu|cuda]
 """
 from __future__ import annotations
@@ -47,6 +49,7 @@ from benchmarks.host_syncs import compress_all, counter, decode_all, decode_buck
 from horovod_dgc.core.collectives import ALLREDUCE, DEFAULT_BUCKET_CAP_MB, cut_buckets, emulate
 from horovod_dgc.core.methods import BY_NAME, METHODS
 from horovod_dgc.torch.engine import Engine
+from horovod_dgc.torch.kernels import triton_bits, triton_memory
 
 LAYOUTS = ("per tensor", "buckets", "one tensor")
 # Methods with other than their default options: name -> (method, options).
@@ -60,15 +63,69 @@ def build(name: str):
     return BY_NAME[method].build(**options)
 
 
+def triton_launchers() -> List[type]:
+    """The classes whose ``run`` launches a Triton kernel: the compiled one's, and the
+    interpreter's (which runs the GPU's kernels on CPU tensors in a process started with
+    ``TRITON_INTERPRET=1``, as ``make bench-model-step`` and ``bench-optimizer-step`` start
+    theirs); none without Triton."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return []
+    return [JITFunction, InterpretedFunction]
+
+
+def kernels_counted(device: torch.device) -> str:
+    """How a count on ``device`` took the GPU's Triton kernels, in words."""
+    if device.type == "cuda" or triton_memory.INTERPRETED:
+        return "Triton kernels launched" + (" (interpreted on the CPU)" if device.type != "cuda" else "")
+    return "no Triton kernels (their compositions instead: start with TRITON_INTERPRET=1 to count them)"
+
+
+def large_interpreted_programs() -> None:
+    """Under Triton's interpreter, programs of about 65,536 entries: it pays per program, and
+    a launch counts once whatever its grid."""
+    if triton_memory.INTERPRETED:
+        triton_memory.ENTRIES_PER_PROGRAM = triton_bits.BYTES_PER_PROGRAM = 2 ** 16
+        triton_bits.POSITIONS_PER_PROGRAM = triton_bits.BITS_PER_STEP = 2 ** 16
+
+
 class OpCounter(TorchDispatchMode):
-    """Counts the ATen operations dispatched while it is active."""
+    """Counts the ATen operations dispatched while it is active, and each Triton kernel
+    launched as one (what the interpreter dispatches inside a launch is not counted)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
+        self._launching = 0
+        self._saved: List[Tuple[type, Any]] = []
+
+    def __enter__(self) -> "OpCounter":
+        for launcher in triton_launchers():
+            original = launcher.run
+
+            def run(kernel, *args, _original=original, **kwargs):
+                self.count += 1
+                self._launching += 1
+                try:
+                    return _original(kernel, *args, **kwargs)
+                finally:
+                    self._launching -= 1
+
+            self._saved.append((launcher, original))
+            launcher.run = run
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        for launcher, original in self._saved:
+            launcher.run = original
+        self._saved.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
+        if not self._launching:
+            self.count += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -218,11 +275,13 @@ def parse_args(argv: Sequence[str] = None) -> argparse.Namespace:
 def main(argv: Sequence[str] = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
+    large_interpreted_programs()
     results = measure(args.methods, args.world, args.warmup, args.rounds, args.split, args.device)
     model = "ResNet-50's 161 tensors" + (f", each cut into {args.split}" if args.split > 1 else "")
     where = (torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "CPU, one thread")
     print(f"{model} (25,557,032 entries), {args.world} ranks emulated, {where}, "
-          f"torch {torch.__version__}; compress + decode per rank per step, median of {args.rounds}\n")
+          f"torch {torch.__version__}; compress + decode per rank per step, median of {args.rounds}; "
+          f"operations counted with {kernels_counted(args.device)}, each one operation\n")
     waits = "synchronisations" if args.device.type == "cuda" else "host reads"
     print(f"| method | layout | ms | x one tensor | ATen ops | {waits} |")
     print("|---|---|---:|---:|---:|---:|")

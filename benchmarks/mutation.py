@@ -41,7 +41,8 @@ TESTS: Dict[str, Tuple[str, ...]] = {
     "core": ("test_adaptive.py", "test_core_bucket.py", "test_core_references.py", "test_core_methods.py", "test_core_selection.py",
              "test_core_twostage.py", "test_core_sparse_allreduce.py", "test_core_warmup.py",
              "test_core_hosts.py", "test_traffic_model.py", "test_bad_input.py", "test_kernels_torch.py",
-             "test_device_torch.py", "test_triton_memory.py", "test_checkpoint_torch.py", "test_codecs.py"),
+             "test_device_torch.py", "test_triton_memory.py", "test_triton_bits.py", "test_checkpoint_torch.py",
+             "test_codecs.py"),
     "torch": ("test_adaptive.py", "test_core_bucket.py", "test_core_methods.py", "test_bad_input.py", "test_device_torch.py",
               "test_checkpoint_torch.py", "test_torch_multiprocess.py", "test_ddp_torch.py",
               "test_elastic_torch.py"),
@@ -75,11 +76,11 @@ class Mutant:
     @property
     def layer(self) -> str:
         """Whose tests run: the adapter's for an adapter file, else the core's (an adapter's
-        ``ops.py`` and its C kernels are the core's ``TensorOps``, which the core's tests run
+        ``ops.py`` and its kernels are the core's ``TensorOps``, which the core's tests run
         on)."""
         for layer in ("torch", "tensorflow"):
             if (self.path.startswith(f"horovod_dgc/{layer}/") and not self.path.endswith("/ops.py")
-                    and not self.compiled):
+                    and not self.path.startswith(KERNELS)):
                 return layer
         return "core"
 
@@ -558,6 +559,17 @@ MUTANTS: Tuple[Mutant, ...] = (
        "return self._compute_s[key].assign_add(tf.cast(seconds, tf.float64))",
        "return self._compute_s[key].assign_add(tf.constant(0.0, tf.float64))",
        "a TensorFlow bucket's compute taken as free: the switch sends buckets dense on no evidence"),
+    # The GPU's Triton kernels (their tests run them under Triton's interpreter on the CPU)
+    _m("triton-pack-fields-high-bit-first", "torch/kernels/triton_bits.py",
+       "packed |= ((value >> (bit % WIDTH)) & 1) << j", "packed |= ((value >> (bit % WIDTH)) & 1) << (7 - j)",
+       "a message's low-bit fields packed highest bit of each byte first, where the decode reads lowest first"),
+    _m("triton-set-bits-byte-words", "torch/kernels/triton_bits.py",
+       "tl.atomic_or(words + (position >> 5), bit, mask=inside)",
+       "tl.atomic_or(words + (position >> 3), bit, mask=inside)",
+       "a position's bit set in the word of its byte's number (bytes taken for 32-bit words)"),
+    _m("triton-elias-fano-count-not-carried", "torch/kernels/triton_bits.py",
+       "seen += tl.sum(is_set.to(tl.int64), 0)", "seen = tl.sum(is_set.to(tl.int64), 0)",
+       "a row's set bits counted afresh in each step of its scan, so a long row's later marks land in its first slots"),
     # The C kernels (built again in the copy for each of these)
     _m("kernel-stream-tail-dropped", "torch/kernels/streaming.c",
        "        for (; i < len; ++i)\n            dst[i] = src[i];\n        return;", "        return;",

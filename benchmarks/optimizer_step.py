@@ -21,10 +21,12 @@ prints the median milliseconds per step and the ratio to ``dense`` of the same r
 
 ``--count-ops`` then takes one more step of each optimizer with the choices TorchOps makes on
 a GPU (``benchmarks.host_syncs.HostReadCounter``) and prints the ATen operations rank 0
-dispatched in it (views included, as ``benchmarks.model_step`` counts them), those of
-``dense`` subtracted (Horovod's own and the SGD's), and its host reads::
+dispatched in it (views included, and a Triton kernel as one, as ``benchmarks.model_step``
+counts them: start the workers with ``TRITON_INTERPRET=1`` to run the GPU's Triton kernels on
+the CPU, as ``make bench-optimizer-step`` does), those of ``dense`` subtracted (Horovod's own
+and the SGD's), and its host reads::
 
-    python -m benchmarks.optimizer_step [--methods dgc ...] [--steps 10] [--warmup 20] [--count-ops]
+    TRITON_INTERPRET=1 python -m benchmarks.optimizer_step [--methods dgc ...] [--steps 10] [--warmup 20] [--count-ops]
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ from horovod_dgc.core.adaptive import Adaptive
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from _resnet import resnet50  # noqa: E402
 from benchmarks.host_syncs import HostReadCounter  # noqa: E402
-from benchmarks.model_step import VARIANTS, OpCounter  # noqa: E402
+from benchmarks.model_step import VARIANTS, OpCounter, kernels_counted, large_interpreted_programs  # noqa: E402
 
 
 # Decided on the 10th step, from the 5 before it: within the default 20 untimed steps.
@@ -110,6 +112,7 @@ def main(argv: Sequence[str] = None) -> None:
     args = p.parse_args(argv)
     hvd.init()
     torch.set_num_threads(1)
+    large_interpreted_programs()
     gen = torch.Generator().manual_seed(hvd.rank())
     runs = {name: made() for name, made in optimizers(args.methods).items()}
     times: Dict[str, List[float]] = {name: [] for name in runs}
@@ -134,7 +137,8 @@ def main(argv: Sequence[str] = None) -> None:
         counts = {name: counted_step(optimizer, gen) for name, optimizer in runs.items()}
         if hvd.rank() == 0:
             tensors = sum(len(group["params"]) for group in runs["dense"].param_groups)
-            print(f"\nOne step of each with a GPU's choices, rank 0 ({tensors} tensors):\n")
+            print(f"\nOne step of each with a GPU's choices and {kernels_counted(torch.device('cpu'))}, "
+                  f"rank 0 ({tensors} tensors):\n")
             print("| run | ATen operations | less dense's | host reads |")
             print("|---|---:|---:|---:|")
             for name, (ops, reads) in counts.items():

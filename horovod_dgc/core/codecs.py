@@ -49,13 +49,6 @@ def past_count(ops: TensorOps, capacity: int, count: Scalar, like: Tensor) -> Te
     return ops.greater_equal(ops.arange(capacity, like=like), count)
 
 
-def slots_in_rows(ops: TensorOps, capacity: int, rows: int, like: Tensor) -> Tensor:
-    """Each slot's number inside its message, for ``rows`` messages of ``capacity`` slots
-    laid end to end."""
-    slots = ops.arange(rows * capacity, like=like)
-    return slots if rows == 1 else ops.add(slots, ops.floordiv(slots, capacity), 1, -capacity)
-
-
 def past_counts(ops: TensorOps, capacity: int, counts: Tensor, like: Tensor) -> Tensor:
     """:func:`past_count` of each of ``len(counts)`` messages laid end to end."""
     rows = ops.numel(counts)
@@ -166,13 +159,8 @@ class EliasFano(IndexCoding):
 
     def decode_rows(self, ops: TensorOps, parts: Sequence[Tensor], counts: Tensor, padding: Tensor
                     ) -> Tuple[Tensor, Scalar, Optional[Tensor]]:
-        l, (lower, upper), rows = self.low_bits, self.parts, ops.numel(counts)
-        upper_bits = ops.rows(ops.unpack_bits(parts[1]), 0, upper[1] * 8, self.upper_bits, rows)
-        marks, found = ops.row_set_bits(upper_bits, self.upper_bits, self.capacity)
-        high = ops.add(marks, slots_in_rows(ops, self.capacity, rows, marks), 1, -1)
-        if l:
-            fields = ops.rows(ops.unpack_bits(parts[0]), 0, lower[1] * 8, self.capacity * l, rows)
-            high = ops.add(high, ops.from_bits(fields, l), 2 ** l, 1)
+        high, found = ops.elias_fano_rows(parts[0], self.low_bits, parts[1], self.upper_bits,
+                                          self.capacity, ops.numel(counts))
         positions = ops.where(padding, 0, high)
         return positions, ops.where(self._counted(ops, found, counts), self._in_range(ops, positions),
                                     False), found

@@ -562,6 +562,27 @@ class TensorOps(ABC):
         positions = self.where(self.greater_equal(slots, count), 0, high)
         return positions, self.where(consistent, self.all_within(positions, 0, numel - 1), False)
 
+    def elias_fano_rows(self, lower: Tensor, low_bits: int, upper: Tensor, n_upper_bits: int,
+                        capacity: int, rows: int) -> Tuple[Tensor, Tensor]:
+        """:meth:`elias_fano_positions` of ``rows`` codings at once, each part holding every
+        row's bytes one row after another: (``rows * capacity`` int64, row after row, where
+        slot i of a row holds ``((b - i) << low_bits) + field_i`` for its i-th set bit b
+        among the first ``n_upper_bits`` of its ``upper`` bytes, and ``(-i << low_bits) +
+        field_i`` past its last set bit; each row's number of set bits). Set bits past the
+        ``capacity``-th are dropped; no count is read back. A composition; an adapter may
+        scan each row once instead."""
+        bits = self.rows(self.unpack_bits(upper), 0, self.numel(upper) // rows * 8, n_upper_bits, rows)
+        marks, found = self.row_set_bits(bits, n_upper_bits, capacity)
+        slots = self.arange(rows * capacity, like=marks)
+        if rows > 1:  # each slot's number inside its row
+            slots = self.add(slots, self.floordiv(slots, capacity), 1, -capacity)
+        high = self.add(marks, slots, 1, -1)
+        if low_bits:
+            fields = self.rows(self.unpack_bits(lower), 0, self.numel(lower) // rows * 8,
+                               capacity * low_bits, rows)
+            high = self.add(high, self.from_bits(fields, low_bits), 2 ** low_bits, 1)
+        return high, found
+
     def row_set_bits(self, bits: Tensor, row_bits: int, capacity: int) -> Tuple[Tensor, Tensor]:
         """For ``bits`` cut into rows of ``row_bits`` booleans: (``rows * capacity`` int64,
         row after row, where slot i of a row holds the index inside its row of that row's

@@ -11,7 +11,7 @@ import torch
 
 from ..core.ops import BlockBounds, Bound, Candidates, Pieces, Scalar, TensorOps, buffer_of
 from . import kernels
-from .kernels import triton_memory
+from .kernels import triton_bits, triton_memory
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64, "int32": torch.int32, "int64": torch.int64,
@@ -204,7 +204,7 @@ class TorchOps(TensorOps):
         if count == 1:
             return x[start:start + length]
         x = x.contiguous()
-        return x.as_strided((count, length), (stride, 1), x.storage_offset() + start).reshape(-1)
+        return torch.as_strided_copy(x, (count, length), (stride, 1), x.storage_offset() + start).view(-1)
 
     def row_cumsum(self, x: torch.Tensor, row: int) -> torch.Tensor:
         return torch.cumsum(x.view(-1, row), 1, dtype=torch.int64).view(-1)
@@ -453,13 +453,18 @@ class TorchOps(TensorOps):
     def pad(self, x: torch.Tensor, length: int) -> torch.Tensor:
         if x.numel() == length:
             return x
-        return torch.cat([x, x.new_zeros(length - x.numel())])
+        if x.numel() > length:
+            raise ValueError(f"{x.numel()} entries do not fit in {length}")
+        return torch.nn.functional.pad(x, (0, length - x.numel()))  # one kernel, where zeros and cat are two
 
     def to_bytes(self, x: torch.Tensor) -> torch.Tensor:
-        return x.contiguous().view(torch.uint8)
+        x = x.contiguous()
+        return x if x.dtype == torch.uint8 else x.view(torch.uint8)
 
     def from_bytes(self, data: torch.Tensor, dtype: str) -> torch.Tensor:
         target = DTYPES[dtype]
+        if data.dtype == target:
+            return data
         if data.storage_offset() % target.itemsize:
             data = data.clone()
         return data.view(target)
@@ -490,11 +495,15 @@ class TorchOps(TensorOps):
     def pack_fields(self, values: torch.Tensor, width: int, n_bytes: int) -> torch.Tensor:
         if self._kernels(values) and 0 < width < 64:
             return kernels.pack_fields(values, width, n_bytes)
+        if 0 < width < 64 and triton_bits.supports(values):
+            return triton_bits.pack_fields(values, width, n_bytes)
         return super().pack_fields(values, width, n_bytes)
 
     def set_bits(self, positions: torch.Tensor, n_bytes: int) -> torch.Tensor:
         if self._kernels(positions):
             return kernels.set_bits(positions, n_bytes)
+        if triton_bits.supports(positions):
+            return triton_bits.set_bits(positions, n_bytes)
         return super().set_bits(positions, n_bytes)
 
     def set_bit_positions(self, packed: torch.Tensor, n_bits: int) -> torch.Tensor:
@@ -517,6 +526,12 @@ class TorchOps(TensorOps):
             return kernels.elias_fano_positions(lower, low_bits, upper, n_upper_bits, capacity,
                                                 int(count), numel)
         return super().elias_fano_positions(lower, low_bits, upper, n_upper_bits, capacity, count, numel)
+
+    def elias_fano_rows(self, lower: torch.Tensor, low_bits: int, upper: torch.Tensor, n_upper_bits: int,
+                        capacity: int, rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        if not self._kernels(upper) and low_bits < 63 and triton_bits.supports(lower, upper):
+            return triton_bits.elias_fano_rows(lower, low_bits, upper, n_upper_bits, capacity, rows)
+        return super().elias_fano_rows(lower, low_bits, upper, n_upper_bits, capacity, rows)
 
     def bits_of(self, values: torch.Tensor, width: int) -> torch.Tensor:
         shifts = torch.arange(width, device=values.device)
@@ -550,6 +565,8 @@ class TorchOps(TensorOps):
         return a == b
 
     def all_within(self, x: torch.Tensor, low: Any, high: Any) -> torch.Tensor:
+        if isinstance(low, (int, float)) and low == high:
+            return (x == low).all()
         return ((x >= low) & (x <= high)).all()
 
     def check(self, pred: Scalar, error: Exception) -> None:
