@@ -565,7 +565,7 @@ class TorchOps(TensorOps):
         return a == b
 
     def all_within(self, x: torch.Tensor, low: Any, high: Any) -> torch.Tensor:
-        if isinstance(low, (int, float)) and low == high:
+        if isinstance(low, (int, float)) and isinstance(high, (int, float)) and low == high:
             return (x == low).all()
         return ((x >= low) & (x <= high)).all()
 
