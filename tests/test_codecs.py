@@ -17,6 +17,7 @@ from horovod_dgc.core.blocksign import BlockSign, BlockSignConfig
 from horovod_dgc.core.scalecom import ScaleCom, ScaleComConfig, leader_positions
 from horovod_dgc.core.codecs import Bitmap, EliasFano, RawIndices, index_coding, value_coding
 from horovod_dgc.core.method import CompressCall
+from horovod_dgc.core.ops import TensorOps
 from horovod_dgc.core.selection import top_count
 from horovod_dgc.core.wire import (COUNT_WORD, HEADER_BYTES, HEADER_FIELDS, HEADER_WORDS, MessageLayout,
                                    PartsLayout, encode_parts)
@@ -401,6 +402,36 @@ def test_row_set_bits_against_a_loop_over_each_row(rows, row_bits, capacity):
         expected += (ones + [0] * capacity)[:capacity]
         expected_counts.append(len(ones))
     assert found.tolist() == expected and counted.tolist() == expected_counts
+
+
+@pytest.mark.parametrize("counts, capacity", [([3], 5), ([0, 4, 1], 4), ([1, 0, 1, 1], 1), ([7, 2], 7)])
+@pytest.mark.parametrize("run", ["torch", "composition"])
+def test_the_padding_of_each_message_is_its_slots_from_its_count_on(counts, capacity, run):
+    """TorchOps' broadcast comparison and the core's composition against a loop. Catches a
+    row's count compared with the next row's slots, a slot at the count taken as sent, and
+    the slot numbered across rows."""
+    ops = TorchOps()
+    past = ops.past_counts if run == "torch" else (lambda *a: TensorOps.past_counts(ops, *a))
+    padding = past(capacity, torch.tensor(counts, dtype=torch.int32), torch.zeros(1))
+    assert padding.tolist() == [slot >= count for count in counts for slot in range(capacity)]
+
+
+def test_where_with_zero_keeps_integers_where_true_and_floats_as_where_does():
+    """The shortcut for integers (a product with the predicate) against a loop, and a float's
+    NaN still 0 where false (a product would keep it)."""
+    ops, pred = TorchOps(), torch.tensor([True, False, True, False])
+    ints = torch.tensor([5, -7, 2 ** 40, 9])
+    assert ops.where(pred, ints, 0).tolist() == [v if p else 0 for v, p in zip(ints.tolist(), pred.tolist())]
+    assert ops.where(pred, ints, 0).dtype == torch.int64
+    floats = torch.tensor([1.5, float("nan"), float("inf"), float("nan")])
+    assert ops.where(pred, floats, 0).tolist() == [1.5, 0.0, float("inf"), 0.0]
+
+
+def test_bitcast_reads_a_float32_as_its_ieee_bits():
+    values = [0.0, -0.0, 1.0, -2.5, float("inf"), 3.4e38, 1e-45]
+    bits = TorchOps().bitcast(torch.tensor(values), "int32")
+    assert bits.dtype == torch.int32
+    assert bits.tolist() == [struct.unpack("<i", struct.pack("<f", v))[0] for v in values]
 
 
 @pytest.mark.parametrize("start, stride, length, count", [(0, 10, 10, 3), (3, 10, 4, 3), (5, 7, 2, 1),

@@ -49,15 +49,6 @@ def past_count(ops: TensorOps, capacity: int, count: Scalar, like: Tensor) -> Te
     return ops.greater_equal(ops.arange(capacity, like=like), count)
 
 
-def past_counts(ops: TensorOps, capacity: int, counts: Tensor, like: Tensor) -> Tensor:
-    """:func:`past_count` of each of ``len(counts)`` messages laid end to end."""
-    rows = ops.numel(counts)
-    if rows == 1:
-        return past_count(ops, capacity, ops.cast(counts, "int64"), like)
-    limits = ops.add(ops.cast(counts, "int64"),
-                     ops.constant([r * capacity for r in range(rows)], "int64", like=like))
-    return ops.greater_equal(ops.arange(rows * capacity, like=like),
-                             ops.repeat_blocks(limits, capacity, rows * capacity))
 
 
 @dataclass(frozen=True)
@@ -89,7 +80,7 @@ class IndexCoding:
         message's entries one message after another: (their ``capacity`` positions each,
         laid end to end; whether every message's parts agree with its count and the tensor's
         size; for a coding whose set bits must match the count, each message's number of
-        them, else None). ``padding``: :func:`past_counts` of ``counts``."""
+        them, else None). ``padding``: ``TensorOps.past_counts`` of ``counts``."""
         raise NotImplementedError
 
     def _in_range(self, ops: TensorOps, positions: Tensor) -> Scalar:

@@ -500,6 +500,10 @@ class TensorOps(ABC):
     def from_bytes(self, data: Tensor, dtype: str) -> Tensor:
         """Reinterpret a uint8 tensor as ``dtype`` (its length must be a multiple)."""
 
+    def bitcast(self, x: Tensor, dtype: str) -> Tensor:
+        """The bits of ``x`` read as ``dtype``, of the same width (float32 as int32, say)."""
+        return self.from_bytes(self.to_bytes(x), dtype)
+
     @abstractmethod
     def pack_signs(self, x: Tensor) -> Tensor:
         """Bit ``i % 8`` of byte ``i // 8`` is 1 where ``x[i] >= 0`` (``len(x)`` a multiple of 8)."""
@@ -582,6 +586,17 @@ class TensorOps(ABC):
                                capacity * low_bits, rows)
             high = self.add(high, self.from_bits(fields, low_bits), 2 ** low_bits, 1)
         return high, found
+
+    def past_counts(self, capacity: int, counts: Tensor, like: Tensor) -> Tensor:
+        """For ``len(counts)`` messages of ``capacity`` slots laid end to end, which slots lie
+        past their message's count (its padding), as booleans like ``like``'s device."""
+        rows = self.numel(counts)
+        limits = self.cast(counts, "int64")
+        if rows > 1:
+            limits = self.repeat_blocks(
+                self.add(limits, self.constant([r * capacity for r in range(rows)], "int64", like=like)),
+                capacity, rows * capacity)
+        return self.greater_equal(self.arange(rows * capacity, like=like), limits)
 
     def row_set_bits(self, bits: Tensor, row_bits: int, capacity: int) -> Tuple[Tensor, Tensor]:
         """For ``bits`` cut into rows of ``row_bits`` booleans: (``rows * capacity`` int64,

@@ -106,7 +106,7 @@ def magnitude_bits(ops: TensorOps, x: Tensor) -> Tensor:
     """``|x|`` as the int64 bit patterns of its float32 values: non-negative floats order as
     their bits, so these compare exactly as the float32 magnitudes do."""
     magnitudes = ops.cast(ops.abs(x), "float32")
-    return ops.cast(ops.from_bytes(ops.to_bytes(magnitudes), "int32"), "int64")
+    return ops.cast(ops.bitcast(magnitudes, "int32"), "int64")
 
 
 _POSITION_SPAN = 2 ** 32

@@ -246,7 +246,7 @@ class MessageLayout(Layout):
         message laid end to end; whether all agree with their counts and the tensor's size;
         each message's set bits where the coding counts them, else None)."""
         n = len(self.indices.parts)
-        padding = codecs.past_counts(ops, self.capacity, counts, parts[0])
+        padding = ops.past_counts(self.capacity, counts, parts[0])
         positions, consistent, found = self.indices.decode_rows(ops, parts[:n], counts, padding)
         values = self.values.decode_rows(ops, parts[n:], ops.numel(counts), dtype)
         return positions, ops.where(padding, 0.0, values), consistent, found

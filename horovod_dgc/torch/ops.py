@@ -18,6 +18,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
           "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _HALF = (torch.float16, torch.bfloat16)
+_INTEGERS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 _GATHER_BITS = 0x0102040810204080
 # Row b: the eight signs (+1 for a set bit, -1 otherwise) that byte b packs, bit i first.
 _HOST = torch.device("cpu")
@@ -187,6 +188,9 @@ class TorchOps(TensorOps):
             return b.masked_fill(pred, a)
         if pred.dtype == torch.bool and type(a) is int and type(b) is int and (a, b) == (1, 0):
             return pred.to(torch.int64)
+        if (type(b) is int and b == 0 and isinstance(a, torch.Tensor) and pred.dtype == torch.bool
+                and pred.shape == a.shape and a.dtype in _INTEGERS):
+            return a * pred  # integers only: a float's NaN times 0 would stay NaN
         # Python numbers go in as they are: a CPU tensor made of one would be copied to the
         # GPU, and that copy waits for it.
         return torch.where(pred, a, b)
@@ -469,6 +473,9 @@ class TorchOps(TensorOps):
             data = data.clone()
         return data.view(target)
 
+    def bitcast(self, x: torch.Tensor, dtype: str) -> torch.Tensor:
+        return x.contiguous().view(DTYPES[dtype])  # one view, where the bytes' are two
+
     def pack_signs(self, x: torch.Tensor) -> torch.Tensor:
         # Eight 0/1 bytes read as one little-endian int64; the multiply gathers byte i's bit
         # into bit 56 + i, so the top byte is the packed value (no carries reach it).
@@ -532,6 +539,11 @@ class TorchOps(TensorOps):
         if not self._kernels(upper) and low_bits < 63 and triton_bits.supports(lower, upper):
             return triton_bits.elias_fano_rows(lower, low_bits, upper, n_upper_bits, capacity, rows)
         return super().elias_fano_rows(lower, low_bits, upper, n_upper_bits, capacity, rows)
+
+    def past_counts(self, capacity: int, counts: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        # Every slot against its message's count, broadcast: no table of each slot's count.
+        slots = torch.arange(capacity, device=like.device)
+        return (slots >= counts.reshape(-1, 1)).reshape(-1)
 
     def bits_of(self, values: torch.Tensor, width: int) -> torch.Tensor:
         shifts = torch.arange(width, device=values.device)
