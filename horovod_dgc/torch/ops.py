@@ -536,7 +536,7 @@ class TorchOps(TensorOps):
 
     def elias_fano_rows(self, lower: torch.Tensor, low_bits: int, upper: torch.Tensor, n_upper_bits: int,
                         capacity: int, rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        if not self._kernels(upper) and low_bits < 63 and triton_bits.supports(lower, upper):
+        if not self._kernels(upper) and capacity and low_bits < 63 and triton_bits.supports(lower, upper):
             return triton_bits.elias_fano_rows(lower, low_bits, upper, n_upper_bits, capacity, rows)
         return super().elias_fano_rows(lower, low_bits, upper, n_upper_bits, capacity, rows)
 

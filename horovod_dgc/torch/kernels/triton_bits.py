@@ -100,8 +100,12 @@ def pack_fields(values: torch.Tensor, width: int, n_bytes: int) -> torch.Tensor:
     integers ``values``, value after value, lowest bit first (``TensorOps.pack_fields``),
     then zeros."""
     out = torch.empty(n_bytes, dtype=torch.uint8, device=values.device)
+    if not n_bytes:
+        return out
+    # An empty tensor's address may be null, which a launch refuses: any valid one will do
+    # where no load reads it.
     _pack_fields[(max(1, -(-n_bytes // BYTES_PER_PROGRAM)),)](
-        values, out, values.numel(), n_bytes, WIDTH=width, BYTES=BYTES_PER_PROGRAM)
+        values if values.numel() else out, out, values.numel(), n_bytes, WIDTH=width, BYTES=BYTES_PER_PROGRAM)
     return out
 
 
@@ -110,7 +114,7 @@ def set_bits(positions: torch.Tensor, n_bytes: int) -> torch.Tensor:
     ``positions`` set (``TensorOps.set_bits``); a position outside it sets nothing."""
     words = torch.zeros(-(-n_bytes // 4), dtype=torch.int32, device=positions.device)
     count = positions.numel()
-    if count:
+    if count and n_bytes:
         _set_bits[(-(-count // POSITIONS_PER_PROGRAM),)](
             positions, words, count, n_bytes * 8, BLOCK=POSITIONS_PER_PROGRAM)
     # Bit b of int32 word w is bit b % 8 of byte 4w + b // 8 on a little-endian device.
@@ -122,6 +126,6 @@ def elias_fano_rows(lower: torch.Tensor, low_bits: int, upper: torch.Tensor, n_u
     """``TensorOps.elias_fano_rows``: one program per row scans its bitvector once."""
     out = torch.zeros(rows * capacity, dtype=torch.int64, device=upper.device)
     found = torch.empty(rows, dtype=torch.int64, device=upper.device)
-    _elias_fano_rows[(rows,)](lower, upper, out, found, lower.numel() // rows, upper.numel() // rows,
-                              n_upper_bits, capacity, LOW=low_bits, STEP=BITS_PER_STEP)
+    _elias_fano_rows[(rows,)](lower if lower.numel() else upper, upper, out, found, lower.numel() // rows,
+                              upper.numel() // rows, n_upper_bits, capacity, LOW=low_bits, STEP=BITS_PER_STEP)
     return out, found
