@@ -19,10 +19,10 @@ import torch
 pytest.importorskip("triton")
 
 from horovod_dgc.core.ops import TensorOps  # noqa: E402
-from horovod_dgc.torch.kernels import triton_bits  # noqa: E402
+from horovod_dgc.torch.kernels import triton_bits, triton_memory  # noqa: E402
 from horovod_dgc.torch.ops import TorchOps  # noqa: E402
 
-DEVICE = "cpu" if triton_bits.INTERPRETED else "cuda"
+DEVICE = "cpu" if triton_memory.INTERPRETED else "cuda"
 runs_here = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
                                reason="no CUDA device (the interpreted run covers the CPU)")
 
@@ -136,7 +136,7 @@ def test_torch_ops_take_the_kernels_for_cuda_tensors(monkeypatch):
     assert len(calls) == 3
 
 
-@pytest.mark.skipif(not triton_bits.INTERPRETED, reason="counts the interpreter's launches")
+@pytest.mark.skipif(not triton_memory.INTERPRETED, reason="counts the interpreter's launches")
 def test_the_benchmarks_count_a_launch_as_one_operation_and_nothing_inside_it():
     from benchmarks.model_step import OpCounter
     positions = torch.arange(0, 4000, 7)
@@ -149,7 +149,7 @@ def test_the_benchmarks_count_a_launch_as_one_operation_and_nothing_inside_it():
     assert counted.count == 1  # the launcher is itself again after the count
 
 
-@pytest.mark.skipif(triton_bits.INTERPRETED, reason="this is the interpreted run")
+@pytest.mark.skipif(triton_memory.INTERPRETED, reason="this is the interpreted run")
 def test_the_kernels_under_the_interpreter_on_cpu_tensors():
     """This file's kernel tests again where Triton interprets kernels on the CPU (a process
     of its own: Triton reads the switch when it is imported)."""

@@ -49,8 +49,6 @@ def past_count(ops: TensorOps, capacity: int, count: Scalar, like: Tensor) -> Te
     return ops.greater_equal(ops.arange(capacity, like=like), count)
 
 
-
-
 @dataclass(frozen=True)
 class IndexCoding:
     """One way to code the sorted positions of a message of ``capacity`` slots for a tensor

@@ -589,7 +589,7 @@ class TensorOps(ABC):
 
     def past_counts(self, capacity: int, counts: Tensor, like: Tensor) -> Tensor:
         """For ``len(counts)`` messages of ``capacity`` slots laid end to end, which slots lie
-        past their message's count (its padding), as booleans like ``like``'s device."""
+        past their message's count (its padding), as booleans on ``like``'s device."""
         rows = self.numel(counts)
         limits = self.cast(counts, "int64")
         if rows > 1:

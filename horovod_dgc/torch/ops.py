@@ -502,14 +502,14 @@ class TorchOps(TensorOps):
     def pack_fields(self, values: torch.Tensor, width: int, n_bytes: int) -> torch.Tensor:
         if self._kernels(values) and 0 < width < 64:
             return kernels.pack_fields(values, width, n_bytes)
-        if 0 < width < 64 and triton_bits.supports(values):
+        if 0 < width < 64 and triton_memory.launchable(values):
             return triton_bits.pack_fields(values, width, n_bytes)
         return super().pack_fields(values, width, n_bytes)
 
     def set_bits(self, positions: torch.Tensor, n_bytes: int) -> torch.Tensor:
         if self._kernels(positions):
             return kernels.set_bits(positions, n_bytes)
-        if triton_bits.supports(positions):
+        if triton_memory.launchable(positions):
             return triton_bits.set_bits(positions, n_bytes)
         return super().set_bits(positions, n_bytes)
 
@@ -536,7 +536,7 @@ class TorchOps(TensorOps):
 
     def elias_fano_rows(self, lower: torch.Tensor, low_bits: int, upper: torch.Tensor, n_upper_bits: int,
                         capacity: int, rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        if not self._kernels(upper) and capacity and low_bits < 63 and triton_bits.supports(lower, upper):
+        if not self._kernels(upper) and capacity and low_bits < 63 and triton_memory.launchable(lower, upper):
             return triton_bits.elias_fano_rows(lower, low_bits, upper, n_upper_bits, capacity, rows)
         return super().elias_fano_rows(lower, low_bits, upper, n_upper_bits, capacity, rows)
 

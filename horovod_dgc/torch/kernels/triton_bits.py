@@ -8,8 +8,8 @@ boolean per bit; each kernel here reads its input once and writes its output onc
 wait for the host. They are the GPU's twins of the C kernels in ``bits.c`` (which take the
 CPU's tensors).
 
-Used for CUDA tensors when Triton imports (and for CPU tensors under Triton's interpreter,
-as in ``triton_memory``); everything else takes the composition.
+Used for tensors that ``triton_memory.launchable`` accepts (CUDA tensors when Triton imports,
+CPU tensors under Triton's interpreter); everything else takes the composition.
 ``tests/test_triton_bits.py`` checks each against a loop written in the test.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Tuple
 
 import torch
 
-from .triton_memory import INTERPRETED, triton
+from .triton_memory import triton
 
 if triton is not None:
     import triton.language as tl
@@ -28,15 +28,6 @@ if triton is not None:
 BYTES_PER_PROGRAM = 1024
 POSITIONS_PER_PROGRAM = 1024
 BITS_PER_STEP = 4096
-
-
-def supports(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels take these tensors: contiguous, on one CUDA device (or on the CPU
-    under Triton's interpreter)."""
-    if triton is None or not all(t.is_contiguous() for t in tensors):
-        return False
-    devices = {t.device for t in tensors}
-    return len(devices) == 1 and (tensors[0].device.type == "cuda" or INTERPRETED)
 
 
 if triton is not None:

@@ -39,16 +39,21 @@ ERROR_FEEDBACK, MOMENTUM, NESTEROV = 0, 1, 2
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def launchable(*tensors: torch.Tensor) -> bool:
+    """Whether a Triton kernel may take these tensors: Triton imports, and they are
+    contiguous, on one CUDA device (or on the CPU under Triton's interpreter, which the CPU
+    tests use)."""
+    if triton is None or not all(t.is_contiguous() for t in tensors):
+        return False
+    return len({t.device for t in tensors}) == 1 and (tensors[0].device.type == "cuda" or INTERPRETED)
+
+
 def supports(grad: torch.Tensor, *memories: Optional[torch.Tensor]) -> bool:
-    """Whether the kernel takes these tensors: contiguous, floating point, on one CUDA device
-    (or on the CPU under Triton's interpreter, which the CPU tests use)."""
+    """Whether the kernel takes these tensors: :func:`launchable`, floating point but not
+    float64, and a gradient with entries."""
     tensors = [grad, *[m for m in memories if m is not None]]
-    if triton is None or grad.numel() == 0 or not all(t.is_contiguous() and t.is_floating_point() for t in tensors):
-        return False
-    if any(t.dtype == torch.float64 for t in tensors):
-        return False
-    devices = {t.device for t in tensors}
-    return len(devices) == 1 and (grad.device.type == "cuda" or INTERPRETED)
+    return (grad.numel() > 0 and all(t.is_floating_point() and t.dtype != torch.float64 for t in tensors)
+            and launchable(*tensors))
 
 
 if triton is not None:
