@@ -14,7 +14,7 @@ setup:
 
 ## The default test run (what CI runs): unit and multi-process tests, no slow benchmarks.
 test: setup
-	$(PYTHON) -m pytest -m "not slow" -q
+	$(PYTHON) -m pytest -m "not slow" -q --durations=30
 
 ## The documentation site (Sphinx, MyST, furo) into build/docs/html, warnings as errors; make test
 ## builds it too and checks its internal links (tests/test_docs.py).
