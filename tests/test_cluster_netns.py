@@ -190,21 +190,28 @@ def test_killing_a_worker_ends_the_run_with_a_clear_error(tmp_path, netns_unchan
     assert no_process_mentions(str(tmp_path))
 
 
-def test_a_stall_or_a_split_ends_every_rank_and_training_resumes(tmp_path, netns_unchanged):
-    """make cluster-faults on 4 hosts: a rank stopped without dying (SIGSTOP) and a host cut
-    off (its link down) each end the job within Gloo's timeout (5 s here) and a few seconds,
-    the error naming the collective it waited for; the last complete checkpoint loads and a
-    new run resumes from it, ending with the same parameters on every rank. A slow link (one
-    host at 10 Mbit/s) ends without an error, the parameters identical."""
-    gloo_timeout_s = 5
+def run_faults(tmp_path, faults: str, gloo_timeout_s: int = 5) -> dict:
+    """Each fault's outcome of make cluster-faults on 4 hosts, shorter (6 steps, a checkpoint
+    every 2, Gloo's timeout ``gloo_timeout_s``)."""
     proc = subprocess.run([sys.executable, "-m", "benchmarks.cluster.faults", "--hosts", "4",
-                           "--faults", "stall:1@3,split:2@3,slow:3", "--slow-link", "10mbit",
+                           "--faults", faults, "--slow-link", "10mbit",
                            "--steps", "6", "--checkpoint-every", "2", "--gloo-timeout-s",
                            str(gloo_timeout_s), "--out", str(tmp_path), "--prefix", unique_prefix()],
                           cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     outcomes = {o["fault"]: o for o in map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())}
-    assert list(outcomes) == ["stall:1@3", "split:2@3", "slow:3"]
+    assert list(outcomes) == faults.split(","), outcomes
+    assert no_process_mentions(str(tmp_path))
+    return outcomes
+
+
+def test_a_stall_or_a_split_ends_every_rank_and_training_resumes(tmp_path, netns_unchanged):
+    """A rank stopped without dying (SIGSTOP) and a host cut off (its link down) each end the
+    job within Gloo's timeout (5 s here) and a few seconds, the error naming the collective it
+    waited for; the last complete checkpoint loads and a new run resumes from it, ending with
+    the same parameters on every rank."""
+    gloo_timeout_s = 5
+    outcomes = run_faults(tmp_path, "stall:1@3,split:2@3", gloo_timeout_s)
     for name in ("stall:1@3", "split:2@3"):
         o = outcomes[name]
         assert o["injected_after_step"] == 3, o
@@ -214,13 +221,20 @@ def test_a_stall_or_a_split_ends_every_rank_and_training_resumes(tmp_path, netns
         # The fault struck in step 4: the checkpoint of step 2 is the last one written.
         assert (o["last_complete_checkpoint"], o["resumed_from"]) == (2, 2), o
         assert o["checkpoints_load"] and o["parameters_identical"] and o["expected"], o
-    slow = outcomes["slow:3"]
+    assert "| split:2@3 | 3 |" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.slow  # a job without a fault, longer: the stall and split above keep the harness in make test
+def test_a_slow_link_only_slows_the_job(tmp_path, netns_unchanged):
+    """One host at 10 Mbit/s: the job ends without an error, every checkpoint written, the
+    parameters identical on every rank."""
+    slow = run_faults(tmp_path, "slow:3")["slow:3"]
     assert slow["error"] is None and slow["last_complete_checkpoint"] == 6, slow
     assert slow["parameters_identical"] and slow["expected"], slow
-    assert "| split:2@3 | 3 |" in (tmp_path / "results.md").read_text()
-    assert no_process_mentions(str(tmp_path))
 
 
+@pytest.mark.slow  # timed phases on a shaped link (make cluster-adaptive); the decisions, identical
+# on every rank, and the forced switches stay in make test (test_adaptive.py, adaptive_torch.py)
 def test_the_adaptive_switch_follows_a_link_that_slows_down_and_recovers(tmp_path, netns_unchanged):
     """make cluster-adaptive, shorter: blocksign with adaptive= on 2 hosts sends every bucket
     dense on the unshaped link, compressed within a re-check interval (20 steps) of the link
