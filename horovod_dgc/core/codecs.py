@@ -81,6 +81,12 @@ class IndexCoding:
         them, else None). ``padding``: ``TensorOps.past_counts`` of ``counts``."""
         raise NotImplementedError
 
+    def checked_slots(self, ops: TensorOps, parts: Sequence[Tensor], positions: Tensor) -> Tensor:
+        """The slots whose range :meth:`decode_rows` checks, given what it decoded of
+        ``parts``: its ``positions`` (0 past each count), for a receiver's explanation of a
+        failed check."""
+        return positions
+
     def _in_range(self, ops: TensorOps, positions: Tensor) -> Scalar:
         return ops.all_within(positions, 0, self.numel - 1)
 
@@ -115,6 +121,9 @@ class RawIndices(IndexCoding):
                     ) -> Tuple[Tensor, Scalar, Optional[Tensor]]:
         positions = ops.cast(parts[0], "int64")
         return ops.where(padding, 0, positions), self._in_range(ops, positions), None
+
+    def checked_slots(self, ops: TensorOps, parts: Sequence[Tensor], positions: Tensor) -> Tensor:
+        return ops.cast(parts[0], "int64")  # every slot, past the count too
 
 
 @dataclass(frozen=True)

@@ -479,7 +479,8 @@ def decode_senders(ops: TensorOps, data: Tensor, layouts: Sequence[MessageLayout
                  for (part_dtype, _), (start, nbytes) in zip(layout.parts, layout.part_spans)]
         positions, values, consistent, found = layout.decode_rows(ops, parts, counts, dtype)
         decoded.append((positions, values))
-        evidence.append((consistent, [positions, counts] + ([] if found is None else [found])))
+        checked = layout.indices.checked_slots(ops, parts[:len(layout.indices.parts)], positions)
+        evidence.append((consistent, [checked, counts] + ([] if found is None else [found])))
     verdicts = ops.constant([ops.where(ok, 1, 0) for ok, _ in evidence], "int32", like=every)
 
     def explain(step_at: int, *values: Any) -> None:

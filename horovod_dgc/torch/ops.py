@@ -5,13 +5,14 @@ reads the condition on the host: one synchronisation per loop test, none per ele
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..core.ops import BlockBounds, Bound, Candidates, Pieces, Scalar, TensorOps, buffer_of
 from . import kernels
-from .kernels import triton_bits, triton_memory
+from .kernels import triton_bits, triton_memory, triton_messages
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64, "int32": torch.int32, "int64": torch.int64,
@@ -432,9 +433,13 @@ class TorchOps(TensorOps):
 
     def encode_message(self, layout: Any, header: Sequence[Any], positions: torch.Tensor, count: Any,
                        values: Optional[torch.Tensor]) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-        if values is None or not (self._kernels(positions) and self._kernels(values)):
+        if values is None:
             return None
-        return kernels.encode_message(layout, header, positions, count, values)
+        if self._kernels(positions) and self._kernels(values):
+            return kernels.encode_message(layout, header, positions, count, values)
+        if triton_messages.encodes(layout, header, positions, count, values):
+            return triton_messages.encode_message(layout, header, positions, count, values)
+        return None
 
     def decode_positions(self, data: torch.Tensor, layout: Any, sender: int,
                          step: Any) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
@@ -444,9 +449,19 @@ class TorchOps(TensorOps):
 
     def decode_sums(self, data: torch.Tensor, layouts: Sequence[Any], world_size: int, step: Any,
                     outs: Sequence[torch.Tensor], scale: float) -> Optional[torch.Tensor]:
-        if not (self._kernels(data) and all(self._scatters(out) for out in outs)):
+        if self._kernels(data):
+            if not all(self._scatters(out) for out in outs):
+                return None
+            return kernels.decode_sums(data, layouts, world_size, step, outs, scale)
+        if not triton_messages.decodes(data, layouts, world_size, step, outs):
             return None
-        return kernels.decode_sums(data, layouts, world_size, step, outs, scale)
+        decoded = triton_messages.decode_messages(data, layouts, world_size, step, scale)
+        # A failed check raises the composition's error, naming the rank and the tensor.
+        flags = self.verify(decoded.fine, [data, step],
+                            functools.partial(triton_messages.explain, tuple(layouts), world_size), decoded.flags)
+        for out, positions, values in zip(outs, decoded.positions, decoded.values):
+            self.scatter_add(self.zeroed(out), positions, values)
+        return flags
 
     def top_of_segments(self, positions: torch.Tensor, magnitudes: torch.Tensor, starts: torch.Tensor,
                         counts: torch.Tensor, ks: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:

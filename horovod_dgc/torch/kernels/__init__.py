@@ -453,9 +453,9 @@ def sum_sparse(out: torch.Tensor, messages: Sequence[Tuple[torch.Tensor, torch.T
 
 
 # bits.c's names for the codings (its INDEX_ and VALUE_ enums) and the width of its plan rows.
-_INDEX_KINDS = {"int32": 0, "int64": 1, "elias-fano": 2, "bitmap": 3}
-_VALUE_KINDS = {"float32": 0, "float16": 1, "bfloat16": 2, "int8": 3, None: 4}
-_PLAN_COLUMNS = 13
+INDEX_KINDS = {"int32": 0, "int64": 1, "elias-fano": 2, "bitmap": 3}
+VALUE_KINDS = {"float32": 0, "float16": 1, "bfloat16": 2, "int8": 3, None: 4}
+PLAN_COLUMNS = 13
 
 
 @dataclass(frozen=True)
@@ -463,22 +463,27 @@ class DecodePlan:
     """Where bits.c's ``decode_messages`` finds each message of some senders for some
     layouts, and what it accepts in each header (``wire.header_table``)."""
 
-    rows: torch.Tensor  # int64, one row of _PLAN_COLUMNS per message, in the order received
+    rows: torch.Tensor  # int64, one row of PLAN_COLUMNS per message, in the order received
     bounds: torch.Tensor  # int32: every message's lowest header words, then its highest
     headers: wire.HeaderTable
     scratch_entries: int  # slots of all messages together
 
 
-def _plan_row(layout: wire.MessageLayout, offset: int, slot: int, scratch_at: int) -> List[int]:
+def plan_row(layout: wire.MessageLayout, offset: int, slot: int, scratch_at: int) -> List[int]:
+    """One message's row of a decode plan (bits.c's and ``triton_messages``'): its byte
+    offset in the data, index kind, numel, capacity, Elias-Fano's low bits and upper bits,
+    where its index part, upper bits, values and int8 scale start (bytes from the message's
+    start; 0 where it has none), its value kind, its table slot and where its entries start
+    among the decoded slots."""
     indices, spans = layout.indices, [at for at, _ in layout.part_spans]
     index_kind = indices.dtype if indices.name == "raw" else indices.name
     value_at = spans[len(indices.parts)] if layout.value_format else 0
     scale_at = spans[-1] if layout.value_format == "int8" else 0
     low_bits, upper_bits, upper_at = ((indices.low_bits, indices.upper_bits, spans[1])
                                       if indices.name == "elias-fano" else (0, 0, 0))
-    row = [offset, _INDEX_KINDS[index_kind], layout.numel, layout.capacity, low_bits, upper_bits,
-           spans[0], upper_at, _VALUE_KINDS[layout.value_format], value_at, scale_at, slot, scratch_at]
-    assert len(row) == _PLAN_COLUMNS, "bits.c's PLAN_ columns and this row disagree"
+    row = [offset, INDEX_KINDS[index_kind], layout.numel, layout.capacity, low_bits, upper_bits,
+           spans[0], upper_at, VALUE_KINDS[layout.value_format], value_at, scale_at, slot, scratch_at]
+    assert len(row) == PLAN_COLUMNS, "bits.c's PLAN_ columns and this row disagree"
     return row
 
 
@@ -490,7 +495,7 @@ def decode_plan(layouts: Tuple[wire.MessageLayout, ...], senders: Tuple[int, ...
     rows, scratch_at = [], 0
     for m, offset in enumerate(headers.offsets):
         i, t = divmod(m, len(layouts))
-        rows.append(_plan_row(layouts[t], offset, t * len(senders) + i, scratch_at))
+        rows.append(plan_row(layouts[t], offset, t * len(senders) + i, scratch_at))
         scratch_at += layouts[t].capacity
     return DecodePlan(rows=torch.tensor(rows, dtype=torch.int64, device=CPU),
                       bounds=torch.tensor(headers.low + headers.high, dtype=torch.int32, device=CPU),
@@ -566,7 +571,7 @@ def _encode_row(layout: wire.MessageLayout) -> Optional[torch.Tensor]:
     message of positions only, which it does not write."""
     if layout.value_format is None:
         return None
-    return torch.tensor(_plan_row(layout, 0, 0, 0), dtype=torch.int64, device=CPU)
+    return torch.tensor(plan_row(layout, 0, 0, 0), dtype=torch.int64, device=CPU)
 
 
 def encode_message(layout: wire.MessageLayout, header: Sequence[int], positions: torch.Tensor,
