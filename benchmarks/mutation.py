@@ -41,7 +41,7 @@ TESTS: Dict[str, Tuple[str, ...]] = {
     "core": ("test_adaptive.py", "test_core_bucket.py", "test_core_references.py", "test_core_methods.py", "test_core_selection.py",
              "test_core_twostage.py", "test_core_sparse_allreduce.py", "test_core_warmup.py",
              "test_core_hosts.py", "test_traffic_model.py", "test_bad_input.py", "test_kernels_torch.py",
-             "test_device_torch.py", "test_triton_memory.py", "test_triton_bits.py", "test_triton_messages.py",
+             "test_device_torch.py", "test_triton_memory.py", "test_triton_bits.py", "test_triton_messages.py", "test_triton_selection.py",
              "test_checkpoint_torch.py",
              "test_codecs.py"),
     "torch": ("test_adaptive.py", "test_core_bucket.py", "test_core_methods.py", "test_bad_input.py", "test_device_torch.py",
@@ -588,6 +588,9 @@ MUTANTS: Tuple[Mutant, ...] = (
        "rows.append(plan_row(layouts[t], offset, m, starts[t] + sender * layouts[t].capacity))",
        "rows.append(plan_row(layouts[t], offset, m, sum(layout.capacity for layout in layouts) * sender + starts[t] // senders))",
        "the decoded slots laid out sender after sender, so a layout's sum takes other layouts' positions"),
+    _m("triton-gaussian-lowest-forgotten", "torch/kernels/triton_selection.py",
+       "                lowest = tl.minimum(lowest, t)\n", "",
+       "Gaussian-k's final threshold falls back to the first one tried, not the lowest, when too few reach the last"),
     # The C kernels (built again in the copy for each of these)
     _m("kernel-stream-tail-dropped", "torch/kernels/streaming.c",
        "        for (; i < len; ++i)\n            dst[i] = src[i];\n        return;", "        return;",

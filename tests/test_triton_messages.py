@@ -58,7 +58,7 @@ def message(layout: MessageLayout, sender: int, positions, values, flags=0, step
     header's, if not the number of positions)."""
     count = len(positions) if count is None else count
     words = [wire.MAGIC, layout.method_id, wire.tensor_id(layout.name), layout.numel % 2 ** 31,
-             layout.numel // 2 ** 31, layout.capacity, count, wire.DTYPE_CODES[layout.value_format],
+             layout.numel // 2 ** 31, layout.capacity, count, wire.DTYPE_CODES.get(layout.value_format, 0),
              layout.indices.code, sender, step, flags]
     out = struct.pack("=12i", *words)
     coding, capacity = layout.indices, layout.capacity
@@ -78,8 +78,10 @@ def message(layout: MessageLayout, sender: int, positions, values, flags=0, step
         for p in positions:
             bitmap[p] = 1
         out += padded(bits_to_bytes(bitmap, -(-layout.numel // 8)))
-    coded, decoded = coded_values(list(values) + [0.0] * (capacity - len(values)), layout.value_format)
-    out += padded(coded)
+    decoded = None
+    if layout.value_format is not None:
+        coded, decoded = coded_values(list(values) + [0.0] * (capacity - len(values)), layout.value_format)
+        out += padded(coded)
     assert len(out) == layout.nbytes
     return out, decoded
 
@@ -127,11 +129,44 @@ def test_the_flags_word_may_come_from_the_device():
     assert bytes(got.cpu().tolist()) == message(layout, 0, positions, values, flags=wire.FLAG_NONFINITE)[0]
 
 
+@runs_here
+def test_a_message_of_positions_only_is_encoded_and_one_senders_is_decoded(monkeypatch):
+    """ScaleCom's leader's message: its positions, no values, decoded from the leader alone."""
+    layout = MessageLayout(name="lead", method_id=4, numel=100_000, capacity=100, value_format=None)
+    positions = sorted(random.Random(4).sample(range(100_000), 100))
+    sent, decoded = triton_messages.encode_message(layout, layout.header(2, STEP, 100, 0),
+                                                   torch.tensor(positions, device=DEVICE), 100, None)
+    assert decoded is None and bytes(sent.cpu().tolist()) == message(layout, 2, positions, [])[0]
+    monkeypatch.setattr(TorchOps, "sizes_cost_a_wait", lambda self, x: True)
+    flags, [(got, values, count)] = wire.decode_received(TorchOps(), sent, [(layout, 2)], STEP, ["float32"])
+    assert got.cpu().tolist() == positions and values is None and int(count) == 100
+    assert flags.cpu().tolist() == [0]
+    with pytest.raises(MessageError, match=r"rank 1 .*'lead'.*sender rank is 2, expected 1"):
+        wire.decode_received(TorchOps(), sent, [(layout, 1)], STEP, ["float32"])
+
+
+@runs_here
+def test_each_senders_message_of_one_layout_is_received_with_its_count(monkeypatch):
+    """The sparse all-reduce's owners: every rank's message for one region, each message's
+    positions, values and count apart (unscaled)."""
+    layout = layout_of(*LAYOUTS[0])
+    data, want = allgather([layout], 3, random.Random(11))
+    monkeypatch.setattr(TorchOps, "sizes_cost_a_wait", lambda self, x: True)
+    expected = [(layout, r) for r in range(3)]
+    flags, messages = wire.decode_received(TorchOps(), data, expected, STEP, ["float32"] * 3)
+    assert flags.cpu().tolist() == [f for _, _, f in want]
+    for (positions, values, count), (sent, sent_values, _) in zip(messages, want):
+        pad = [0] * (layout.capacity - len(sent))
+        assert positions.cpu().tolist() == sent + pad and values.cpu().tolist() == sent_values + pad
+        assert int(count) == len(sent)
+
+
 def test_the_encode_refuses_what_it_does_not_write():
     layout, positions, values = layout_of(1000, 10), torch.arange(10), torch.ones(10)
     header = layout.header(0, STEP, 10, 0)
     assert not triton_messages.encodes(layout_of(1000, 10, "int8"), header, positions, 10, values)
     assert not triton_messages.encodes(layout, header, positions, torch.tensor(10), values)
+    assert not triton_messages.encodes(layout, header, positions, 10, None)  # a layout with values
     assert not triton_messages.encodes(layout, header, positions[:9], 10, values)
     assert not triton_messages.encodes(layout, layout.header(0, torch.tensor(STEP), 10, 0), positions, 10, values)
 
@@ -156,7 +191,7 @@ def allgather(layouts, senders, rng, spoil=None):
 def test_every_message_of_an_allgather_is_decoded_layout_after_layout(senders):
     layouts = [layout_of(n, c, f, name=f"t{i}") for i, (n, c, f) in enumerate(LAYOUTS)]
     data, want = allgather(layouts, senders, random.Random(senders))
-    got = triton_messages.decode_messages(data, layouts, senders, STEP, 0.25)
+    got = triton_messages.decode_messages(data, layouts, tuple(range(senders)), STEP, 0.25)
     assert bool(got.fine)
     assert got.flags.cpu().tolist() == [flags for _, _, flags in want]
     for t, layout in enumerate(layouts):
@@ -210,12 +245,12 @@ def test_a_spoiled_message_decodes_as_zeros_and_the_composition_names_it(spoiled
     spoil, error = SPOILED[spoiled]
     layouts = [layout_of(*LAYOUTS[0]), layout_of(64, 1, "float16", name="b")]
     data, _ = allgather(layouts, 2, random.Random(5), spoil)
-    got = triton_messages.decode_messages(data, layouts, 2, STEP, 0.5)
+    got = triton_messages.decode_messages(data, layouts, tuple(range(2)), STEP, 0.5)
     assert not bool(got.fine)
     assert set(got.positions[0].cpu().tolist()[100:]) == {0} and set(got.values[0].cpu().tolist()[100:]) == {0.0}
     clean, _ = allgather(layouts, 2, random.Random(5))
     assert got.positions[0].cpu().tolist()[:100] == \
-        triton_messages.decode_messages(clean, layouts, 2, STEP, 0.5).positions[0].cpu().tolist()[:100]
+        triton_messages.decode_messages(clean, layouts, tuple(range(2)), STEP, 0.5).positions[0].cpu().tolist()[:100]
     # Through TorchOps as an engine on a GPU runs it: the check deferred to the step's end.
     monkeypatch.setattr(TorchOps, "sizes_cost_a_wait", lambda self, x: True)
     ops = TorchOps(defer_checks=True)
@@ -233,7 +268,7 @@ def test_a_raw_position_outside_the_tensor_is_refused_past_the_count_too(monkeyp
         return raw_position_outside(sender, t, header_word(6, 0)(sender, t, encoded))
 
     data, _ = allgather(layouts, 2, random.Random(2), no_entry)
-    assert not bool(triton_messages.decode_messages(data, layouts, 2, STEP, 0.5).fine)
+    assert not bool(triton_messages.decode_messages(data, layouts, tuple(range(2)), STEP, 0.5).fine)
     monkeypatch.setattr(TorchOps, "sizes_cost_a_wait", lambda self, x: True)
     ops = TorchOps()
     with pytest.raises(MessageError, match=r"rank 1 .*'b'.*positions disagree"):

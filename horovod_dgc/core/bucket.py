@@ -504,6 +504,7 @@ class GaussianTables:
             ``ceil(2k/3)``, the fewest a final threshold may let through.
         whole: whether the segment is sent whole (its capacity holds it; boolean).
         reach: the selection's entries per segment (int64, for expanding per-segment values).
+        reach_start: where each segment's entries start among the selection's (int64).
         slot_segment, slot_base: per selected entry, its segment (int64) and its sort key base.
         kept_slot: per selected entry in a segment's ranking (largest first), whether its
             rank is within the segment's capacity (boolean).
@@ -517,6 +518,7 @@ class GaussianTables:
     lowest_count: Tensor
     whole: Tensor
     reach: Tensor
+    reach_start: Tensor
     slot_segment: Tensor
     slot_base: Tensor
     kept_slot: Tensor
@@ -538,7 +540,7 @@ class GaussianTables:
                    low=floats([GAUSSIAN_LOW * k for k in ks]), high=floats([GAUSSIAN_HIGH * k for k in ks]),
                    lowest_count=floats([math.ceil(GAUSSIAN_LOW * k) for k in ks]),
                    whole=ops.greater_equal(ints([int(c >= s.numel) for c, s in zip(plan.capacities, segments)]), 1),
-                   reach=ints(reach),
+                   reach=ints(reach), reach_start=ints(_starts(reach)),
                    slot_segment=ints([s for s, r in zip(slots, reach) for _ in range(r)]),
                    slot_base=ints([(s + 1) * _SEGMENT_SHIFT for s, r in zip(slots, reach) for _ in range(r)]),
                    kept_slot=ops.greater_equal(ints([int(j < c) for c, r in zip(plan.capacities, reach)
@@ -594,6 +596,10 @@ def select_gaussian(ops: TensorOps, x: Tensor, plan: GaussianPlan, reached: Opti
         return t, counted(t), ops.minimum(lowest, t)
 
     t = gaussian_thresholds(ops, x, plan)
+    final = ops.gaussian_thresholds(magnitudes, tables.reach_start, tables.reach, t, tables.low, tables.high,
+                                    tables.lowest_count, tables.whole, GAUSSIAN_ADJUSTMENTS)
+    if final is not None:
+        return _above_thresholds(ops, magnitudes, positions, final, tables, reach)
     state = (t, counted(t), t)
     if ops.sizes_cost_a_wait(x):
         # A segment within its range stays as it is: the adjustments need no test of the
@@ -606,8 +612,16 @@ def select_gaussian(ops: TensorOps, x: Tensor, plan: GaussianPlan, reached: Opti
     t, reached, lowest = state
     # Fewer than 2k/3 after every adjustment: the lowest threshold tried, as one tensor alone.
     t = ops.where(tables.whole, 0.0, ops.where(ops.greater_equal(reached, tables.lowest_count), t, lowest))
+    return _above_thresholds(ops, magnitudes, positions, t, tables, reach)
+
+
+def _above_thresholds(ops: TensorOps, magnitudes: Tensor, positions: Tensor, t: Tensor,
+                      tables: "GaussianTables", reach: Plan) -> Tensor:
+    """The ascending ``positions`` whose ``magnitudes`` reach their segment's final
+    threshold ``t``, at most each segment's capacity of them (its largest)."""
     _, order = ops.sort(_keys(ops, magnitude_bits(ops, magnitudes), tables.slot_base, True))
-    kept = ops.where(tables.kept_slot, ops.gather(reaching(t), order), False)
+    reaching = ops.greater_equal(magnitudes, ops.repeat_each(t, tables.reach, reach.total))
+    kept = ops.where(tables.kept_slot, ops.gather(reaching, order), False)
     return ops.sort(ops.gather(ops.gather(positions, order), ops.nonzero(kept)))[0]
 
 

@@ -17,7 +17,7 @@ Conventions:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 Tensor = Any
 Scalar = Any  # a 0-d tensor or a Python number
@@ -454,6 +454,16 @@ class TensorOps(ABC):
         runs, and names any problem."""
         return None
 
+    def decode_received(self, data: Tensor, expected: Sequence[Tuple[Any, Any]], step: Any,
+                        dtypes: Sequence[str]) -> Optional[Tuple[Tensor, List[Tuple[Tensor, Optional[Tensor], Any]]]]:
+        """A kernel's check and decode of one message per entry of ``expected`` ((layout,
+        sender) pairs, ``wire.MessageLayout`` layouts): (each message's flags word; each
+        message's ``capacity`` positions, its values in ``dtypes[m]`` (None for positions only),
+        both 0 past its count, and its count), as ``wire.decode_composed`` computes them. None
+        where the adapter has no such kernel or it does not take these messages: the
+        composition then runs, and names any problem."""
+        return None
+
     def decode_sums(self, data: Tensor, layouts: Sequence[Any], world_size: int, step: Any,
                     outs: Sequence[Tensor], scale: float) -> Optional[Tensor]:
         """A kernel's whole decode of an allgather of sparse messages (``data``: each rank's
@@ -472,6 +482,19 @@ class TensorOps(ABC):
         segments in order): (their positions, ascending, ties at the ``ks[s]``-th largest going
         to the lowest; that ``ks[s]``-th largest, one per segment). None where the adapter has
         no such kernel: ``bucket.select_candidates``' sort then runs."""
+        return None
+
+    def gaussian_thresholds(self, magnitudes: Tensor, starts: Tensor, counts: Tensor, thresholds: Tensor,
+                            low: Tensor, high: Tensor, fewest: Tensor, whole: Tensor,
+                            adjustments: int) -> Optional[Tensor]:
+        """A kernel's Gaussian-k threshold of every segment at once: segment s, whose
+        magnitudes (float32) are ``magnitudes[starts[s] : starts[s] + counts[s]]``, starts at
+        ``thresholds[s]``, and ``adjustments`` times its count of magnitudes at or above it, if
+        outside ``[low[s], high[s]]``, has it raised by ``GAUSSIAN_RAISE_BY`` (above) or lowered
+        by ``GAUSSIAN_LOWER_BY`` (below); the result is 0 where ``whole[s]``, else the last
+        threshold if it lets ``fewest[s]`` through, else the lowest tried (float32, one per
+        segment). None where the adapter has no such kernel: ``bucket.select_gaussian``'s
+        composition then runs."""
         return None
 
     def sum_sparse(self, out: Tensor, messages: Sequence[Tuple[Tensor, Tensor, Scalar]],

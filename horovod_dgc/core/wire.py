@@ -510,8 +510,20 @@ def decode_received(ops: TensorOps, data: Tensor, expected: Sequence[Expected], 
     """(each message's flags word, each message's (positions, values as ``dtypes[m]``,
     count)) of ``data``, the concatenation of one message per entry of ``expected``: every
     header checked (:func:`receive`), every message decoded, its positions checked
-    (:func:`checked_positions`). What a kernel's decode (``TensorOps.decode_sums``,
-    ``decode_positions``) does in one call, composed. ``traced_id``: as :func:`receive`'s."""
+    (:func:`checked_positions`): by the adapter's kernel (``TensorOps.decode_received``)
+    where it takes them, else :func:`decode_composed`. ``traced_id``: as :func:`receive`'s."""
+    decoded = None if traced_id is not None else ops.decode_received(data, expected, step, dtypes)
+    if decoded is not None:
+        return decoded
+    return decode_composed(ops, data, expected, step, dtypes, receiver, traced_id)
+
+
+def decode_composed(ops: TensorOps, data: Tensor, expected: Sequence[Expected], step: Any,
+                    dtypes: Sequence[str], receiver: Any = None, traced_id: Any = None
+                    ) -> Tuple[Tensor, List[Tuple[Tensor, Optional[Tensor], Any]]]:
+    """:func:`decode_received` composed: what a kernel's decode (``TensorOps.decode_sums``,
+    ``decode_positions``, ``decode_received``) does in one call, and what names the problem
+    when a kernel's check fails."""
     received = receive(ops, data, expected, step, receiver, traced_id)
     counts = [ops.gather(received.counts, m) for m in range(len(expected))]
     decoded = [layout.decode(ops, parts, count, dtype) for (layout, _), parts, count, dtype

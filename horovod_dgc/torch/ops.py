@@ -12,7 +12,7 @@ import torch
 
 from ..core.ops import BlockBounds, Bound, Candidates, Pieces, Scalar, TensorOps, buffer_of
 from . import kernels
-from .kernels import triton_bits, triton_memory, triton_messages
+from .kernels import triton_bits, triton_memory, triton_messages, triton_selection
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64, "int32": torch.int32, "int64": torch.int64,
@@ -433,9 +433,9 @@ class TorchOps(TensorOps):
 
     def encode_message(self, layout: Any, header: Sequence[Any], positions: torch.Tensor, count: Any,
                        values: Optional[torch.Tensor]) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-        if values is None:
-            return None
-        if self._kernels(positions) and self._kernels(values):
+        if self._kernels(positions):
+            if values is None or not self._kernels(values):
+                return None
             return kernels.encode_message(layout, header, positions, count, values)
         if triton_messages.encodes(layout, header, positions, count, values):
             return triton_messages.encode_message(layout, header, positions, count, values)
@@ -447,6 +447,32 @@ class TorchOps(TensorOps):
             return None
         return kernels.decode_positions(data, layout, sender, step)
 
+    def decode_received(self, data: torch.Tensor, expected: Sequence[Tuple[Any, Any]], step: Any,
+                        dtypes: Sequence[str]) -> Optional[Tuple[torch.Tensor, List[Tuple[Any, ...]]]]:
+        layout = expected[0][0]
+        senders = tuple(sender for _, sender in expected)
+        if (self._kernels(data) or any(other != layout for other, _ in expected)
+                or not all(isinstance(sender, int) for sender in senders) or any(d != "float32" for d in dtypes)
+                or not triton_messages.decodes(data, [layout], len(senders), step)):
+            return None
+        decoded = triton_messages.decode_messages(data, [layout], senders, step)
+        flags = self._checked_flags(decoded, data, [layout], senders, step)
+        (positions,), (values,), capacity = decoded.positions, decoded.values, layout.capacity
+        if layout.value_format is None:
+            values = None
+        if len(senders) == 1:
+            return flags, [(positions, values, decoded.counts[0])]
+        return flags, [(positions[m * capacity:(m + 1) * capacity],
+                        None if values is None else values[m * capacity:(m + 1) * capacity], decoded.counts[m])
+                       for m in range(len(senders))]
+
+    def _checked_flags(self, decoded: triton_messages.Decoded, data: torch.Tensor, layouts: Sequence[Any],
+                       senders: Tuple[int, ...], step: int) -> torch.Tensor:
+        """The flags of ``decoded`` once its checks pass (deferred where checks are): a failed
+        one raises the composition's error, naming the rank, the tensor and the field."""
+        return self.verify(decoded.fine, [data, step],
+                           functools.partial(triton_messages.explain, tuple(layouts), senders), decoded.flags)
+
     def decode_sums(self, data: torch.Tensor, layouts: Sequence[Any], world_size: int, step: Any,
                     outs: Sequence[torch.Tensor], scale: float) -> Optional[torch.Tensor]:
         if self._kernels(data):
@@ -455,13 +481,21 @@ class TorchOps(TensorOps):
             return kernels.decode_sums(data, layouts, world_size, step, outs, scale)
         if not triton_messages.decodes(data, layouts, world_size, step, outs):
             return None
-        decoded = triton_messages.decode_messages(data, layouts, world_size, step, scale)
-        # A failed check raises the composition's error, naming the rank and the tensor.
-        flags = self.verify(decoded.fine, [data, step],
-                            functools.partial(triton_messages.explain, tuple(layouts), world_size), decoded.flags)
+        senders = tuple(range(world_size))
+        decoded = triton_messages.decode_messages(data, layouts, senders, step, scale)
+        flags = self._checked_flags(decoded, data, layouts, senders, step)
         for out, positions, values in zip(outs, decoded.positions, decoded.values):
             self.scatter_add(self.zeroed(out), positions, values)
         return flags
+
+    def gaussian_thresholds(self, magnitudes: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
+                            thresholds: torch.Tensor, low: torch.Tensor, high: torch.Tensor, fewest: torch.Tensor,
+                            whole: torch.Tensor, adjustments: int) -> Optional[torch.Tensor]:
+        if self._kernels(magnitudes) or not triton_memory.launchable(magnitudes, starts, counts, thresholds, low,
+                                                                     high, fewest, whole):
+            return None
+        return triton_selection.gaussian_thresholds(magnitudes, starts, counts, thresholds, low, high, fewest,
+                                                    whole, adjustments)
 
     def top_of_segments(self, positions: torch.Tensor, magnitudes: torch.Tensor, starts: torch.Tensor,
                         counts: torch.Tensor, ks: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:

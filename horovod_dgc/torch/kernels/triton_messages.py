@@ -41,7 +41,7 @@ ENTRIES_PER_PROGRAM = 1024
 BITS_PER_STEP = 4096
 # The value formats the encode writes (int8's scale is a reduction over the message: the
 # composition's).
-ENCODED_VALUES = ("float32", "float16", "bfloat16")
+ENCODED_VALUES = ("float32", "float16", "bfloat16", None)  # None: a message of positions only
 _HEADER_LANES = 16  # a power of two holding the header's words
 
 
@@ -92,7 +92,7 @@ if triton is not None:
             inside = (i < count) & (mark >= 0) & (mark < n_upper_bits)
             bit = tl.full([BLOCK], 1, tl.int32) << (mark & 31).to(tl.int32)
             tl.atomic_or((message + upper_at).to(tl.pointer_type(tl.int32)) + (mark >> 5), bit, mask=inside)
-        else:  # the values, and what receivers will decode of them
+        elif VALUE != 4:  # the values, and what receivers will decode of them
             i = (pid - 1 - n_index_programs - n_mark_programs).to(tl.int64) * BLOCK + lane
             value = tl.load(values + i, mask=i < count, other=0).to(tl.float32)
             inside = i < capacity
@@ -114,7 +114,7 @@ if triton is not None:
                 tl.store(decoded + i, (top << 16).to(tl.float32, bitcast=True), mask=inside)
 
     @triton.jit(do_not_specialize=["step_word", "bounds_at_high"])
-    def _decode(data, plan, bounds, positions, values, flags, bad, step_word, bounds_at_high, scale,
+    def _decode(data, plan, bounds, positions, values, flags, counts, bad, step_word, bounds_at_high, scale,
                 COLUMNS: tl.constexpr, WORDS: tl.constexpr, STEP_AT: tl.constexpr, COUNT_AT: tl.constexpr,
                 FLAGS_AT: tl.constexpr, STEP: tl.constexpr):
         m = tl.program_id(0).to(tl.int64)
@@ -143,6 +143,7 @@ if triton is not None:
         flag = tl.sum(tl.where(w == FLAGS_AT, words, 0), 0)
         count = tl.where(header_wrong == 0, tl.sum(tl.where(w == COUNT_AT, words, 0), 0).to(tl.int64), 0)
         tl.store(flags + m, flag)
+        tl.store(counts + m, count.to(tl.int32))
         wrong = header_wrong
         # The positions: each coding's slots, 0 past the count.
         if kind >= 2:  # Elias-Fano's upper bits or the bitmap: the i-th set bit into slot i
@@ -194,7 +195,7 @@ if triton is not None:
                 start += STEP
         # The values, times the sum's scale, 0 past the count.
         start = tl.zeros([], dtype=tl.int64)
-        while start < capacity:
+        while (start < capacity) & (value_kind != 4):
             slot = start + tl.arange(0, STEP).to(tl.int64)
             sent = slot < count
             if value_kind == 0:
@@ -229,9 +230,10 @@ def encodes(layout: wire.MessageLayout, header: Sequence[Any], positions: torch.
     """Whether :func:`encode_message` takes these: a value format it writes, header words that
     are Python ints (the flags word may be a 0-d integer tensor on the positions' device),
     ``count`` a Python int with that many positions and values, and tensors Triton may take."""
-    if (values is None or layout.value_format not in ENCODED_VALUES or not isinstance(count, int)
-            or positions.numel() != count or values.numel() != count
-            or positions.dtype not in (torch.int32, torch.int64) or not values.is_floating_point()):
+    if (layout.value_format not in ENCODED_VALUES or (values is None) != (layout.value_format is None)
+            or not isinstance(count, int) or positions.numel() != count
+            or positions.dtype not in (torch.int32, torch.int64)
+            or (values is not None and (values.numel() != count or not values.is_floating_point()))):
         return False
     for i, word in enumerate(header):
         if isinstance(word, torch.Tensor):
@@ -240,17 +242,18 @@ def encodes(layout: wire.MessageLayout, header: Sequence[Any], positions: torch.
                 return False
         elif not isinstance(word, int):
             return False
-    return launchable(positions, values)
+    return launchable(positions) if values is None else launchable(positions, values)
 
 
 def encode_message(layout: wire.MessageLayout, header: Sequence[Any], positions: torch.Tensor, count: int,
-                   values: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(the message, the ``capacity`` values receivers will decode as float32) of ``count``
-    ascending ``positions`` and their ``values`` (what :func:`encodes` accepts), as
-    ``MessageLayout.encode``'s composition builds them: one launch."""
+                   values: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(the message, the ``capacity`` values receivers will decode as float32, None for a
+    message of positions only) of ``count`` ascending ``positions`` and their ``values``
+    (what :func:`encodes` accepts), as ``MessageLayout.encode``'s composition builds them:
+    one launch."""
     device = positions.device
     message = torch.zeros(layout.nbytes, dtype=torch.uint8, device=device)
-    decoded = torch.empty(layout.capacity, dtype=torch.float32, device=device)
+    decoded = None if values is None else torch.empty(layout.capacity, dtype=torch.float32, device=device)
     row = plan_row(layout, 0, 0, 0)
     index_kind, low_bits, upper_bits, index_at, upper_at, value_at = (row[1], row[4], row[5], row[6], row[7],
                                                                       row[9])
@@ -266,8 +269,10 @@ def encode_message(layout: wire.MessageLayout, header: Sequence[Any], positions:
     words = [0 if isinstance(word, torch.Tensor) else word for word in header]
     # An empty tensor's address may be null, which a launch refuses: any valid one will do
     # where no load reads it.
-    _encode[(1 + n_index + n_marks + _programs(layout.capacity),)](
-        positions if count else message, values if count else decoded, message, decoded,
+    n_values = 0 if values is None else _programs(layout.capacity)
+    _encode[(1 + n_index + n_marks + n_values,)](
+        positions if count else message, values if count and values is not None else message, message,
+        message if decoded is None else decoded,
         flags if isinstance(flags, torch.Tensor) else message, *words,
         count, layout.capacity, low_bits, index_at, index_bytes, n_index, upper_at, upper_bits, n_marks, value_at,
         INDEX=index_kind, VALUE=VALUE_KINDS[layout.value_format], FLAGS_AT=wire.FLAGS_WORD,
@@ -283,66 +288,65 @@ class Plan:
 
     rows: torch.Tensor  # int64, plan_row per message in the order received
     bounds: torch.Tensor  # int32: every message's lowest header words, then its highest
-    total_bytes: int
     starts: Tuple[int, ...]  # where each layout's slots start among the decoded ones
     slots: int  # decoded slots of all messages
 
 
 @functools.lru_cache(maxsize=wire.HEADER_TABLES_KEPT)
-def plan(layouts: Tuple[wire.MessageLayout, ...], senders: int, device: torch.device) -> Plan:
-    """The plan of the messages for ``layouts`` from ``senders`` ranks, sender after sender.
-    The decoded slots go layout after layout, each sender's ``capacity`` in rank order, so a
+def plan(layouts: Tuple[wire.MessageLayout, ...], senders: Tuple[int, ...], device: torch.device) -> Plan:
+    """The plan of the messages for ``layouts`` from each of ``senders``, sender after sender.
+    The decoded slots go layout after layout, each sender's ``capacity`` in that order, so a
     layout's messages are one run of slots (what the sum scatters)."""
-    headers = wire.header_table(layouts, tuple(range(senders)))
+    headers = wire.header_table(layouts, senders)
     starts, at = [], 0
     for layout in layouts:
         starts.append(at)
-        at += senders * layout.capacity
+        at += len(senders) * layout.capacity
     rows = []
     for m, offset in enumerate(headers.offsets):
-        sender, t = divmod(m, len(layouts))
-        rows.append(plan_row(layouts[t], offset, m, starts[t] + sender * layouts[t].capacity))
+        i, t = divmod(m, len(layouts))
+        rows.append(plan_row(layouts[t], offset, m, starts[t] + i * layouts[t].capacity))
     return Plan(rows=torch.tensor(rows, dtype=torch.int64, device=device),
                 bounds=torch.tensor(headers.low + headers.high, dtype=torch.int32, device=device),
-                total_bytes=headers.total_bytes, starts=tuple(starts), slots=at)
+                starts=tuple(starts), slots=at)
 
 
-def decodes(data: torch.Tensor, layouts: Sequence[wire.MessageLayout], world_size: int, step: Any,
-            outs: Sequence[torch.Tensor]) -> bool:
-    """Whether :func:`decode_messages` takes these: messages with values, the size the
-    layouts expect, a step known on the host, float32 sums of the layouts' sizes, and tensors
-    Triton may take."""
+def decodes(data: torch.Tensor, layouts: Sequence[wire.MessageLayout], senders: int, step: Any,
+            outs: Sequence[torch.Tensor] = ()) -> bool:
+    """Whether :func:`decode_messages` takes these: ``senders`` messages for each of
+    ``layouts`` of the size they expect, a step known on the host, float32 sums ``outs`` (if
+    any: then messages with values) of the layouts' sizes, and tensors Triton may take."""
     return (data.dtype == torch.uint8 and isinstance(step, int)
-            and all(layout.value_format is not None for layout in layouts)
+            and data.numel() == sum(layout.nbytes for layout in layouts) * senders
+            and all(layout.value_format is not None for layout in layouts if outs)
             and all(out.dtype == torch.float32 and out.dim() == 1 and out.numel() == layout.numel
                     for out, layout in zip(outs, layouts))
-            and data.numel() == sum(layout.nbytes for layout in layouts) * world_size
             and launchable(data, *outs))
 
 
 @dataclass(frozen=True)
 class Decoded:
-    """What :func:`decode_messages` made of an allgather."""
+    """What :func:`decode_messages` made of the messages."""
 
-    positions: List[torch.Tensor]  # per layout: every sender's capacity slots, rank after rank
-    values: List[torch.Tensor]  # the same slots' values times the scale, float32
+    positions: List[torch.Tensor]  # per layout: every sender's capacity slots, sender after sender
+    values: List[torch.Tensor]  # the same slots' values times the scale, float32 (0 for positions only)
     flags: torch.Tensor  # int32 flags word of each message, in the order received
+    counts: torch.Tensor  # int32 count word of each message (0 for a header that fails its check)
     fine: torch.Tensor  # 0-d bool: whether every message passed every check
 
 
-def decode_messages(data: torch.Tensor, layouts: Sequence[wire.MessageLayout], world_size: int, step: int,
-                    scale: float) -> Decoded:
-    """Every header of ``data`` (each rank's messages for ``layouts``, rank after rank)
-    checked, every message's positions and values decoded and checked, in one launch (what
-    :func:`decodes` accepts). A message that fails a check decodes as zeros; ``fine`` says
-    whether any did (:func:`explain` names it)."""
-    table = plan(tuple(layouts), world_size, data.device)
-    n_messages = len(layouts) * world_size
+def decode_messages(data: torch.Tensor, layouts: Sequence[wire.MessageLayout], senders: Tuple[int, ...],
+                    step: int, scale: float = 1.0) -> Decoded:
+    """Every header of ``data`` (the messages for ``layouts`` from each of ``senders``,
+    sender after sender) checked, every message's positions and values decoded and checked,
+    in one launch (what :func:`decodes` accepts). A message that fails a check decodes as
+    zeros; ``fine`` says whether any did (:func:`explain` names it)."""
+    table = plan(tuple(layouts), tuple(senders), data.device)
+    n_messages = len(layouts) * len(senders)
     positions = torch.empty(table.slots, dtype=torch.int64, device=data.device)
     values = torch.empty(table.slots, dtype=torch.float32, device=data.device)
-    flags = torch.empty(n_messages, dtype=torch.int32, device=data.device)
-    failures = torch.empty(n_messages, dtype=torch.int32, device=data.device)
-    _decode[(n_messages,)](data, table.rows, table.bounds, positions, values, flags, failures,
+    flags, counts, failures = torch.empty(3, n_messages, dtype=torch.int32, device=data.device)
+    _decode[(n_messages,)](data, table.rows, table.bounds, positions, values, flags, counts, failures,
                            wire.step_word(step), len(table.bounds) // 2, scale,
                            COLUMNS=table.rows.shape[1], WORDS=wire.HEADER_WORDS, STEP_AT=wire.STEP_WORD,
                            COUNT_AT=wire.COUNT_WORD, FLAGS_AT=wire.FLAGS_WORD, STEP=BITS_PER_STEP)
@@ -352,13 +356,14 @@ def decode_messages(data: torch.Tensor, layouts: Sequence[wire.MessageLayout], w
         ends = table.starts[1:] + (table.slots,)
         per_layout = [(positions[a:b], values[a:b]) for a, b in zip(table.starts, ends)]
     return Decoded(positions=[p for p, _ in per_layout], values=[v for _, v in per_layout],
-                   flags=flags, fine=(failures == 0).all())
+                   flags=flags, counts=counts, fine=(failures == 0).all())
 
 
-def explain(layouts: Sequence[wire.MessageLayout], world_size: int, data: List[int], step: int) -> None:
+def explain(layouts: Sequence[wire.MessageLayout], senders: Tuple[int, ...], data: List[int], step: int) -> None:
     """Raise the error the composition raises for these messages (``data``: their bytes, read
     back): it names the sending rank, the tensor and what is wrong."""
     from ..ops import TorchOps  # the host's ops, whose checks raise at once
 
-    wire.decode_senders(TorchOps(), torch.tensor(data, dtype=torch.uint8), layouts, world_size, step,
-                        ["float32"] * len(layouts))
+    expected = [(layout, sender) for sender in senders for layout in layouts]
+    wire.decode_composed(TorchOps(), torch.tensor(data, dtype=torch.uint8), expected, step,
+                         ["float32"] * len(expected))

@@ -1,0 +1,109 @@
+"""Gaussian-k's threshold kernel (``kernels/triton_selection.py``) against a loop written
+here from the method's rule (count, compare with ``[2k/3, 4k/3]``, raise by 1.5 or lower by
+0.5, keep the lowest tried); then a bucket's whole Gaussian-k selection with the kernel
+against the core's composition, as a GPU's engine would run it without the kernel.
+
+As ``test_triton_bits.py``: on a CUDA device the kernel runs on CUDA tensors, and on every
+machine with Triton the same tests run again in a child process under Triton's interpreter.
+"""
+import os
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from horovod_dgc.core import bucket as buckets  # noqa: E402
+from horovod_dgc.core.ops import TensorOps  # noqa: E402
+from horovod_dgc.torch.kernels import triton_memory, triton_selection  # noqa: E402
+from horovod_dgc.torch.ops import TorchOps  # noqa: E402
+
+DEVICE = "cpu" if triton_memory.INTERPRETED else "cuda"
+runs_here = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
+                               reason="no CUDA device (the interpreted run covers the CPU)")
+
+
+def by_the_rule(magnitudes, counts, thresholds, ks, whole, adjustments):
+    out, start = [], 0
+    for count, t, k, w in zip(counts, thresholds, ks, whole):
+        mine = magnitudes[start:start + count]
+        start += count
+        low, high = np.float32(2.0 / 3.0 * k), np.float32(4.0 / 3.0 * k)
+        t, lowest = np.float32(t), np.float32(t)
+        reached = sum(m >= t for m in mine)
+        for _ in range(adjustments):
+            if low <= reached <= high:
+                break
+            t = np.float32(t * np.float32(1.5 if reached > high else 0.5))
+            reached = sum(m >= t for m in mine)
+            lowest = min(lowest, t)
+        out.append(0.0 if w else float(t if reached >= np.float32(np.ceil(2.0 / 3.0 * k)) else lowest))
+    return out
+
+
+def segments(rng, n_segments):
+    """Per segment: its magnitudes, k, a starting threshold far off or near, whether whole."""
+    counts, ks, thresholds, whole, magnitudes = [], [], [], [], []
+    for s in range(n_segments):
+        k = rng.choice([1, 3, 40, 700])
+        count = min(rng.choice([k + 1, 2 * k, 4 * k]), 5000)
+        values = np.abs(np.random.RandomState(s).standard_normal(count)).astype(np.float32)
+        magnitudes += values.tolist()
+        counts.append(count)
+        ks.append(k)
+        thresholds.append(float(np.float32(rng.choice([0.01, 0.5, 1.0, 2.0, 8.0]))))
+        whole.append(s % 7 == 6)
+    return magnitudes, counts, ks, thresholds, whole
+
+
+def tensors(device, magnitudes, counts, ks, thresholds, whole):
+    f32 = dict(dtype=torch.float32, device=device)
+    return (torch.tensor(magnitudes, **f32), torch.tensor(buckets._starts(counts), device=device),
+            torch.tensor(counts, device=device), torch.tensor(thresholds, **f32),
+            torch.tensor([2.0 / 3.0 * k for k in ks], **f32), torch.tensor([4.0 / 3.0 * k for k in ks], **f32),
+            torch.tensor([float(np.ceil(2.0 / 3.0 * k)) for k in ks], **f32),
+            torch.tensor(whole, dtype=torch.bool, device=device))
+
+
+@pytest.mark.parametrize("n_segments", [1, 5, 40])
+@runs_here
+def test_every_segments_threshold_follows_the_rule(n_segments):
+    magnitudes, counts, ks, thresholds, whole = segments(random.Random(n_segments), n_segments)
+    got = triton_selection.gaussian_thresholds(*tensors(DEVICE, magnitudes, counts, ks, thresholds, whole), 3)
+    assert got.cpu().tolist() == by_the_rule(magnitudes, counts, thresholds, ks, whole, 3)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@runs_here
+def test_a_buckets_gaussian_selection_with_the_kernel_is_the_compositions(seed, monkeypatch):
+    """Shapes from one element to a segment of 300,000, densities whose capacities hold a
+    segment whole or not: the positions sent are the same with and without the kernel."""
+    rng = np.random.RandomState(seed)
+    members = [("a", 1, True), ("b", 1000, False), ("c", 300_000, False), ("d", 64, True), ("e", 50_000, False)]
+    bucket = buckets.Bucket.of("b0", members, "float32")
+    plan = buckets.Plan.at(bucket, [0.3, 0.01, 0.001, 0.3, 0.01])
+    x = torch.zeros(bucket.numel)
+    for s in bucket.segments:
+        x[s.offset:s.end] = torch.from_numpy(rng.standard_normal(s.numel).astype(np.float32))
+    x = x.to(DEVICE)
+    monkeypatch.setattr(TorchOps, "sizes_cost_a_wait", lambda self, x: True)
+    gaussian = buckets.GaussianPlan.of(plan)
+    with_kernel = buckets.select_gaussian(TorchOps(), x, gaussian)
+    monkeypatch.setattr(TorchOps, "gaussian_thresholds", TensorOps.gaussian_thresholds)
+    composed = buckets.select_gaussian(TorchOps(), x, gaussian)
+    assert with_kernel.cpu().tolist() == composed.cpu().tolist()
+
+
+@pytest.mark.skipif(triton_memory.INTERPRETED, reason="this is the interpreted run")
+def test_the_kernel_under_the_interpreter_on_cpu_tensors():
+    """This file's kernel tests again where Triton interprets kernels on the CPU (a process
+    of its own: Triton reads the switch when it is imported)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout
