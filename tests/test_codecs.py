@@ -498,3 +498,25 @@ def test_a_composed_decode_of_every_rank_at_once_poisons_only_the_tensor_a_rank_
         chosen = torch.argsort(-grads[rank, 1].abs(), stable=True)[:k]
         expected[chosen] += grads[rank, 1][chosen].to(torch.float16).float() / world
     assert torch.equal(outs[1], expected)
+
+
+@pytest.mark.parametrize("decoder", ["kernel", "composition"])
+def test_a_raw_slot_past_the_count_outside_the_tensor_is_named(decoder):
+    """Every raw slot must lie in the tensor, the padding past the count too (the coding
+    writes 0 there): a message whose count is 0 and whose slot holds the tensor's size is
+    refused, naming its sender, by the kernel and by the composition alike (whose
+    explanation must look at the slots its check looked at, not at the padded positions)."""
+    method, world, messages = TopK(TopKConfig()), 2, []
+    grad = torch.randn(200, generator=torch.Generator().manual_seed(3))
+    for rank in range(world):
+        result = method.compress(ops, method.init_state(ops, grad, True, world), grad,
+                                 CompressCall("bias", rank, world, 5, 0.01))
+        messages.append(bytearray(result.message.numpy().tobytes()))
+    layout = result.layout
+    assert layout.indices.name == "raw"
+    at = layout.part_spans[0][0]
+    messages[1][4 * COUNT_WORD:4 * COUNT_WORD + 4] = struct.pack("=i", 0)
+    messages[1][at:at + 4] = struct.pack("=i", 200)
+    data = torch.frombuffer(bytearray(b"".join(messages)), dtype=torch.uint8)
+    with pytest.raises(MessageError, match=r"rank 1 .*'bias'.*positions disagree"):
+        method.decompress(CountingOps(kernel=decoder == "kernel"), data, [layout], world, 5, ["float32"])
