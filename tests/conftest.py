@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -116,6 +117,17 @@ def exchange(engine, grad: torch.Tensor) -> torch.Tensor:
 
 # Two names of this machine that Horovod takes for two hosts (both are local, so no SSH).
 TWO_HOSTS = ("localhost", "127.0.0.1")
+
+
+def check_under_the_triton_interpreter(test_file: str) -> None:
+    """Run ``test_file``'s tests again in a process where Triton interprets kernels on the CPU
+    (Triton reads the switch when it is imported, so it takes a process of its own), and
+    require them to pass."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file],
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout
 
 
 def horovodrun(script: str, np: int, args: Sequence[str] = (), timeout_s: float = 300,

@@ -8,13 +8,11 @@ As ``test_triton_memory.py``: on a CUDA device the kernels run as TorchOps runs 
 every machine with Triton the same tests run again in a child process under Triton's
 interpreter on CPU tensors.
 """
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
+from conftest import check_under_the_triton_interpreter
 
 pytest.importorskip("triton")
 
@@ -153,8 +151,4 @@ def test_the_benchmarks_count_a_launch_as_one_operation_and_nothing_inside_it():
 def test_the_kernels_under_the_interpreter_on_cpu_tensors():
     """This file's kernel tests again where Triton interprets kernels on the CPU (a process
     of its own: Triton reads the switch when it is imported)."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                            env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and " failed" not in result.stdout
+    check_under_the_triton_interpreter(__file__)

@@ -7,12 +7,10 @@ same tests run again in a child process under Triton's interpreter on CPU tensor
 kernel's indexing and masking are checked without a GPU too.
 """
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from conftest import check_under_the_triton_interpreter
 
 pytest.importorskip("triton")
 
@@ -114,8 +112,4 @@ def test_torch_ops_take_the_kernel_for_cuda_tensors_only_where_it_applies(monkey
 def test_the_kernel_under_the_interpreter_on_cpu_tensors():
     """This file's kernel tests again in a process where Triton interprets kernels on the CPU
     (Triton reads the switch when it is imported, so it takes a process of its own)."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                            env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and " failed" not in result.stdout
+    check_under_the_triton_interpreter(__file__)

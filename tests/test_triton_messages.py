@@ -8,14 +8,12 @@ machine with Triton the same tests run again in a child process under Triton's i
 on CPU tensors; there TorchOps is made to choose as on a GPU, so the decode's checks and
 their explanation run as an engine runs them.
 """
-import os
 import random
 import struct
-import subprocess
-import sys
 
 import pytest
 import torch
+from conftest import check_under_the_triton_interpreter
 
 pytest.importorskip("triton")
 
@@ -324,8 +322,4 @@ def test_a_bucket_message_costs_a_few_operations_each_way():
 def test_the_kernels_under_the_interpreter_on_cpu_tensors():
     """This file's kernel tests again where Triton interprets kernels on the CPU (a process
     of its own: Triton reads the switch when it is imported)."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                            env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and " failed" not in result.stdout
+    check_under_the_triton_interpreter(__file__)

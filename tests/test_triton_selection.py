@@ -6,14 +6,12 @@ against the core's composition, as a GPU's engine would run it without the kerne
 As ``test_triton_bits.py``: on a CUDA device the kernel runs on CUDA tensors, and on every
 machine with Triton the same tests run again in a child process under Triton's interpreter.
 """
-import os
 import random
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
+from conftest import check_under_the_triton_interpreter
 
 pytest.importorskip("triton")
 
@@ -102,8 +100,4 @@ def test_a_buckets_gaussian_selection_with_the_kernel_is_the_compositions(seed, 
 def test_the_kernel_under_the_interpreter_on_cpu_tensors():
     """This file's kernel tests again where Triton interprets kernels on the CPU (a process
     of its own: Triton reads the switch when it is imported)."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                            env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and " failed" not in result.stdout
+    check_under_the_triton_interpreter(__file__)
