@@ -166,7 +166,8 @@ def test_the_encode_refuses_what_it_does_not_write():
     assert not triton_messages.encodes(layout, header, positions, torch.tensor(10), values)
     assert not triton_messages.encodes(layout, header, positions, 10, None)  # a layout with values
     assert not triton_messages.encodes(layout, header, positions[:9], 10, values)
-    assert not triton_messages.encodes(layout, layout.header(0, torch.tensor(STEP), 10, 0), positions, 10, values)
+    two_on_the_device = layout.header(0, torch.tensor(STEP), 10, torch.tensor(0))
+    assert not triton_messages.encodes(layout, two_on_the_device, positions, 10, values)
 
 
 def allgather(layouts, senders, rng, spoil=None):

@@ -449,9 +449,11 @@ class TorchOps(TensorOps):
 
     def decode_received(self, data: torch.Tensor, expected: Sequence[Tuple[Any, Any]], step: Any,
                         dtypes: Sequence[str]) -> Optional[Tuple[torch.Tensor, List[Tuple[Any, ...]]]]:
+        if self._kernels(data) or not expected:
+            return None
         layout = expected[0][0]
         senders = tuple(sender for _, sender in expected)
-        if (self._kernels(data) or any(other != layout for other, _ in expected)
+        if (any(other != layout for other, _ in expected)
                 or not all(isinstance(sender, int) for sender in senders) or any(d != "float32" for d in dtypes)
                 or not triton_messages.decodes(data, [layout], len(senders), step)):
             return None
@@ -471,7 +473,8 @@ class TorchOps(TensorOps):
         """The flags of ``decoded`` once its checks pass (deferred where checks are): a failed
         one raises the composition's error, naming the rank, the tensor and the field."""
         return self.verify(decoded.fine, [data, step],
-                           functools.partial(triton_messages.explain, tuple(layouts), senders), decoded.flags)
+                           functools.partial(triton_messages.explain, type(self), tuple(layouts), senders),
+                           decoded.flags)
 
     def decode_sums(self, data: torch.Tensor, layouts: Sequence[Any], world_size: int, step: Any,
                     outs: Sequence[torch.Tensor], scale: float) -> Optional[torch.Tensor]:

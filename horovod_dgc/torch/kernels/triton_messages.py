@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -42,17 +42,17 @@ BITS_PER_STEP = 4096
 # The value formats the encode writes (int8's scale is a reduction over the message: the
 # composition's).
 ENCODED_VALUES = ("float32", "float16", "bfloat16", None)  # None: a message of positions only
-_HEADER_LANES = 16  # a power of two holding the header's words
+HEADER_LANES = 16  # header words the kernels take (a power of two at least the header's)
 
 
 if triton is not None:
     @triton.jit(do_not_specialize=["w0", "w1", "w2", "w3", "w4", "w5", "w6", "w7", "w8", "w9", "w10",
-                                   "w11", "count"])
-    def _encode(positions, values, message, decoded, flags,
-                w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11,
+                                   "w11", "w12", "w13", "w14", "w15", "count"])
+    def _encode(positions, values, message, decoded, run_time_word,
+                w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15, n_words,
                 count, capacity, low_bits, index_at, n_index_bytes, n_index_programs, upper_at, n_upper_bits,
                 n_mark_programs, value_at,
-                INDEX: tl.constexpr, VALUE: tl.constexpr, FLAGS_AT: tl.constexpr, FLAG_TENSOR: tl.constexpr,
+                INDEX: tl.constexpr, VALUE: tl.constexpr, TENSOR_WORD: tl.constexpr,
                 FLOAT16_MAX: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         lane = tl.arange(0, BLOCK).to(tl.int64)
@@ -61,10 +61,12 @@ if triton is not None:
             words = (tl.where(w == 0, w0, 0) + tl.where(w == 1, w1, 0) + tl.where(w == 2, w2, 0)
                      + tl.where(w == 3, w3, 0) + tl.where(w == 4, w4, 0) + tl.where(w == 5, w5, 0)
                      + tl.where(w == 6, w6, 0) + tl.where(w == 7, w7, 0) + tl.where(w == 8, w8, 0)
-                     + tl.where(w == 9, w9, 0) + tl.where(w == 10, w10, 0) + tl.where(w == 11, w11, 0))
-            if FLAG_TENSOR:
-                words = tl.where(w == FLAGS_AT, tl.load(flags).to(tl.int32), words)
-            tl.store(message.to(tl.pointer_type(tl.int32)) + w, words.to(tl.int32), mask=w < 12)
+                     + tl.where(w == 9, w9, 0) + tl.where(w == 10, w10, 0) + tl.where(w == 11, w11, 0)
+                     + tl.where(w == 12, w12, 0) + tl.where(w == 13, w13, 0) + tl.where(w == 14, w14, 0)
+                     + tl.where(w == 15, w15, 0))
+            if TENSOR_WORD >= 0:
+                words = tl.where(w == TENSOR_WORD, tl.load(run_time_word).to(tl.int32), words)
+            tl.store(message.to(tl.pointer_type(tl.int32)) + w, words.to(tl.int32), mask=w < n_words)
         elif pid <= n_index_programs:  # raw positions, or Elias-Fano's packed low fields
             block = (pid - 1).to(tl.int64) * BLOCK
             if INDEX == 2:
@@ -116,7 +118,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["step_word", "bounds_at_high"])
     def _decode(data, plan, bounds, positions, values, flags, counts, bad, step_word, bounds_at_high, scale,
                 COLUMNS: tl.constexpr, WORDS: tl.constexpr, STEP_AT: tl.constexpr, COUNT_AT: tl.constexpr,
-                FLAGS_AT: tl.constexpr, STEP: tl.constexpr):
+                FLAGS_AT: tl.constexpr, LANES: tl.constexpr, STEP: tl.constexpr):
         m = tl.program_id(0).to(tl.int64)
         row = plan + m * COLUMNS
         offset = tl.load(row)
@@ -133,7 +135,7 @@ if triton is not None:
         out = positions + tl.load(row + 12)
         out_values = values + tl.load(row + 12)
         # The header: every word within its bounds, the step word the decoding step's.
-        w = tl.arange(0, 16)
+        w = tl.arange(0, LANES)
         word_inside = w < WORDS
         words = tl.load((data + offset).to(tl.pointer_type(tl.int32)) + w, mask=word_inside, other=0)
         low = tl.load(bounds + m * WORDS + w, mask=word_inside, other=0)
@@ -227,21 +229,21 @@ def _programs(n: int) -> int:
 
 def encodes(layout: wire.MessageLayout, header: Sequence[Any], positions: torch.Tensor, count: Any,
             values: Optional[torch.Tensor]) -> bool:
-    """Whether :func:`encode_message` takes these: a value format it writes, header words that
-    are Python ints (the flags word may be a 0-d integer tensor on the positions' device),
-    ``count`` a Python int with that many positions and values, and tensors Triton may take."""
+    """Whether :func:`encode_message` takes these: a value format it writes, at most
+    :data:`HEADER_LANES` header words, Python ints but for one that may be a 0-d integer
+    tensor on the positions' device (a flag known only there), ``count`` a Python int with
+    that many positions and values, and tensors Triton may take."""
     if (layout.value_format not in ENCODED_VALUES or (values is None) != (layout.value_format is None)
             or not isinstance(count, int) or positions.numel() != count
             or positions.dtype not in (torch.int32, torch.int64)
             or (values is not None and (values.numel() != count or not values.is_floating_point()))):
         return False
-    for i, word in enumerate(header):
-        if isinstance(word, torch.Tensor):
-            if i != wire.FLAGS_WORD or word.numel() != 1 or word.is_floating_point() \
-                    or word.device != positions.device:
-                return False
-        elif not isinstance(word, int):
-            return False
+    tensors = [word for word in header if isinstance(word, torch.Tensor)]
+    if (len(header) > HEADER_LANES or len(tensors) > 1
+            or not all(isinstance(word, (int, torch.Tensor)) for word in header)
+            or any(word.numel() != 1 or word.is_floating_point() or word.device != positions.device
+                   for word in tensors)):
+        return False
     return launchable(positions) if values is None else launchable(positions, values)
 
 
@@ -265,18 +267,19 @@ def encode_message(layout: wire.MessageLayout, header: Sequence[Any], positions:
     else:
         n_index = _programs(count)
     n_marks = _programs(count) if index_kind >= INDEX_KINDS["elias-fano"] else 0
-    flags = header[wire.FLAGS_WORD]
+    tensor_word = next((i for i, word in enumerate(header) if isinstance(word, torch.Tensor)), -1)
     words = [0 if isinstance(word, torch.Tensor) else word for word in header]
+    words += [0] * (HEADER_LANES - len(words))
     # An empty tensor's address may be null, which a launch refuses: any valid one will do
     # where no load reads it.
     n_values = 0 if values is None else _programs(layout.capacity)
     _encode[(1 + n_index + n_marks + n_values,)](
         positions if count else message, values if count and values is not None else message, message,
         message if decoded is None else decoded,
-        flags if isinstance(flags, torch.Tensor) else message, *words,
+        header[tensor_word] if tensor_word >= 0 else message, *words, len(header),
         count, layout.capacity, low_bits, index_at, index_bytes, n_index, upper_at, upper_bits, n_marks, value_at,
-        INDEX=index_kind, VALUE=VALUE_KINDS[layout.value_format], FLAGS_AT=wire.FLAGS_WORD,
-        FLAG_TENSOR=isinstance(flags, torch.Tensor), FLOAT16_MAX=codecs.FORMAT_MAX["float16"],
+        INDEX=index_kind, VALUE=VALUE_KINDS[layout.value_format], TENSOR_WORD=tensor_word,
+        FLOAT16_MAX=codecs.FORMAT_MAX["float16"],
         BLOCK=ENTRIES_PER_PROGRAM)
     return message, decoded
 
@@ -288,6 +291,7 @@ class Plan:
 
     rows: torch.Tensor  # int64, plan_row per message in the order received
     bounds: torch.Tensor  # int32: every message's lowest header words, then its highest
+    headers: wire.HeaderTable  # where the step, count and flags words are
     starts: Tuple[int, ...]  # where each layout's slots start among the decoded ones
     slots: int  # decoded slots of all messages
 
@@ -308,7 +312,7 @@ def plan(layouts: Tuple[wire.MessageLayout, ...], senders: Tuple[int, ...], devi
         rows.append(plan_row(layouts[t], offset, m, starts[t] + i * layouts[t].capacity))
     return Plan(rows=torch.tensor(rows, dtype=torch.int64, device=device),
                 bounds=torch.tensor(headers.low + headers.high, dtype=torch.int32, device=device),
-                starts=tuple(starts), slots=at)
+                headers=headers, starts=tuple(starts), slots=at)
 
 
 def decodes(data: torch.Tensor, layouts: Sequence[wire.MessageLayout], senders: int, step: Any,
@@ -317,6 +321,7 @@ def decodes(data: torch.Tensor, layouts: Sequence[wire.MessageLayout], senders: 
     ``layouts`` of the size they expect, a step known on the host, float32 sums ``outs`` (if
     any: then messages with values) of the layouts' sizes, and tensors Triton may take."""
     return (data.dtype == torch.uint8 and isinstance(step, int)
+            and all(isinstance(layout, wire.MessageLayout) for layout in layouts)
             and data.numel() == sum(layout.nbytes for layout in layouts) * senders
             and all(layout.value_format is not None for layout in layouts if outs)
             and all(out.dtype == torch.float32 and out.dim() == 1 and out.numel() == layout.numel
@@ -348,8 +353,9 @@ def decode_messages(data: torch.Tensor, layouts: Sequence[wire.MessageLayout], s
     flags, counts, failures = torch.empty(3, n_messages, dtype=torch.int32, device=data.device)
     _decode[(n_messages,)](data, table.rows, table.bounds, positions, values, flags, counts, failures,
                            wire.step_word(step), len(table.bounds) // 2, scale,
-                           COLUMNS=table.rows.shape[1], WORDS=wire.HEADER_WORDS, STEP_AT=wire.STEP_WORD,
-                           COUNT_AT=wire.COUNT_WORD, FLAGS_AT=wire.FLAGS_WORD, STEP=BITS_PER_STEP)
+                           COLUMNS=table.rows.shape[1], WORDS=table.headers.words, STEP_AT=table.headers.step_at,
+                           COUNT_AT=table.headers.count_at, FLAGS_AT=table.headers.flags_at, LANES=HEADER_LANES,
+                           STEP=BITS_PER_STEP)
     if len(layouts) == 1:
         per_layout = [(positions, values)]
     else:
@@ -359,11 +365,11 @@ def decode_messages(data: torch.Tensor, layouts: Sequence[wire.MessageLayout], s
                    flags=flags, counts=counts, fine=(failures == 0).all())
 
 
-def explain(layouts: Sequence[wire.MessageLayout], senders: Tuple[int, ...], data: List[int], step: int) -> None:
+def explain(host_ops: Callable[[], Any], layouts: Sequence[wire.MessageLayout], senders: Tuple[int, ...],
+            data: List[int], step: int) -> None:
     """Raise the error the composition raises for these messages (``data``: their bytes, read
-    back): it names the sending rank, the tensor and what is wrong."""
-    from ..ops import TorchOps  # the host's ops, whose checks raise at once
-
+    back), on the ops ``host_ops()`` makes (the host's, whose checks raise at once): it names
+    the sending rank, the tensor and what is wrong."""
     expected = [(layout, sender) for sender in senders for layout in layouts]
-    wire.decode_composed(TorchOps(), torch.tensor(data, dtype=torch.uint8), expected, step,
+    wire.decode_composed(host_ops(), torch.tensor(data, dtype=torch.uint8), expected, step,
                          ["float32"] * len(expected))
