@@ -583,11 +583,9 @@ def select_gaussian(ops: TensorOps, x: Tensor, plan: GaussianPlan, reached: Opti
     positions = select_segments(ops, x, reach) if reached is None else reached
     magnitudes = ops.cast(ops.abs(ops.gather(x, positions)), "float32")
 
-    def reaching(threshold: Tensor) -> Tensor:
-        return ops.greater_equal(magnitudes, ops.repeat_each(threshold, tables.reach, reach.total))
-
     def counted(threshold: Tensor) -> Tensor:
-        return _segment_sums(ops, ops.cast(reaching(threshold), "float32"), tables.slot_segment, count)
+        return _segment_sums(ops, ops.cast(_reaching(ops, magnitudes, threshold, tables, reach), "float32"),
+                             tables.slot_segment, count)
 
     def adjust(t: Tensor, reached: Tensor, lowest: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         above_low = ops.greater_equal(reached, tables.low)
@@ -620,9 +618,13 @@ def _above_thresholds(ops: TensorOps, magnitudes: Tensor, positions: Tensor, t: 
     """The ascending ``positions`` whose ``magnitudes`` reach their segment's final
     threshold ``t``, at most each segment's capacity of them (its largest)."""
     _, order = ops.sort(_keys(ops, magnitude_bits(ops, magnitudes), tables.slot_base, True))
-    reaching = ops.greater_equal(magnitudes, ops.repeat_each(t, tables.reach, reach.total))
-    kept = ops.where(tables.kept_slot, ops.gather(reaching, order), False)
+    kept = ops.where(tables.kept_slot, ops.gather(_reaching(ops, magnitudes, t, tables, reach), order), False)
     return ops.sort(ops.gather(ops.gather(positions, order), ops.nonzero(kept)))[0]
+
+
+def _reaching(ops: TensorOps, magnitudes: Tensor, t: Tensor, tables: "GaussianTables", reach: Plan) -> Tensor:
+    """Whether each selected entry's magnitude reaches its segment's threshold ``t``."""
+    return ops.greater_equal(magnitudes, ops.repeat_each(t, tables.reach, reach.total))
 
 
 def flat_views(ops: TensorOps, flat: Tensor, bucket: Bucket) -> List[Tensor]:
