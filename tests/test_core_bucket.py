@@ -199,12 +199,14 @@ def states(engine):
 
 
 @pytest.mark.parametrize("workers", [2, 3, 4])
-def test_a_sparse_allreduce_bucket_exchanges_each_tensor_as_the_protocol_says(workers):
+def test_a_sparse_allreduce_bucket_exchanges_each_tensor_as_the_protocol_says(workers, choices):
     """Top-k by sparse all-reduce with tensors of 1 to 1,001 entries in one bucket, against
     the protocol written with sorts for each tensor alone (``reference_topk_step``: regions,
     ``C_in``, the owners' ``C_out``). Gradients grow along each tensor, so its last regions
     hold more than their share of its selection: the bucket must hold the excess back per
-    tensor and region, and a region past a tiny tensor's end must forward nothing."""
+    tensor and region, and a region past a tiny tensor's end must forward nothing. As on a
+    GPU, each owner's message takes its run of the sorted selection with the run's length
+    left on the device (``wire.encode_runs``; its kernel where Triton runs)."""
     from test_core_sparse_allreduce import REGION_SLACK, largest, reference_topk_step
 
     density, numels = 0.02, [1, 2, 7, 64, 65, 257, 1000, 1001]

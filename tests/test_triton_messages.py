@@ -159,6 +159,59 @@ def test_each_senders_message_of_one_layout_is_received_with_its_count(monkeypat
         assert int(count) == len(sent)
 
 
+@pytest.mark.parametrize("value_format", ["float32", "bfloat16"])
+@runs_here
+def test_runs_of_positions_are_encoded_one_message_each_with_their_lengths_left_on_the_device(value_format):
+    """The sparse all-reduce's messages to each owner: run j of the sorted positions goes to
+    message j with its values gathered from the source, and the decoded values land in the
+    positions' order; the runs' lengths are known only on the device."""
+    rng = random.Random(17)
+    # Elias-Fano, raw and the bitmap; a full run, an empty one, a part of one.
+    layouts = [layout_of(50_000, 40, value_format), layout_of(50_000, 30, value_format),
+               layout_of(3_000, 900, value_format)]
+    runs = [sample(rng, 50_000, 40)[0], [], sorted(rng.sample(range(3_000), 500))]
+    source = [rng.gauss(0.0, 1.0) for _ in range(3_000)]
+    source_positions = [rng.randrange(3_000) for run in runs for _ in run]
+    lengths = [len(run) for run in runs]
+    starts = [sum(lengths[:j]) for j in range(4)]
+    headers = [layout.header(1, STEP, 0, 0) for layout in layouts]
+    got, decoded = triton_messages.encode_runs(
+        layouts, headers, torch.tensor([p for run in runs for p in run], device=DEVICE),
+        torch.tensor(starts, device=DEVICE), torch.tensor(source, dtype=torch.float32, device=DEVICE),
+        torch.tensor(source_positions, device=DEVICE))
+    want, want_decoded = b"", []
+    for j, (layout, run) in enumerate(zip(layouts, runs)):
+        values = [source[i] for i in source_positions[starts[j]:starts[j + 1]]]
+        data, run_decoded = message(layout, 1, run, values)
+        want += data
+        want_decoded += run_decoded[:len(run)]
+    assert bytes(got.cpu().tolist()) == want
+    assert decoded.cpu().tolist() == want_decoded
+
+
+@pytest.mark.skipif(not triton_memory.INTERPRETED, reason="the engines' tensors are on the CPU")
+def test_a_sparse_allreduce_bucket_encoded_by_the_kernel_follows_the_protocol(monkeypatch):
+    from test_core_bucket import test_a_sparse_allreduce_bucket_exchanges_each_tensor_as_the_protocol_says as check
+    monkeypatch.setattr(TorchOps, "sizes_cost_a_wait", lambda self, x: True)
+    calls = []
+    encode_runs = triton_messages.encode_runs
+    monkeypatch.setattr(triton_messages, "encode_runs", lambda *a: calls.append(1) or encode_runs(*a))
+    check(3, "as-on-a-gpu")
+    assert calls
+
+
+@runs_here
+def test_a_run_longer_than_its_message_says_so_and_is_refused():
+    layout = layout_of(1_000, 10)
+    positions = torch.arange(0, 60, 4, device=DEVICE)  # 15 positions for 10 slots
+    got, _ = triton_messages.encode_runs([layout], [layout.header(0, STEP, 0, 0)], positions,
+                                         torch.tensor([0, 15], device=DEVICE), torch.ones(15, device=DEVICE),
+                                         torch.arange(15, device=DEVICE))
+    assert got.numel() == layout.nbytes
+    with pytest.raises(MessageError, match=r"rank 0 .*'w'.*count is 15, expected 0 to 10"):
+        wire.decode_composed(TorchOps(), got.cpu(), [(layout, 0)], STEP, ["float32"])
+
+
 def test_the_encode_refuses_what_it_does_not_write():
     layout, positions, values = layout_of(1000, 10), torch.arange(10), torch.ones(10)
     header = layout.header(0, STEP, 10, 0)
@@ -299,7 +352,7 @@ def test_torch_ops_sum_what_the_kernel_decodes_and_refuse_what_it_does_not_take(
 @pytest.mark.skipif(not triton_memory.INTERPRETED, reason="counts the interpreter's launches")
 def test_a_bucket_message_costs_a_few_operations_each_way():
     """What the benchmarks count: the encode is a zeroed message, the decoded values and one
-    launch; the decode of two senders' messages, the check and the sum about ten."""
+    launch (one per message for runs); the decode of two senders' messages, the check and the sum about ten."""
     from benchmarks.model_step import OpCounter
     layout = layout_of(100_000, 100, "float16")
     positions, values = sample(random.Random(3), 100_000, 100)
@@ -308,6 +361,12 @@ def test_a_bucket_message_costs_a_few_operations_each_way():
     with OpCounter() as counted:
         sent, _ = triton_messages.encode_message(layout, layout.header(1, STEP, 100, 0), *args)
     assert counted.count == 3
+    runs = ([layout, layout], [layout.header(1, STEP, 0, 0)] * 2, args[0], torch.tensor([0, 60, 100]),
+            args[2], torch.arange(100))
+    triton_messages.encode_runs(*runs)
+    with OpCounter() as counted:
+        triton_messages.encode_runs(*runs)
+    assert counted.count == 4  # a zeroed buffer, the decoded values and a launch per message
     first, _ = triton_messages.encode_message(layout, layout.header(0, STEP, 100, 0), *args)
     data, out = torch.cat([first, sent]), torch.empty(100_000)
     ops = TorchOps(defer_checks=True)

@@ -445,6 +445,18 @@ class TensorOps(ABC):
         such kernel or the kernel does not take these inputs: the composition then runs."""
         return None
 
+    def encode_runs(self, layouts: Sequence[Any], headers: Sequence[Sequence[Any]], positions: Tensor,
+                    starts: Tensor, source: Tensor, source_positions: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
+        """A kernel's encode of one message per run of ``positions`` (run j:
+        ``positions[starts[j]:starts[j + 1]]``, ascending, whose values are
+        ``source[source_positions[starts[j]:starts[j + 1]]]``; ``layouts[j]``'s message with
+        ``headers[j]`` but for the count word, the run's length): the messages laid end to end
+        and the values receivers will decode in ``positions``' order, as ``wire.encode_runs``'
+        composition computes them, with the runs' lengths left where they are. None where the
+        adapter has no such kernel or it does not take these inputs: the composition then
+        runs."""
+        return None
+
     def decode_positions(self, data: Tensor, layout: Any, sender: int,
                          step: Any) -> Optional[Tuple[Tensor, Tensor]]:
         """A kernel's check and decode of one message of ``layout`` from ``sender``: (its

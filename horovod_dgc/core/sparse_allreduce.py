@@ -255,20 +255,14 @@ class SparseAllreduce(TwoStageMethod):
             keys, order = ops.sort(ops.add(owned, ops.gather(tables.group_order, groups), 1, 1))
             starts = ops.searchsorted(keys, [j * regions.owner.numel for j in range(world + 1)])
             positions, owned, groups = (ops.gather(t, order) for t in (positions, owned, groups))
-            messages, values = [], []
-            for j in range(world):
-                start = ops.gather(starts, j)
-                length = ops.gather(starts, j + 1) - start
-                header = to_owners[j].header(call.rank, call.step, length, 0)
-                message, decoded = to_owners[j].encode(ops, header, ops.slice(owned, start, length), length,
-                                                       ops.gather(x, ops.slice(positions, start, length)))
-                messages.append(message)
-                values.append(ops.cast(ops.slice(decoded, 0, length), ops.dtype(x)))
+            headers = [layout.header(call.rank, call.step, 0, 0) for layout in to_owners]
+            message, decoded = wire.encode_runs(ops, to_owners, headers, owned, starts, x, positions)
             large = None
             if any(regions.large_groups) and not all(regions.large_groups):
                 large = ops.gather(positions, ops.nonzero(ops.gather(tables.large_groups, groups)))
-            worker = self.inner.update_bucket(ops, accumulated.state, positions, ops.concat(values), plan, large)
-            return {**state, **worker}, ops.concat(messages)
+            worker = self.inner.update_bucket(ops, accumulated.state, positions, ops.cast(decoded, ops.dtype(x)),
+                                              plan, large)
+            return {**state, **worker}, message
 
         def skip() -> Tuple[State, Tensor]:
             return state, ops.concat([layout.empty(ops, layout.header(call.rank, call.step, 0, wire.FLAG_NONFINITE),

@@ -441,6 +441,14 @@ class TorchOps(TensorOps):
             return triton_messages.encode_message(layout, header, positions, count, values)
         return None
 
+    def encode_runs(self, layouts: Sequence[Any], headers: Sequence[Sequence[Any]], positions: torch.Tensor,
+                    starts: torch.Tensor, source: torch.Tensor,
+                    source_positions: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        if self._kernels(positions) or not triton_messages.encodes_runs(layouts, headers, positions, starts, source,
+                                                                        source_positions):
+            return None
+        return triton_messages.encode_runs(layouts, headers, positions, starts, source, source_positions)
+
     def decode_positions(self, data: torch.Tensor, layout: Any, sender: int,
                          step: Any) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         if not self._kernels(data) or not isinstance(sender, int):

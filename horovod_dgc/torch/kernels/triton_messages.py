@@ -47,15 +47,24 @@ HEADER_LANES = 16  # header words the kernels take (a power of two at least the 
 
 if triton is not None:
     @triton.jit(do_not_specialize=["w0", "w1", "w2", "w3", "w4", "w5", "w6", "w7", "w8", "w9", "w10",
-                                   "w11", "w12", "w13", "w14", "w15", "count"])
-    def _encode(positions, values, message, decoded, run_time_word,
+                                   "w11", "w12", "w13", "w14", "w15", "count", "message_at", "run"])
+    def _encode(positions, values, message, decoded, run_time_word, runs, sources,
                 w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15, n_words,
                 count, capacity, low_bits, index_at, n_index_bytes, n_index_programs, upper_at, n_upper_bits,
-                n_mark_programs, value_at,
-                INDEX: tl.constexpr, VALUE: tl.constexpr, TENSOR_WORD: tl.constexpr,
-                FLOAT16_MAX: tl.constexpr, BLOCK: tl.constexpr):
+                n_mark_programs, value_at, message_at, run,
+                INDEX: tl.constexpr, VALUE: tl.constexpr, TENSOR_WORD: tl.constexpr, RUN: tl.constexpr,
+                COUNT_AT: tl.constexpr, FLOAT16_MAX: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         lane = tl.arange(0, BLOCK).to(tl.int64)
+        message += message_at
+        if RUN:  # run ``run`` of the sorted positions: its length is the count, known only here
+            start = tl.load(runs + run).to(tl.int64)
+            length = tl.load(runs + run + 1).to(tl.int64) - start
+            # No store past the capacity: a longer run's count word makes receivers refuse it.
+            count = tl.where(length < capacity, length, capacity)
+            positions += start
+            sources += start
+            decoded += start
         if pid == 0:  # the header
             w = tl.arange(0, 16)
             words = (tl.where(w == 0, w0, 0) + tl.where(w == 1, w1, 0) + tl.where(w == 2, w2, 0)
@@ -66,6 +75,8 @@ if triton is not None:
                      + tl.where(w == 15, w15, 0))
             if TENSOR_WORD >= 0:
                 words = tl.where(w == TENSOR_WORD, tl.load(run_time_word).to(tl.int32), words)
+            if RUN:
+                words = tl.where(w == COUNT_AT, length.to(tl.int32), words)
             tl.store(message.to(tl.pointer_type(tl.int32)) + w, words.to(tl.int32), mask=w < n_words)
         elif pid <= n_index_programs:  # raw positions, or Elias-Fano's packed low fields
             block = (pid - 1).to(tl.int64) * BLOCK
@@ -96,24 +107,30 @@ if triton is not None:
             tl.atomic_or((message + upper_at).to(tl.pointer_type(tl.int32)) + (mark >> 5), bit, mask=inside)
         elif VALUE != 4:  # the values, and what receivers will decode of them
             i = (pid - 1 - n_index_programs - n_mark_programs).to(tl.int64) * BLOCK + lane
-            value = tl.load(values + i, mask=i < count, other=0).to(tl.float32)
+            if RUN:  # the values are gathered from the source, and decoded only where sent
+                value = tl.load(values + tl.load(sources + i, mask=i < count, other=0), mask=i < count,
+                                other=0).to(tl.float32)
+                kept = i < count
+            else:
+                value = tl.load(values + i, mask=i < count, other=0).to(tl.float32)
+                kept = i < capacity
             inside = i < capacity
             if VALUE == 0:
                 tl.store((message + value_at).to(tl.pointer_type(tl.float32)) + i, value, mask=inside)
-                tl.store(decoded + i, value, mask=inside)
+                tl.store(decoded + i, value, mask=kept)
             elif VALUE == 1:
                 # Comparisons, not minimum/maximum: a NaN stays NaN, as the composition's clamp keeps it.
                 value = tl.where(value > FLOAT16_MAX, FLOAT16_MAX, tl.where(value < -FLOAT16_MAX, -FLOAT16_MAX, value))
                 coded = value.to(tl.float16)
                 tl.store((message + value_at).to(tl.pointer_type(tl.float16)) + i, coded, mask=inside)
-                tl.store(decoded + i, coded.to(tl.float32), mask=inside)
+                tl.store(decoded + i, coded.to(tl.float32), mask=kept)
             else:
                 # Rounded to nearest even by hand: Triton's interpreter truncates where a GPU rounds.
                 bits = value.to(tl.uint32, bitcast=True)
                 top = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
                 top = tl.where(value != value, 0x7FC0, top)
                 tl.store((message + value_at).to(tl.pointer_type(tl.uint16)) + i, top.to(tl.uint16), mask=inside)
-                tl.store(decoded + i, (top << 16).to(tl.float32, bitcast=True), mask=inside)
+                tl.store(decoded + i, (top << 16).to(tl.float32, bitcast=True), mask=kept)
 
     @triton.jit(do_not_specialize=["step_word", "bounds_at_high"])
     def _decode(data, plan, bounds, positions, values, flags, counts, bad, step_word, bounds_at_high, scale,
@@ -256,6 +273,54 @@ def encode_message(layout: wire.MessageLayout, header: Sequence[Any], positions:
     device = positions.device
     message = torch.zeros(layout.nbytes, dtype=torch.uint8, device=device)
     decoded = None if values is None else torch.empty(layout.capacity, dtype=torch.float32, device=device)
+    # An empty tensor's address may be null, which a launch refuses: any valid one will do
+    # where no load reads it.
+    _launch(layout, header, message, 0, decoded, positions if count else message,
+            values if count and values is not None else message, count)
+    return message, decoded
+
+
+def encodes_runs(layouts: Sequence[wire.MessageLayout], headers: Sequence[Sequence[Any]], positions: torch.Tensor,
+                 starts: torch.Tensor, source: torch.Tensor, source_positions: torch.Tensor) -> bool:
+    """Whether :func:`encode_runs` takes these: messages with values in a format it writes,
+    headers of Python ints, integer ``positions`` and ``source_positions`` of one length,
+    ``len(layouts) + 1`` integer ``starts``, a floating-point ``source``, and tensors Triton
+    may take."""
+    return (len(headers) == len(layouts) and starts.numel() == len(layouts) + 1
+            and all(layout.value_format in ENCODED_VALUES and layout.value_format is not None for layout in layouts)
+            and all(len(header) <= HEADER_LANES and all(isinstance(word, int) for word in header)
+                    for header in headers)
+            and all(t.dtype in (torch.int32, torch.int64) for t in (positions, starts, source_positions))
+            and source_positions.numel() == positions.numel() and source.is_floating_point()
+            and launchable(positions, starts, source, source_positions))
+
+
+def encode_runs(layouts: Sequence[wire.MessageLayout], headers: Sequence[Sequence[Any]], positions: torch.Tensor,
+                starts: torch.Tensor, source: torch.Tensor, source_positions: torch.Tensor
+                ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(the messages laid end to end, the values receivers will decode as float32 in
+    ``positions``' order) where message j, of ``layouts[j]`` and header ``headers[j]`` but
+    for its count word, holds run j: ``positions[starts[j]:starts[j + 1]]`` (ascending) and
+    their values ``source[source_positions[starts[j]:starts[j + 1]]]``, as
+    ``wire.encode_runs``' composition builds them (what :func:`encodes_runs` accepts). The
+    runs' lengths stay on the device: one launch per message, no host wait."""
+    device = positions.device
+    message = torch.zeros(sum(layout.nbytes for layout in layouts), dtype=torch.uint8, device=device)
+    decoded = torch.empty(positions.numel(), dtype=torch.float32, device=device)
+    at = 0
+    for j, (layout, header) in enumerate(zip(layouts, headers)):
+        _launch(layout, header, message, at, decoded, positions if positions.numel() else message,
+                source, layout.capacity, run=(starts, j, source_positions if positions.numel() else message))
+        at += layout.nbytes
+    return message, decoded
+
+
+def _launch(layout: wire.MessageLayout, header: Sequence[Any], message: torch.Tensor, message_at: int,
+            decoded: Optional[torch.Tensor], positions: torch.Tensor, values: torch.Tensor, count: int,
+            run: Optional[Tuple[torch.Tensor, int, torch.Tensor]] = None) -> None:
+    """One :func:`_encode` of ``layout``'s message at byte ``message_at`` of ``message``;
+    ``run``: (starts, j, source positions) where the message holds run j (then ``count`` is
+    the most it holds, ``values`` the source)."""
     row = plan_row(layout, 0, 0, 0)
     index_kind, low_bits, upper_bits, index_at, upper_at, value_at = (row[1], row[4], row[5], row[6], row[7],
                                                                       row[9])
@@ -270,18 +335,16 @@ def encode_message(layout: wire.MessageLayout, header: Sequence[Any], positions:
     tensor_word = next((i for i, word in enumerate(header) if isinstance(word, torch.Tensor)), -1)
     words = [0 if isinstance(word, torch.Tensor) else word for word in header]
     words += [0] * (HEADER_LANES - len(words))
-    # An empty tensor's address may be null, which a launch refuses: any valid one will do
-    # where no load reads it.
-    n_values = 0 if values is None else _programs(layout.capacity)
+    starts, j, sources = run if run is not None else (message, 0, message)
+    n_values = 0 if decoded is None else _programs(layout.capacity)
     _encode[(1 + n_index + n_marks + n_values,)](
-        positions if count else message, values if count and values is not None else message, message,
-        message if decoded is None else decoded,
-        header[tensor_word] if tensor_word >= 0 else message, *words, len(header),
+        positions, values, message, message if decoded is None else decoded,
+        header[tensor_word] if tensor_word >= 0 else message, starts, sources, *words, len(header),
         count, layout.capacity, low_bits, index_at, index_bytes, n_index, upper_at, upper_bits, n_marks, value_at,
-        INDEX=index_kind, VALUE=VALUE_KINDS[layout.value_format], TENSOR_WORD=tensor_word,
-        FLOAT16_MAX=codecs.FORMAT_MAX["float16"],
+        message_at, j,
+        INDEX=index_kind, VALUE=VALUE_KINDS[layout.value_format], TENSOR_WORD=tensor_word, RUN=run is not None,
+        COUNT_AT=wire.header_table((layout,), (0,)).count_at, FLOAT16_MAX=codecs.FORMAT_MAX["float16"],
         BLOCK=ENTRIES_PER_PROGRAM)
-    return message, decoded
 
 
 @dataclass(frozen=True)
