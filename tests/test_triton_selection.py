@@ -1,12 +1,15 @@
-"""Gaussian-k's threshold kernel (``kernels/triton_selection.py``) against a loop written
-here from the method's rule (count, compare with ``[2k/3, 4k/3]``, raise by 1.5 or lower by
-0.5, keep the lowest tried); then a bucket's whole Gaussian-k selection with the kernel
-against the core's composition, as a GPU's engine would run it without the kernel.
+"""The selection's kernels (``kernels/triton_selection.py``): Gaussian-k's thresholds against
+a loop written here from the method's rule (count, compare with ``[2k/3, 4k/3]``, raise by
+1.5 or lower by 0.5, keep the lowest tried), then a bucket's whole Gaussian-k selection with
+the kernel against the core's composition, as a GPU's engine would run it without the
+kernel; the sort keys against the float32 bits ``struct`` gives, and a bucket's top-k with
+them against a sort of each segment alone.
 
 As ``test_triton_bits.py``: on a CUDA device the kernel runs on CUDA tensors, and on every
 machine with Triton the same tests run again in a child process under Triton's interpreter.
 """
 import random
+import struct
 
 import numpy as np
 import pytest
@@ -94,6 +97,39 @@ def test_a_buckets_gaussian_selection_with_the_kernel_is_the_compositions(seed, 
     monkeypatch.setattr(TorchOps, "gaussian_thresholds", TensorOps.gaussian_thresholds)
     composed = buckets.select_gaussian(TorchOps(), x, gaussian)
     assert with_kernel.cpu().tolist() == composed.cpu().tolist()
+
+
+def float32_bits(value: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", value))[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("masked", [False, True])
+@runs_here
+def test_sort_keys_are_each_bases_less_one_more_than_the_magnitudes_float32_bits(dtype, masked):
+    rng = random.Random(5)
+    special = [0.0, -0.0, 1e-40, -1e-40, 3.0, -3.0, 65504.0, float("inf"), -float("inf")]
+    x = torch.tensor(special + [rng.gauss(0, 1) * 10 ** rng.randrange(-6, 4) for _ in range(3000)]).to(dtype)
+    base = torch.tensor([rng.randrange(1, 40) * 2 ** 33 for _ in range(x.numel())], dtype=torch.int64)
+    real = torch.tensor([rng.random() < 0.8 for _ in range(x.numel())]) if masked else True
+    got = triton_selection.magnitude_keys(x.to(DEVICE), base.to(DEVICE),
+                                          real.to(DEVICE) if masked else True).cpu().tolist()
+    magnitudes = x.float().abs().tolist()  # exact: every value of these dtypes is a float32
+    want = [b - (float32_bits(m) + 1) if (not masked or r) else b
+            for b, m, r in zip(base.tolist(), magnitudes, real.tolist() if masked else [True] * x.numel())]
+    assert got == want
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "tied"])
+@pytest.mark.skipif(not triton_memory.INTERPRETED, reason="the selection's tensors are on the CPU")
+def test_a_buckets_top_k_ordered_by_the_kernels_keys_is_each_segments_own(ties, monkeypatch):
+    from test_core_bucket import test_each_segment_sends_its_own_largest as check
+    from conftest import WaitingOps
+    calls = []
+    magnitude_keys = triton_selection.magnitude_keys
+    monkeypatch.setattr(triton_selection, "magnitude_keys", lambda *a: calls.append(1) or magnitude_keys(*a))
+    check(WaitingOps(), ties)
+    assert calls
 
 
 @pytest.mark.skipif(triton_memory.INTERPRETED, reason="this is the interpreted run")

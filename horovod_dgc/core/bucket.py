@@ -327,9 +327,13 @@ class Tables:
                    collects_all=ops.greater_equal(ints([int(_collects_all(s)) for s in bucket.segments]), 1))
 
 
-def _keys(ops: TensorOps, bits: Tensor, base: Tensor, real: Tensor) -> Tensor:
-    """Sort keys: a segment's entries together, its largest first, padding last."""
-    return ops.add(base, ops.where(real, ops.add(bits, 1), 0), 1, -1)
+def _keys(ops: TensorOps, x: Tensor, base: Tensor, real: Any) -> Tensor:
+    """Sort keys of ``x``'s magnitudes: a segment's entries together (``base``: its base,
+    per entry), its largest first, padding (where ``real`` is False) last."""
+    keys = ops.magnitude_keys(x, base, real)
+    if keys is not None:
+        return keys
+    return ops.add(base, ops.where(real, ops.add(magnitude_bits(ops, x), 1), 0), 1, -1)
 
 
 def select_segments(ops: TensorOps, x: Tensor, plan: Plan, maxima: Optional[Tensor] = None) -> Tensor:
@@ -340,7 +344,7 @@ def select_segments(ops: TensorOps, x: Tensor, plan: Plan, maxima: Optional[Tens
     the memory's pass took it."""
     tables = plan.tables(ops, x)
     block = plan.block
-    maxima = magnitude_bits(ops, ops.block_abs_max(x, block) if maxima is None else maxima)
+    maxima = ops.block_abs_max(x, block) if maxima is None else maxima
     _, order = ops.sort(_keys(ops, maxima, tables.block_base, tables.real_block))
     # Each segment's chosen blocks in ascending order (they stay grouped by segment): the
     # candidates then follow their positions, and the stable sorts below put the lowest
@@ -349,17 +353,18 @@ def select_segments(ops: TensorOps, x: Tensor, plan: Plan, maxima: Optional[Tens
     values = ops.gather_blocks(x, blocks, block)
     # ``blocks`` is not read again: scaled in place to its first entries.
     positions = ops.add(ops.repeat_blocks(ops.scale(blocks, block), block, ops.numel(values)), tables.slot_offset)
-    bits = magnitude_bits(ops, values)
     real = ops.greater_equal(tables.slot_last, positions)
     if ops.sizes_cost_a_wait(x):
-        _, ranked = ops.sort(_keys(ops, bits, tables.slot_base, real))
+        _, ranked = ops.sort(_keys(ops, values, tables.slot_base, real))
         return ops.sort(ops.gather(positions, ops.gather(ranked, tables.entry_picks)))[0]
     # At least k_s entries of segment s reach its p_s-th largest block maximum: the others
     # cannot be among its top k.
-    bound = ops.where(tables.whole_segment, 0, ops.gather(maxima, ops.gather(order, tables.last_pick)))
+    bits = magnitude_bits(ops, values)
+    bound = ops.where(tables.whole_segment, 0,
+                      magnitude_bits(ops, ops.gather(maxima, ops.gather(order, tables.last_pick))))
     reach = ops.greater_equal(bits, ops.repeat_blocks(ops.gather(bound, tables.pick_segment), block, ops.numel(bits)))
     kept = ops.nonzero(ops.where(real, reach, False))
-    keys, ranked = ops.sort(_keys(ops, ops.gather(bits, kept), ops.gather(tables.slot_base, kept), True))
+    keys, ranked = ops.sort(_keys(ops, ops.gather(values, kept), ops.gather(tables.slot_base, kept), True))
     picks = tables.within
     if len(plan.ks) > 1:
         starts = ops.concat([tables.first_start, ops.searchsorted(keys, tables.segment_bounds)])
@@ -427,7 +432,7 @@ def select_candidates(ops: TensorOps, plan: Plan, candidates: Candidates) -> Fro
     if found is not None:
         return FromCandidates(*found, counts)
     base = ops.repeat_each(tables.segment_base, counts, ops.numel(positions))
-    _, ranked = ops.sort(_keys(ops, magnitude_bits(ops, candidates.magnitudes), base, True))
+    _, ranked = ops.sort(_keys(ops, candidates.magnitudes, base, True))
     # Sorting by segment keeps the segments in their order, each at its start among positions,
     # its largest first.
     picks = ops.add(ops.repeat_each(starts, tables.ks, plan.total), tables.within)
@@ -617,7 +622,7 @@ def _above_thresholds(ops: TensorOps, magnitudes: Tensor, positions: Tensor, t: 
                       tables: "GaussianTables", reach: Plan) -> Tensor:
     """The ascending ``positions`` whose ``magnitudes`` reach their segment's final
     threshold ``t``, at most each segment's capacity of them (its largest)."""
-    _, order = ops.sort(_keys(ops, magnitude_bits(ops, magnitudes), tables.slot_base, True))
+    _, order = ops.sort(_keys(ops, magnitudes, tables.slot_base, True))
     kept = ops.where(tables.kept_slot, ops.gather(_reaching(ops, magnitudes, t, tables, reach), order), False)
     return ops.sort(ops.gather(ops.gather(positions, order), ops.nonzero(kept)))[0]
 

@@ -496,6 +496,14 @@ class TensorOps(ABC):
         no such kernel: ``bucket.select_candidates``' sort then runs."""
         return None
 
+    def magnitude_keys(self, x: Tensor, base: Tensor, real: Any) -> Optional[Tensor]:
+        """A kernel's sort keys of ``x``'s magnitudes (int64, one per entry): ``base`` less one
+        more than the int64 widening of ``|x|``'s float32 bits (which order as the magnitudes
+        do) where ``real`` (a bool tensor, or True for every entry), else ``base``, as
+        ``bucket._keys``' composition computes them. None where the adapter has no such kernel
+        or it does not take these tensors: the composition then runs."""
+        return None
+
     def gaussian_thresholds(self, magnitudes: Tensor, starts: Tensor, counts: Tensor, thresholds: Tensor,
                             low: Tensor, high: Tensor, fewest: Tensor, whole: Tensor,
                             adjustments: int) -> Optional[Tensor]:

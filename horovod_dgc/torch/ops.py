@@ -499,6 +499,15 @@ class TorchOps(TensorOps):
             self.scatter_add(self.zeroed(out), positions, values)
         return flags
 
+    def magnitude_keys(self, x: torch.Tensor, base: torch.Tensor, real: Any) -> Optional[torch.Tensor]:
+        masks = [real] if isinstance(real, torch.Tensor) else []
+        if (self._kernels(x) or (not masks and real is not True) or not x.is_floating_point()
+                or x.dtype == torch.float64 or base.dtype != torch.int64
+                or any(t.numel() != x.numel() for t in [base, *masks])
+                or not triton_memory.launchable(x, base, *masks)):
+            return None
+        return triton_selection.magnitude_keys(x, base, real)
+
     def gaussian_thresholds(self, magnitudes: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
                             thresholds: torch.Tensor, low: torch.Tensor, high: torch.Tensor, fewest: torch.Tensor,
                             whole: torch.Tensor, adjustments: int) -> Optional[torch.Tensor]:

@@ -1,14 +1,17 @@
-"""Gaussian-k's threshold adjustments for every segment of a bucket in one kernel on a GPU
-(Triton).
+"""A bucket's selection on a GPU (Triton): Gaussian-k's threshold adjustments for every
+segment in one kernel, and the sort keys of magnitudes in one.
 
 The core's composition (``bucket.select_gaussian``) runs its adjustments unrolled where
 sizes cost a wait: each is about fourteen framework kernels on a few values per segment
 (the counts, the comparisons with the accepted range, the new thresholds). Here one program
 per segment counts its magnitudes at or above its threshold, adjusts it and counts again,
 as many times as the composition would, and writes the final threshold: one launch for all
-of them (``TensorOps.gaussian_thresholds``). Used for tensors that
-``triton_memory.launchable`` accepts; ``tests/test_triton_selection.py`` checks it against
-a loop written in the test.
+of them (``TensorOps.gaussian_thresholds``). The sort keys that order a bucket's entries
+(or blocks) segment by segment, largest magnitude first (``bucket._keys``), take seven
+elementwise kernels as a composition (the magnitude, its float32 bits widened, the segment's
+base, padding) and one here (``TensorOps.magnitude_keys``). Used for tensors that
+``triton_memory.launchable`` accepts; ``tests/test_triton_selection.py`` checks both against
+loops written in the test.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ if triton is not None:
     import triton.language as tl
 
 ENTRIES_PER_STEP = 1024
+ENTRIES_PER_PROGRAM = 1024
 
 
 if triton is not None:
@@ -56,6 +60,19 @@ if triton is not None:
         final = tl.where(reached >= tl.load(fewest + s), t, lowest)
         tl.store(out + s, tl.where(tl.load(whole + s) != 0, 0.0, final))
 
+    @triton.jit
+    def _magnitude_keys(x, base, real, keys, n, REAL: tl.constexpr, BFLOAT16: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        inside = i < n
+        if BFLOAT16:  # widened by hand: Triton's interpreter rounds bfloat16's subnormals
+            bits = tl.load(x.to(tl.pointer_type(tl.uint16)) + i, mask=inside, other=0).to(tl.int32) << 16
+        else:
+            bits = tl.load(x + i, mask=inside, other=0.0).to(tl.float32).to(tl.int32, bitcast=True)
+        bits = (bits & 0x7FFFFFFF).to(tl.int64) + 1  # the magnitude's bits: the sign bit cleared
+        if REAL:
+            bits = tl.where(tl.load(real + i, mask=inside, other=0) != 0, bits, 0)
+        tl.store(keys + i, tl.load(base + i, mask=inside, other=0) - bits, mask=inside)
+
 
 def gaussian_thresholds(magnitudes: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
                         thresholds: torch.Tensor, low: torch.Tensor, high: torch.Tensor, fewest: torch.Tensor,
@@ -66,3 +83,16 @@ def gaussian_thresholds(magnitudes: torch.Tensor, starts: torch.Tensor, counts: 
         magnitudes, starts, counts, thresholds, low, high, fewest, whole, out, adjustments,
         RAISE_BY=GAUSSIAN_RAISE_BY, LOWER_BY=GAUSSIAN_LOWER_BY, STEP=ENTRIES_PER_STEP)
     return out
+
+
+def magnitude_keys(x: torch.Tensor, base: torch.Tensor, real: "torch.Tensor | bool") -> torch.Tensor:
+    """``TensorOps.magnitude_keys``: one launch."""
+    keys = torch.empty(x.numel(), dtype=torch.int64, device=x.device)
+    n = x.numel()
+    if n:
+        mask = real if isinstance(real, torch.Tensor) else keys
+        _magnitude_keys[(-(-n // ENTRIES_PER_PROGRAM),)](x, base, mask, keys, n,
+                                                         REAL=isinstance(real, torch.Tensor),
+                                                         BFLOAT16=x.dtype == torch.bfloat16,
+                                                         BLOCK=ENTRIES_PER_PROGRAM)
+    return keys
