@@ -17,7 +17,7 @@ Conventions:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple
 
 Tensor = Any
 Scalar = Any  # a 0-d tensor or a Python number
@@ -467,13 +467,13 @@ class TensorOps(ABC):
         return None
 
     def decode_received(self, data: Tensor, expected: Sequence[Tuple[Any, Any]], step: Any,
-                        dtypes: Sequence[str]) -> Optional[Tuple[Tensor, List[Tuple[Tensor, Optional[Tensor], Any]]]]:
+                        dtypes: Sequence[str]) -> Optional[Tuple[Tensor, Tensor, Optional[Tensor], Tensor]]:
         """A kernel's check and decode of one message per entry of ``expected`` ((layout,
-        sender) pairs, ``wire.MessageLayout`` layouts): (each message's flags word; each
-        message's ``capacity`` positions, its values in ``dtypes[m]`` (None for positions only),
-        both 0 past its count, and its count), as ``wire.decode_composed`` computes them. None
-        where the adapter has no such kernel or it does not take these messages: the
-        composition then runs, and names any problem."""
+        sender) pairs, ``wire.MessageLayout`` layouts): (each message's flags word; every
+        message's ``capacity`` positions and its values in ``dtypes[m]`` (None for positions
+        only), both 0 past its count, message after message; each message's count), as
+        ``wire.decode_composed`` computes them. None where the adapter has no such kernel or
+        it does not take these messages: the composition then runs, and names any problem."""
         return None
 
     def decode_sums(self, data: Tensor, layouts: Sequence[Any], world_size: int, step: Any,

@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 from . import wire
 from .bucket import Bucket, Plan, constant_tables, interned, select_segments, shards_of
@@ -128,15 +128,15 @@ class BucketRegions:
 class RegionTables:
     """The constant tensors of :class:`BucketRegions` on a device: each group's capacity,
     shift, order and largeness, and per sending owner r the bucket position of each of its
-    forwarded entries less its owner position (``sender_shifts[r]``), capped at its tensor's
-    last entry (``last_entries``)."""
+    forwarded entries less its owner position (``sender_shifts``, rank after rank), capped at
+    its tensor's last entry (``last_entries``, rank after rank)."""
 
     group_ids: Tensor
     group_capacity: Tensor
     group_shift: Tensor
     group_order: Tensor
     large_groups: Tensor
-    sender_shifts: Tuple[Tensor, ...]
+    sender_shifts: Tensor
     last_entries: Tensor
 
     @classmethod
@@ -146,13 +146,14 @@ class RegionTables:
 
         bucket, owner, world = regions.plan.bucket, regions.owner, regions.world_size
         picks = regions.forward_plan.ks
-        shifts = [ints(v for s, o, k in zip(bucket.segments, owner.segments, picks)
-                       for v in [s.offset + r * o.numel - o.offset] * k) for r in range(world)]
+        shifts = ints(v for r in range(world) for s, o, k in zip(bucket.segments, owner.segments, picks)
+                      for v in [s.offset + r * o.numel - o.offset] * k)
         return cls(group_ids=ints(range(regions.groups)), group_capacity=ints(regions.group_capacity),
                    group_shift=ints(regions.group_shift), group_order=ints(regions.group_order),
                    large_groups=ops.greater_equal(ints(int(v) for v in regions.large_groups), 1),
-                   sender_shifts=tuple(shifts),
-                   last_entries=ints(v for s, k in zip(bucket.segments, picks) for v in [s.end - 1] * k))
+                   sender_shifts=shifts,
+                   last_entries=ints(v for _ in range(world) for s, k in zip(bucket.segments, picks)
+                                     for v in [s.end - 1] * k))
 
 
 class SparseAllreduce(TwoStageMethod):
@@ -320,16 +321,13 @@ class SparseAllreduce(TwoStageMethod):
 
     @staticmethod
     def _receive(ops: TensorOps, received: Tensor, layout: wire.MessageLayout,
-                 handover: StageHandover) -> Tuple[Tensor, List[Tuple[Tensor, Tensor]]]:
-        """(each sender's flags word, each sender's (positions, values) in the state dtype)
-        from the concatenation of one ``layout`` message per rank, headers and positions
-        checked."""
+                 handover: StageHandover) -> Tuple[Tensor, Tensor, Tensor]:
+        """(each sender's flags word; every sender's ``capacity`` positions and values in the
+        state dtype, 0 past its count, rank after rank) from the concatenation of one
+        ``layout`` message per rank, headers and positions checked."""
         call = handover.call
-        expected = [(layout, r) for r in range(call.world_size)]
-        flags, messages = wire.decode_received(ops, received, expected, call.step,
-                                               [state_dtype(handover.dtype)] * len(expected), call.rank,
-                                               call.traced_id)
-        return flags, [(where, values) for where, values, _ in messages]
+        return wire.decode_end_to_end(ops, received, [(layout, r) for r in range(call.world_size)], call.step,
+                                      state_dtype(handover.dtype), call.rank, call.traced_id)
 
     def second(self, ops: TensorOps, state: State, received: Tensor,
                handover: StageHandover) -> Tuple[Tensor, State]:
@@ -337,13 +335,12 @@ class SparseAllreduce(TwoStageMethod):
         flag is passed on (with ``nonfinite="raise"`` every owner raises, naming the sender)."""
         call, to_owner, forward = handover.call, handover.data["to_owner"], handover.data["forward"]
         world, regions = call.world_size, handover.data.get("regions")
-        flags, entries = self._receive(ops, received, to_owner, handover)
+        flags, where, values = self._receive(ops, received, to_owner, handover)
         finite = received_finite(ops, self.config.nonfinite, flags, [call.name], call.step,
                                  call.traced_id)
         dtype = state_dtype(handover.dtype)
-        total = ops.copy(state["owner_residual"])
-        for where, values in entries:
-            total = ops.scatter_add(total, where, ops.scale(ops.copy(values), 1.0 / world))
+        # Rank after rank, as the senders' order sums them; the slots past a count add 0.
+        total = ops.scatter_add(ops.copy(state["owner_residual"]), where, ops.scale(values, 1.0 / world))
         if regions is not None:
             capacity = forward.capacity
             chosen = select_segments(ops, total, regions.forward_plan)
@@ -359,21 +356,22 @@ class SparseAllreduce(TwoStageMethod):
 
     def finish(self, ops: TensorOps, received: Tensor, handover: StageHandover) -> Tuple[Tensor, Scalar]:
         forward, regions = handover.data["forward"], handover.data.get("regions")
-        flags, entries = self._receive(ops, received, forward, handover)
+        flags, where, values = self._receive(ops, received, forward, handover)
         finite = none_flagged(ops, flags)
         dtype = state_dtype(handover.dtype)
         update = (ops.zeros(handover.numel, dtype, like=received) if handover.destination is None
                   else ops.zeroed(handover.destination))
-        tables = None if regions is None else regions.tables(ops, received)
-        for r, (where, values) in enumerate(entries):
-            if tables is not None:
-                # Entries past a tensor's end (zeros: see the module's docstring) land on its last.
-                where = ops.minimum(ops.add(where, tables.sender_shifts[r], 1, 1), tables.last_entries)
-            elif shard_entries(handover.numel, forward.numel, r):
-                where = where + r * forward.numel
-            else:
-                continue
-            update = ops.scatter_add(update, where, values)
+        if regions is not None:
+            tables = regions.tables(ops, received)
+            # Entries past a tensor's end (zeros: see the module's docstring) land on its last.
+            update = ops.scatter_add(update, ops.minimum(ops.add(where, tables.sender_shifts, 1, 1),
+                                                         tables.last_entries), values)
+        else:
+            capacity = forward.capacity
+            for r in range(handover.call.world_size):
+                if shard_entries(handover.numel, forward.numel, r):
+                    update = ops.scatter_add(update, ops.slice(where, r * capacity, capacity) + r * forward.numel,
+                                             ops.slice(values, r * capacity, capacity))
         update = ops.cast(update, handover.dtype)
         return ops.cond(finite, lambda: update,
                         lambda: nan_like(ops, handover.numel, handover.dtype, update)), finite

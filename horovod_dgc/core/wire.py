@@ -534,9 +534,29 @@ def decode_received(ops: TensorOps, data: Tensor, expected: Sequence[Expected], 
     (:func:`checked_positions`): by the adapter's kernel (``TensorOps.decode_received``)
     where it takes them, else :func:`decode_composed`. ``traced_id``: as :func:`receive`'s."""
     decoded = None if traced_id is not None else ops.decode_received(data, expected, step, dtypes)
+    if decoded is None:
+        return decode_composed(ops, data, expected, step, dtypes, receiver, traced_id)
+    flags, positions, values, counts = decoded
+    if len(expected) == 1:
+        return flags, [(positions, values, ops.gather(counts, 0))]
+    out, start = [], 0
+    for m, (layout, _) in enumerate(expected):
+        out.append((ops.slice(positions, start, layout.capacity),
+                    None if values is None else ops.slice(values, start, layout.capacity), ops.gather(counts, m)))
+        start += layout.capacity
+    return flags, out
+
+
+def decode_end_to_end(ops: TensorOps, data: Tensor, expected: Sequence[Expected], step: Any, dtype: str,
+                      receiver: Any = None, traced_id: Any = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """(each message's flags word; every message's ``capacity`` positions and values as
+    ``dtype``, 0 past its count, message after message) of ``data``: :func:`decode_received`
+    of messages with values, for a caller that sums them all at once."""
+    decoded = None if traced_id is not None else ops.decode_received(data, expected, step, [dtype] * len(expected))
     if decoded is not None:
-        return decoded
-    return decode_composed(ops, data, expected, step, dtypes, receiver, traced_id)
+        return decoded[:3]
+    flags, messages = decode_composed(ops, data, expected, step, [dtype] * len(expected), receiver, traced_id)
+    return flags, ops.concat([positions for positions, _, _ in messages]), ops.concat([v for _, v, _ in messages])
 
 
 def decode_composed(ops: TensorOps, data: Tensor, expected: Sequence[Expected], step: Any,

@@ -456,7 +456,8 @@ class TorchOps(TensorOps):
         return kernels.decode_positions(data, layout, sender, step)
 
     def decode_received(self, data: torch.Tensor, expected: Sequence[Tuple[Any, Any]], step: Any,
-                        dtypes: Sequence[str]) -> Optional[Tuple[torch.Tensor, List[Tuple[Any, ...]]]]:
+                        dtypes: Sequence[str]) -> Optional[Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor],
+                                                                 torch.Tensor]]:
         if self._kernels(data) or not expected:
             return None
         layout = expected[0][0]
@@ -467,14 +468,8 @@ class TorchOps(TensorOps):
             return None
         decoded = triton_messages.decode_messages(data, [layout], senders, step)
         flags = self._checked_flags(decoded, data, [layout], senders, step)
-        (positions,), (values,), capacity = decoded.positions, decoded.values, layout.capacity
-        if layout.value_format is None:
-            values = None
-        if len(senders) == 1:
-            return flags, [(positions, values, decoded.counts[0])]
-        return flags, [(positions[m * capacity:(m + 1) * capacity],
-                        None if values is None else values[m * capacity:(m + 1) * capacity], decoded.counts[m])
-                       for m in range(len(senders))]
+        (positions,), (values,) = decoded.positions, decoded.values
+        return flags, positions, None if layout.value_format is None else values, decoded.counts
 
     def _checked_flags(self, decoded: triton_messages.Decoded, data: torch.Tensor, layouts: Sequence[Any],
                        senders: Tuple[int, ...], step: int) -> torch.Tensor:
