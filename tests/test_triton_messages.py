@@ -162,23 +162,25 @@ def test_each_senders_message_of_one_layout_is_received_with_its_count(monkeypat
 @pytest.mark.parametrize("value_format", ["float32", "bfloat16"])
 @runs_here
 def test_runs_of_positions_are_encoded_one_message_each_with_their_lengths_left_on_the_device(value_format):
-    """The sparse all-reduce's messages to each owner: run j of the sorted positions goes to
-    message j with its values gathered from the source, and the decoded values land in the
-    positions' order; the runs' lengths are known only on the device."""
+    """The sparse all-reduce's messages to each owner: run j of the sorted keys goes to
+    message j less its base, with its values gathered from the source, and the decoded values
+    land in the keys' order; the runs' lengths are known only on the device."""
     rng = random.Random(17)
-    # Elias-Fano, raw and the bitmap; a full run, an empty one, a part of one.
-    layouts = [layout_of(50_000, 40, value_format), layout_of(50_000, 30, value_format),
-               layout_of(3_000, 900, value_format)]
-    runs = [sample(rng, 50_000, 40)[0], [], sorted(rng.sample(range(3_000), 500))]
+    # Elias-Fano, raw and the bitmap; full runs, an empty one, a part of one.
+    layouts = [layout_of(50_000, 40, value_format), layout_of(50_000, 1, value_format),
+               layout_of(50_000, 30, value_format), layout_of(3_000, 900, value_format)]
+    runs = [sample(rng, 50_000, 40)[0], [49_999], [], sorted(rng.sample(range(3_000), 500))]
+    assert [layout.indices.name for layout in layouts] == ["elias-fano", "raw", "elias-fano", "bitmap"]
     source = [rng.gauss(0.0, 1.0) for _ in range(3_000)]
     source_positions = [rng.randrange(3_000) for run in runs for _ in run]
     lengths = [len(run) for run in runs]
-    starts = [sum(lengths[:j]) for j in range(4)]
+    starts = [sum(lengths[:j]) for j in range(5)]
     headers = [layout.header(1, STEP, 0, 0) for layout in layouts]
+    bases = [0, 50_000, 100_000, 150_000]
     got, decoded = triton_messages.encode_runs(
-        layouts, headers, torch.tensor([p for run in runs for p in run], device=DEVICE),
+        layouts, headers, torch.tensor([p + base for run, base in zip(runs, bases) for p in run], device=DEVICE),
         torch.tensor(starts, device=DEVICE), torch.tensor(source, dtype=torch.float32, device=DEVICE),
-        torch.tensor(source_positions, device=DEVICE))
+        torch.tensor(source_positions, device=DEVICE), bases)
     want, want_decoded = b"", []
     for j, (layout, run) in enumerate(zip(layouts, runs)):
         values = [source[i] for i in source_positions[starts[j]:starts[j + 1]]]
@@ -206,7 +208,7 @@ def test_a_run_longer_than_its_message_says_so_and_is_refused():
     positions = torch.arange(0, 60, 4, device=DEVICE)  # 15 positions for 10 slots
     got, _ = triton_messages.encode_runs([layout], [layout.header(0, STEP, 0, 0)], positions,
                                          torch.tensor([0, 15], device=DEVICE), torch.ones(15, device=DEVICE),
-                                         torch.arange(15, device=DEVICE))
+                                         torch.arange(15, device=DEVICE), [0])
     assert got.numel() == layout.nbytes
     with pytest.raises(MessageError, match=r"rank 0 .*'w'.*count is 15, expected 0 to 10"):
         wire.decode_composed(TorchOps(), got.cpu(), [(layout, 0)], STEP, ["float32"])
@@ -362,7 +364,7 @@ def test_a_bucket_message_costs_a_few_operations_each_way():
         sent, _ = triton_messages.encode_message(layout, layout.header(1, STEP, 100, 0), *args)
     assert counted.count == 3
     runs = ([layout, layout], [layout.header(1, STEP, 0, 0)] * 2, args[0], torch.tensor([0, 60, 100]),
-            args[2], torch.arange(100))
+            args[2], torch.arange(100), [0, 0])
     triton_messages.encode_runs(*runs)
     with OpCounter() as counted:
         triton_messages.encode_runs(*runs)

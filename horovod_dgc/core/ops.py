@@ -446,9 +446,10 @@ class TensorOps(ABC):
         return None
 
     def encode_runs(self, layouts: Sequence[Any], headers: Sequence[Sequence[Any]], positions: Tensor,
-                    starts: Tensor, source: Tensor, source_positions: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
+                    starts: Tensor, source: Tensor, source_positions: Tensor,
+                    bases: Sequence[int]) -> Optional[Tuple[Tensor, Tensor]]:
         """A kernel's encode of one message per run of ``positions`` (run j:
-        ``positions[starts[j]:starts[j + 1]]``, ascending, whose values are
+        ``positions[starts[j]:starts[j + 1]]``, ascending, sent less ``bases[j]``, whose values are
         ``source[source_positions[starts[j]:starts[j + 1]]]``; ``layouts[j]``'s message with
         ``headers[j]`` but for the count word, the run's length): the messages laid end to end
         and the values receivers will decode in ``positions``' order, as ``wire.encode_runs``'

@@ -88,10 +88,11 @@ class BucketRegions:
             positions below each gives every group's start.
         group_capacity: each group's ``C_in``: its tensor's, or the group's size if smaller
             (0 for a region past the tensor's end).
-        group_shift: per group, the owner position of a bucket position in it, less that
-            position (``owner offset_s - offset_s - j R_s``).
-        group_order: per group, ``j * owner.numel``: added to the owner positions, sorting
-            lays them out destination by destination.
+        group_shift: per group, what a bucket position in it is shifted by to its sort key:
+            its owner position (``owner offset_s - offset_s - j R_s`` on) plus
+            ``j * owner.numel``, so that sorting lays the positions out destination by
+            destination, and destination j's keys less ``j * owner.numel`` are its owner
+            positions.
         to_owners: the message to each destination: its groups' capacities.
         forward_plan: the owner's selection, each tensor's ``min(C_out, R_s)`` largest.
         forward: an owner's message.
@@ -104,7 +105,6 @@ class BucketRegions:
     bounds: Tuple[int, ...]
     group_capacity: Tuple[int, ...]
     group_shift: Tuple[int, ...]
-    group_order: Tuple[int, ...]
     to_owners: Tuple[wire.MessageLayout, ...]
     forward_plan: Plan
     forward: wire.MessageLayout
@@ -134,7 +134,6 @@ class RegionTables:
     group_ids: Tensor
     group_capacity: Tensor
     group_shift: Tensor
-    group_order: Tensor
     large_groups: Tensor
     sender_shifts: Tensor
     last_entries: Tensor
@@ -149,7 +148,7 @@ class RegionTables:
         shifts = ints(v for r in range(world) for s, o, k in zip(bucket.segments, owner.segments, picks)
                       for v in [s.offset + r * o.numel - o.offset] * k)
         return cls(group_ids=ints(range(regions.groups)), group_capacity=ints(regions.group_capacity),
-                   group_shift=ints(regions.group_shift), group_order=ints(regions.group_order),
+                   group_shift=ints(regions.group_shift),
                    large_groups=ops.greater_equal(ints(int(v) for v in regions.large_groups), 1),
                    sender_shifts=shifts,
                    last_entries=ints(v for _ in range(world) for s, k in zip(bucket.segments, picks)
@@ -252,15 +251,15 @@ class SparseAllreduce(TwoStageMethod):
             positions, count = self.inner.select_bucket(ops, x, plan, accumulated.block_max)
             positions, groups = _fitted(ops, x, positions, count, regions)
             tables = regions.tables(ops, x)
-            owned = ops.add(positions, ops.gather(tables.group_shift, groups), 1, 1)
-            keys, order = ops.sort(ops.add(owned, ops.gather(tables.group_order, groups), 1, 1))
-            starts = ops.searchsorted(keys, [j * regions.owner.numel for j in range(world + 1)])
-            positions, owned, groups = (ops.gather(t, order) for t in (positions, owned, groups))
+            keys, order = ops.sort(ops.add(positions, ops.gather(tables.group_shift, groups), 1, 1))
+            bases = [j * regions.owner.numel for j in range(world + 1)]
+            starts = ops.searchsorted(keys, bases)
             headers = [layout.header(call.rank, call.step, 0, 0) for layout in to_owners]
-            message, decoded = wire.encode_runs(ops, to_owners, headers, owned, starts, x, positions)
             large = None
             if any(regions.large_groups) and not all(regions.large_groups):
                 large = ops.gather(positions, ops.nonzero(ops.gather(tables.large_groups, groups)))
+            positions = ops.gather(positions, order)
+            message, decoded = wire.encode_runs(ops, to_owners, headers, keys, starts, x, positions, bases[:-1])
             worker = self.inner.update_bucket(ops, accumulated.state, positions, ops.cast(decoded, ops.dtype(x)),
                                               plan, large)
             return {**state, **worker}, message
@@ -387,15 +386,14 @@ def _regions(method: SparseAllreduce, plan: Plan, world_size: int) -> BucketRegi
     bucket = plan.bucket
     lengths = tuple(method.shard_length(s.numel, world_size) for s in bucket.segments)
     owner = shards_of(bucket, lengths)
-    bounds, capacity, shift, order, large, forward_ks = [], [], [], [], [], []
+    bounds, capacity, shift, large, forward_ks = [], [], [], [], []
     for s, o, k, region in zip(bucket.segments, owner.segments, plan.ks, lengths):
         room = method.room_to_owner(k, s.numel, region, world_size)
         forward_ks.append(room_forwarded(k, region, world_size))
         for j in range(world_size):
             bounds.append(s.offset + min(j * region, s.numel))
             capacity.append(min(room, max(0, min(region, s.numel - j * region))))
-            shift.append(o.offset - s.offset - j * region)
-            order.append(j * owner.numel)
+            shift.append(o.offset - s.offset - j * region + j * owner.numel)
             large.append(not s.small)
     bounds.append(bucket.segments[-1].end)
     fmt = wire.value_format(bucket.dtype, method.config.value_dtype)
@@ -407,7 +405,7 @@ def _regions(method: SparseAllreduce, plan: Plan, world_size: int) -> BucketRegi
     forward_plan = interned(Plan(owner, tuple(forward_ks), plan.block))
     to_owners = tuple(layout(sum(capacity[j::world_size])) for j in range(world_size))
     return BucketRegions(plan=plan, world_size=world_size, owner=owner, bounds=tuple(bounds),
-                         group_capacity=tuple(capacity), group_shift=tuple(shift), group_order=tuple(order),
+                         group_capacity=tuple(capacity), group_shift=tuple(shift),
                          to_owners=to_owners, forward_plan=forward_plan,
                          forward=layout(forward_plan.total), large_groups=tuple(large))
 

@@ -275,12 +275,14 @@ def encode_parts(ops: TensorOps, layout: Layout, header: List[Any], parts: Seque
 
 
 def encode_runs(ops: TensorOps, layouts: Sequence[MessageLayout], headers: Sequence[Sequence[Any]],
-                positions: Tensor, starts: Tensor, source: Tensor, source_positions: Tensor) -> Tuple[Tensor, Tensor]:
+                positions: Tensor, starts: Tensor, source: Tensor, source_positions: Tensor,
+                bases: Sequence[int]) -> Tuple[Tensor, Tensor]:
     """(the messages laid end to end, the values receivers will decode as float32 in
     ``positions``' order) where message j, of ``layouts[j]`` with ``headers[j]`` but for its
     count word (the run's length), holds run j: ``positions[starts[j]:starts[j + 1]]``
-    (ascending) and their values ``source[source_positions[starts[j]:starts[j + 1]]]``."""
-    coded = ops.encode_runs(layouts, headers, positions, starts, source, source_positions)
+    (ascending) less ``bases[j]``, and their values
+    ``source[source_positions[starts[j]:starts[j + 1]]]``."""
+    coded = ops.encode_runs(layouts, headers, positions, starts, source, source_positions, bases)
     if coded is not None:
         return coded
     messages, decoded = [], []
@@ -288,7 +290,8 @@ def encode_runs(ops: TensorOps, layouts: Sequence[MessageLayout], headers: Seque
         start = ops.gather(starts, j)
         length = ops.gather(starts, j + 1) - start
         header = [length if w == COUNT_WORD else word for w, word in enumerate(header)]
-        message, values = layout.encode(ops, header, ops.slice(positions, start, length), length,
+        run = ops.slice(positions, start, length)
+        message, values = layout.encode(ops, header, ops.add(run, -bases[j]) if bases[j] else run, length,
                                         ops.gather(source, ops.slice(source_positions, start, length)))
         messages.append(message)
         decoded.append(ops.slice(values, 0, length))

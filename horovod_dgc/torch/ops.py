@@ -442,12 +442,12 @@ class TorchOps(TensorOps):
         return None
 
     def encode_runs(self, layouts: Sequence[Any], headers: Sequence[Sequence[Any]], positions: torch.Tensor,
-                    starts: torch.Tensor, source: torch.Tensor,
-                    source_positions: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+                    starts: torch.Tensor, source: torch.Tensor, source_positions: torch.Tensor,
+                    bases: Sequence[int]) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         if self._kernels(positions) or not triton_messages.encodes_runs(layouts, headers, positions, starts, source,
                                                                         source_positions):
             return None
-        return triton_messages.encode_runs(layouts, headers, positions, starts, source, source_positions)
+        return triton_messages.encode_runs(layouts, headers, positions, starts, source, source_positions, bases)
 
     def decode_positions(self, data: torch.Tensor, layout: Any, sender: int,
                          step: Any) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:

@@ -47,11 +47,12 @@ HEADER_LANES = 16  # header words the kernels take (a power of two at least the 
 
 if triton is not None:
     @triton.jit(do_not_specialize=["w0", "w1", "w2", "w3", "w4", "w5", "w6", "w7", "w8", "w9", "w10",
-                                   "w11", "w12", "w13", "w14", "w15", "count", "message_at", "run"])
+                                   "w11", "w12", "w13", "w14", "w15", "count", "message_at", "run",
+                                   "base"])
     def _encode(positions, values, message, decoded, run_time_word, runs, sources,
                 w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15, n_words,
                 count, capacity, low_bits, index_at, n_index_bytes, n_index_programs, upper_at, n_upper_bits,
-                n_mark_programs, value_at, message_at, run,
+                n_mark_programs, value_at, message_at, run, base,
                 INDEX: tl.constexpr, VALUE: tl.constexpr, TENSOR_WORD: tl.constexpr, RUN: tl.constexpr,
                 COUNT_AT: tl.constexpr, FLOAT16_MAX: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
@@ -87,12 +88,12 @@ if triton is not None:
                     bit = byte * 8 + j
                     field = bit // low_bits
                     value = tl.load(positions + field, mask=(field < count) & (byte < n_index_bytes),
-                                    other=0).to(tl.int64)
+                                    other=base).to(tl.int64) - base
                     packed |= ((value >> (bit % low_bits)) & 1) << j
                 tl.store(message + index_at + byte, packed.to(tl.uint8), mask=byte < n_index_bytes)
             else:
                 i = block + lane
-                position = tl.load(positions + i, mask=i < count, other=0).to(tl.int64)
+                position = tl.load(positions + i, mask=i < count, other=base).to(tl.int64) - base
                 if INDEX == 0:
                     tl.store((message + index_at).to(tl.pointer_type(tl.int32)) + i, position.to(tl.int32),
                              mask=i < count)
@@ -100,7 +101,7 @@ if triton is not None:
                     tl.store((message + index_at).to(tl.pointer_type(tl.int64)) + i, position, mask=i < count)
         elif pid <= n_index_programs + n_mark_programs:  # the bitvector's marks
             i = (pid - 1 - n_index_programs).to(tl.int64) * BLOCK + lane
-            position = tl.load(positions + i, mask=i < count, other=0).to(tl.int64)
+            position = tl.load(positions + i, mask=i < count, other=base).to(tl.int64) - base
             mark = (position >> low_bits) + i if INDEX == 2 else position
             inside = (i < count) & (mark >= 0) & (mark < n_upper_bits)
             bit = tl.full([BLOCK], 1, tl.int32) << (mark & 31).to(tl.int32)
@@ -296,12 +297,12 @@ def encodes_runs(layouts: Sequence[wire.MessageLayout], headers: Sequence[Sequen
 
 
 def encode_runs(layouts: Sequence[wire.MessageLayout], headers: Sequence[Sequence[Any]], positions: torch.Tensor,
-                starts: torch.Tensor, source: torch.Tensor, source_positions: torch.Tensor
+                starts: torch.Tensor, source: torch.Tensor, source_positions: torch.Tensor, bases: Sequence[int]
                 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(the messages laid end to end, the values receivers will decode as float32 in
     ``positions``' order) where message j, of ``layouts[j]`` and header ``headers[j]`` but
-    for its count word, holds run j: ``positions[starts[j]:starts[j + 1]]`` (ascending) and
-    their values ``source[source_positions[starts[j]:starts[j + 1]]]``, as
+    for its count word, holds run j: ``positions[starts[j]:starts[j + 1]]`` (ascending) less
+    ``bases[j]``, and their values ``source[source_positions[starts[j]:starts[j + 1]]]``, as
     ``wire.encode_runs``' composition builds them (what :func:`encodes_runs` accepts). The
     runs' lengths stay on the device: one launch per message, no host wait."""
     device = positions.device
@@ -310,17 +311,18 @@ def encode_runs(layouts: Sequence[wire.MessageLayout], headers: Sequence[Sequenc
     at = 0
     for j, (layout, header) in enumerate(zip(layouts, headers)):
         _launch(layout, header, message, at, decoded, positions if positions.numel() else message,
-                source, layout.capacity, run=(starts, j, source_positions if positions.numel() else message))
+                source, layout.capacity,
+                run=(starts, j, source_positions if positions.numel() else message, bases[j]))
         at += layout.nbytes
     return message, decoded
 
 
 def _launch(layout: wire.MessageLayout, header: Sequence[Any], message: torch.Tensor, message_at: int,
             decoded: Optional[torch.Tensor], positions: torch.Tensor, values: torch.Tensor, count: int,
-            run: Optional[Tuple[torch.Tensor, int, torch.Tensor]] = None) -> None:
+            run: Optional[Tuple[torch.Tensor, int, torch.Tensor, int]] = None) -> None:
     """One :func:`_encode` of ``layout``'s message at byte ``message_at`` of ``message``;
-    ``run``: (starts, j, source positions) where the message holds run j (then ``count`` is
-    the most it holds, ``values`` the source)."""
+    ``run``: (starts, j, source positions, base) where the message holds run j less base
+    (then ``count`` is the most it holds, ``values`` the source)."""
     row = plan_row(layout, 0, 0, 0)
     index_kind, low_bits, upper_bits, index_at, upper_at, value_at = (row[1], row[4], row[5], row[6], row[7],
                                                                       row[9])
@@ -335,13 +337,13 @@ def _launch(layout: wire.MessageLayout, header: Sequence[Any], message: torch.Te
     tensor_word = next((i for i, word in enumerate(header) if isinstance(word, torch.Tensor)), -1)
     words = [0 if isinstance(word, torch.Tensor) else word for word in header]
     words += [0] * (HEADER_LANES - len(words))
-    starts, j, sources = run if run is not None else (message, 0, message)
+    starts, j, sources, base = run if run is not None else (message, 0, message, 0)
     n_values = 0 if decoded is None else _programs(layout.capacity)
     _encode[(1 + n_index + n_marks + n_values,)](
         positions, values, message, message if decoded is None else decoded,
         header[tensor_word] if tensor_word >= 0 else message, starts, sources, *words, len(header),
         count, layout.capacity, low_bits, index_at, index_bytes, n_index, upper_at, upper_bits, n_marks, value_at,
-        message_at, j,
+        message_at, j, base,
         INDEX=index_kind, VALUE=VALUE_KINDS[layout.value_format], TENSOR_WORD=tensor_word, RUN=run is not None,
         COUNT_AT=wire.header_table((layout,), (0,)).count_at, FLOAT16_MAX=codecs.FORMAT_MAX["float16"],
         BLOCK=ENTRIES_PER_PROGRAM)
