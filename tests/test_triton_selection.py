@@ -2,8 +2,8 @@
 a loop written here from the method's rule (count, compare with ``[2k/3, 4k/3]``, raise by
 1.5 or lower by 0.5, keep the lowest tried), then a bucket's whole Gaussian-k selection with
 the kernel against the core's composition, as a GPU's engine would run it without the
-kernel; the sort keys against the float32 bits ``struct`` gives, and a bucket's top-k with
-them against a sort of each segment alone.
+kernel; the sort keys (and the chosen blocks' positions) against the float32 bits ``struct``
+gives, and a bucket's top-k with them against a sort of each segment alone.
 
 As ``test_triton_bits.py``: on a CUDA device the kernel runs on CUDA tensors, and on every
 machine with Triton the same tests run again in a child process under Triton's interpreter.
@@ -120,14 +120,39 @@ def test_sort_keys_are_each_bases_less_one_more_than_the_magnitudes_float32_bits
     assert got == want
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@runs_here
+def test_the_chosen_blocks_entries_get_their_positions_and_keys_by_definition(dtype):
+    """Blocks of 8 over three segments whose edges (300, 700) and end (997) cut blocks: an
+    entry past its block's segment, or past the bucket, is padding (its segment's base)."""
+    rng = random.Random(9)
+    block, edges = 8, [0, 300, 700, 997]
+    x = torch.tensor([rng.gauss(0, 1) * 10 ** rng.randrange(-3, 3) for _ in range(997)]).to(dtype)
+    blocks = sorted(rng.sample(range(1, 124), 30)) + [37, 87, 124]  # 296-303, 696-703, 992-999
+    blocks.sort()
+    segment_of = [max(i for i, e in enumerate(edges[:-1]) if e <= b * block) for b in blocks]
+    slot_offset = [j for _ in blocks for j in range(block)]
+    slot_last = [edges[s + 1] - 1 for s in segment_of for _ in range(block)]
+    slot_base = [(s + 1) * 2 ** 33 for s in segment_of for _ in range(block)]
+    as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=DEVICE)  # noqa: E731
+    positions, keys = triton_selection.block_keys(x.to(DEVICE), as_tensor(blocks), block, as_tensor(slot_offset),
+                                                  as_tensor(slot_last), as_tensor(slot_base))
+    magnitudes = x.float().abs().tolist()
+    want_positions = [b * block + j for b in blocks for j in range(block)]
+    want_keys = [base - (float32_bits(magnitudes[p]) + 1) if p <= last else base
+                 for p, last, base in zip(want_positions, slot_last, slot_base)]
+    assert positions.cpu().tolist() == want_positions
+    assert keys.cpu().tolist() == want_keys
+
+
 @pytest.mark.parametrize("ties", [False, True], ids=["distinct", "tied"])
 @pytest.mark.skipif(not triton_memory.INTERPRETED, reason="the selection's tensors are on the CPU")
-def test_a_buckets_top_k_ordered_by_the_kernels_keys_is_each_segments_own(ties, monkeypatch):
+def test_a_buckets_top_k_from_the_kernels_positions_and_keys_is_each_segments_own(ties, monkeypatch):
     from test_core_bucket import test_each_segment_sends_its_own_largest as check
     from conftest import WaitingOps
     calls = []
-    magnitude_keys = triton_selection.magnitude_keys
-    monkeypatch.setattr(triton_selection, "magnitude_keys", lambda *a: calls.append(1) or magnitude_keys(*a))
+    block_keys = triton_selection.block_keys
+    monkeypatch.setattr(triton_selection, "block_keys", lambda *a: calls.append(1) or block_keys(*a))
     check(WaitingOps(), ties)
     assert calls
 

@@ -350,13 +350,11 @@ def select_segments(ops: TensorOps, x: Tensor, plan: Plan, maxima: Optional[Tens
     # candidates then follow their positions, and the stable sorts below put the lowest
     # first among equal magnitudes.
     blocks = ops.sort(ops.gather(order, tables.block_picks))[0]
-    values = ops.gather_blocks(x, blocks, block)
-    # ``blocks`` is not read again: scaled in place to its first entries.
-    positions = ops.add(ops.repeat_blocks(ops.scale(blocks, block), block, ops.numel(values)), tables.slot_offset)
-    real = ops.greater_equal(tables.slot_last, positions)
     if ops.sizes_cost_a_wait(x):
-        _, ranked = ops.sort(_keys(ops, values, tables.slot_base, real))
+        positions, keys = block_keys(ops, x, blocks, block, tables)
+        _, ranked = ops.sort(keys)
         return ops.sort(ops.gather(positions, ops.gather(ranked, tables.entry_picks)))[0]
+    values, positions, real = _block_entries(ops, x, blocks, block, tables)
     # At least k_s entries of segment s reach its p_s-th largest block maximum: the others
     # cannot be among its top k.
     bits = magnitude_bits(ops, values)
@@ -370,6 +368,26 @@ def select_segments(ops: TensorOps, x: Tensor, plan: Plan, maxima: Optional[Tens
         starts = ops.concat([tables.first_start, ops.searchsorted(keys, tables.segment_bounds)])
         picks = ops.add(ops.repeat_each(starts, tables.ks, plan.total), picks)
     return ops.sort(ops.gather(ops.gather(positions, kept), ops.gather(ranked, picks)))[0]
+
+
+def _block_entries(ops: TensorOps, x: Tensor, blocks: Tensor, block: int,
+                   tables: Tables) -> Tuple[Tensor, Tensor, Tensor]:
+    """(the entries of ``x``'s chosen ``blocks``, their positions, whether each lies in its
+    segment)."""
+    values = ops.gather_blocks(x, blocks, block)
+    # ``blocks`` is not read again: scaled in place to its first entries.
+    positions = ops.add(ops.repeat_blocks(ops.scale(blocks, block), block, ops.numel(values)), tables.slot_offset)
+    return values, positions, ops.greater_equal(tables.slot_last, positions)
+
+
+def block_keys(ops: TensorOps, x: Tensor, blocks: Tensor, block: int, tables: Tables) -> Tuple[Tensor, Tensor]:
+    """(the positions of ``x``'s chosen ``blocks``' entries, their sort keys: a segment's
+    together, its largest first, entries past its end last)."""
+    found = ops.block_keys(x, blocks, block, tables.slot_offset, tables.slot_last, tables.slot_base)
+    if found is not None:
+        return found
+    values, positions, real = _block_entries(ops, x, blocks, block, tables)
+    return positions, _keys(ops, values, tables.slot_base, real)
 
 
 def candidate_target(k: int) -> float:

@@ -505,6 +505,17 @@ class TensorOps(ABC):
         or it does not take these tensors: the composition then runs."""
         return None
 
+    def block_keys(self, x: Tensor, blocks: Tensor, block: int, slot_offset: Tensor, slot_last: Tensor,
+                   slot_base: Tensor) -> Optional[Tuple[Tensor, Tensor]]:
+        """A kernel's positions and sort keys of the entries of ``x``'s chosen blocks
+        (``blocks``, int64 block numbers of ``block`` entries): slot s holds position
+        ``blocks[s // block] * block + slot_offset[s]``, its key :meth:`magnitude_keys` of
+        ``x`` there with base ``slot_base[s]``, real where the position is at most
+        ``slot_last[s]``, as ``bucket.block_keys``' composition computes them. None where
+        the adapter has no such kernel or it does not take these tensors: the composition
+        then runs."""
+        return None
+
     def gaussian_thresholds(self, magnitudes: Tensor, starts: Tensor, counts: Tensor, thresholds: Tensor,
                             low: Tensor, high: Tensor, fewest: Tensor, whole: Tensor,
                             adjustments: int) -> Optional[Tensor]:

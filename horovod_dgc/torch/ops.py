@@ -503,6 +503,16 @@ class TorchOps(TensorOps):
             return None
         return triton_selection.magnitude_keys(x, base, real)
 
+    def block_keys(self, x: torch.Tensor, blocks: torch.Tensor, block: int, slot_offset: torch.Tensor,
+                   slot_last: torch.Tensor, slot_base: torch.Tensor) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+        tables = (slot_offset, slot_last, slot_base)
+        if (self._kernels(x) or not x.is_floating_point() or x.dtype == torch.float64
+                or any(t.dtype != torch.int64 for t in (blocks, *tables))
+                or slot_offset.numel() != blocks.numel() * block
+                or not triton_memory.launchable(x, blocks, *tables)):
+            return None
+        return triton_selection.block_keys(x, blocks, block, *tables)
+
     def gaussian_thresholds(self, magnitudes: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
                             thresholds: torch.Tensor, low: torch.Tensor, high: torch.Tensor, fewest: torch.Tensor,
                             whole: torch.Tensor, adjustments: int) -> Optional[torch.Tensor]:

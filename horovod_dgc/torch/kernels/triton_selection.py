@@ -9,11 +9,15 @@ as many times as the composition would, and writes the final threshold: one laun
 of them (``TensorOps.gaussian_thresholds``). The sort keys that order a bucket's entries
 (or blocks) segment by segment, largest magnitude first (``bucket._keys``), take seven
 elementwise kernels as a composition (the magnitude, its float32 bits widened, the segment's
-base, padding) and one here (``TensorOps.magnitude_keys``). Used for tensors that
+base, padding) and one here (``TensorOps.magnitude_keys``); where they are those of a
+bucket's chosen blocks, the positions of the blocks' entries come with them
+(``TensorOps.block_keys``: one kernel where the composition took thirteen). Used for tensors that
 ``triton_memory.launchable`` accepts; ``tests/test_triton_selection.py`` checks both against
 loops written in the test.
 """
 from __future__ import annotations
+
+from typing import Tuple
 
 import torch
 
@@ -61,17 +65,36 @@ if triton is not None:
         tl.store(out + s, tl.where(tl.load(whole + s) != 0, 0.0, final))
 
     @triton.jit
+    def _key_bits(x, i, mask, BFLOAT16: tl.constexpr):
+        """One more than the int64 widening of ``|x[i]|``'s float32 bits (0 where not ``mask``)."""
+        if BFLOAT16:  # widened by hand: Triton's interpreter rounds bfloat16's subnormals
+            bits = tl.load(x.to(tl.pointer_type(tl.uint16)) + i, mask=mask, other=0).to(tl.int32) << 16
+        else:
+            bits = tl.load(x + i, mask=mask, other=0.0).to(tl.float32).to(tl.int32, bitcast=True)
+        return tl.where(mask, (bits & 0x7FFFFFFF).to(tl.int64) + 1, 0)  # the sign bit cleared: the magnitude
+
+    @triton.jit
     def _magnitude_keys(x, base, real, keys, n, REAL: tl.constexpr, BFLOAT16: tl.constexpr, BLOCK: tl.constexpr):
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
         inside = i < n
-        if BFLOAT16:  # widened by hand: Triton's interpreter rounds bfloat16's subnormals
-            bits = tl.load(x.to(tl.pointer_type(tl.uint16)) + i, mask=inside, other=0).to(tl.int32) << 16
-        else:
-            bits = tl.load(x + i, mask=inside, other=0.0).to(tl.float32).to(tl.int32, bitcast=True)
-        bits = (bits & 0x7FFFFFFF).to(tl.int64) + 1  # the magnitude's bits: the sign bit cleared
         if REAL:
-            bits = tl.where(tl.load(real + i, mask=inside, other=0) != 0, bits, 0)
+            inside_and_real = inside & (tl.load(real + i, mask=inside, other=0) != 0)
+        else:
+            inside_and_real = inside
+        bits = _key_bits(x, i, inside_and_real, BFLOAT16)
         tl.store(keys + i, tl.load(base + i, mask=inside, other=0) - bits, mask=inside)
+
+    @triton.jit
+    def _block_keys(x, blocks, slot_offset, slot_last, slot_base, positions, keys, n_slots, block,
+                    BFLOAT16: tl.constexpr, BLOCK: tl.constexpr):
+        s = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        inside = s < n_slots
+        position = (tl.load(blocks + s // block, mask=inside, other=0) * block
+                    + tl.load(slot_offset + s, mask=inside, other=0))
+        real = inside & (tl.load(slot_last + s, mask=inside, other=-1) >= position)
+        bits = _key_bits(x, position, real, BFLOAT16)
+        tl.store(positions + s, position, mask=inside)
+        tl.store(keys + s, tl.load(slot_base + s, mask=inside, other=0) - bits, mask=inside)
 
 
 def gaussian_thresholds(magnitudes: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
@@ -96,3 +119,16 @@ def magnitude_keys(x: torch.Tensor, base: torch.Tensor, real: "torch.Tensor | bo
                                                          BFLOAT16=x.dtype == torch.bfloat16,
                                                          BLOCK=ENTRIES_PER_PROGRAM)
     return keys
+
+
+def block_keys(x: torch.Tensor, blocks: torch.Tensor, block: int, slot_offset: torch.Tensor,
+               slot_last: torch.Tensor, slot_base: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``TensorOps.block_keys``: one launch."""
+    n = slot_offset.numel()
+    positions = torch.empty(n, dtype=torch.int64, device=x.device)
+    keys = torch.empty(n, dtype=torch.int64, device=x.device)
+    if n:
+        _block_keys[(-(-n // ENTRIES_PER_PROGRAM),)](x, blocks, slot_offset, slot_last, slot_base, positions, keys, n,
+                                                     block, BFLOAT16=x.dtype == torch.bfloat16,
+                                                     BLOCK=ENTRIES_PER_PROGRAM)
+    return positions, keys
