@@ -315,6 +315,22 @@ def test_a_spoiled_message_decodes_as_zeros_and_the_composition_names_it(spoiled
 
 
 @runs_here
+def test_a_spoiled_messages_flags_word_is_not_passed_on():
+    """A flags word from a message that fails its checks is no sender's word: it decodes as 0
+    (the deferred check then raises, as above), the other messages' words as sent."""
+    layouts = [layout_of(*LAYOUTS[0]), layout_of(64, 1, "float16", name="b")]
+
+    def spoil(sender, t, encoded):  # rank 1's second message, flagged not finite, of another step
+        return encoded[:40] + struct.pack("=i", STEP + 1) + encoded[44:] if (sender, t) == (1, 1) else encoded
+
+    data, want = allgather(layouts, 2, random.Random(6), spoil)
+    got = triton_messages.decode_messages(data, layouts, tuple(range(2)), STEP)
+    sent = [flags for _, _, flags in want]
+    assert sent[3] == wire.FLAG_NONFINITE and not bool(got.fine)
+    assert got.flags.cpu().tolist() == sent[:3] + [0]
+
+
+@runs_here
 def test_a_raw_position_outside_the_tensor_is_refused_past_the_count_too(monkeypatch):
     layouts = [layout_of(64, 1, "float16", name="b")]
 

@@ -404,6 +404,11 @@ class TensorOps(ABC):
         return self.concat([self.sign_decode(packed, scales, block, n, dtype)
                             for packed, scales, block, n in messages])
 
+    def differences(self, x: Tensor) -> Tensor:
+        """``x[i + 1] - x[i]`` for every i: one entry fewer than ``x``."""
+        n = self.numel(x) - 1
+        return self.add(self.slice(x, 1, n), self.slice(x, 0, n), 1, -1)
+
     @abstractmethod
     def nonzero(self, mask: Tensor) -> Tensor:
         """Positions (int64) where the boolean ``mask`` is true, ascending."""

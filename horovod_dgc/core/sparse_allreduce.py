@@ -417,7 +417,7 @@ def _fitted(ops: TensorOps, x: Tensor, positions: Tensor, count: Scalar,
     whose largest ``|x|`` then go (the rest stay in the worker's memory, as per tensor)."""
     tables = regions.tables(ops, x)
     starts = ops.searchsorted(positions, regions.bounds)
-    counts = ops.add(ops.slice(starts, 1, regions.groups), ops.slice(starts, 0, regions.groups), 1, -1)
+    counts = ops.differences(starts)
     groups = ops.repeat_each(tables.group_ids, counts, count)
 
     def largest() -> Tuple[Tensor, Tensor]:

@@ -473,11 +473,12 @@ class TorchOps(TensorOps):
 
     def _checked_flags(self, decoded: triton_messages.Decoded, data: torch.Tensor, layouts: Sequence[Any],
                        senders: Tuple[int, ...], step: int) -> torch.Tensor:
-        """The flags of ``decoded`` once its checks pass (deferred where checks are): a failed
-        one raises the composition's error, naming the rank, the tensor and the field."""
-        return self.verify(decoded.fine, [data, step],
-                           functools.partial(triton_messages.explain, type(self), tuple(layouts), senders),
-                           decoded.flags)
+        """The flags of ``decoded`` once its checks pass (deferred where checks are: the kernel
+        leaves nothing of a failed message, its flags word included): a failed one raises the
+        composition's error, naming the rank, the tensor and the field."""
+        self._deferred(decoded.fine, [data, step],
+                       functools.partial(triton_messages.explain, type(self), tuple(layouts), senders))
+        return decoded.flags
 
     def decode_sums(self, data: torch.Tensor, layouts: Sequence[Any], world_size: int, step: Any,
                     outs: Sequence[torch.Tensor], scale: float) -> Optional[torch.Tensor]:
@@ -650,6 +651,9 @@ class TorchOps(TensorOps):
     def equal(self, a: Scalar, b: Scalar) -> Any:
         return a == b
 
+    def differences(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.diff(x)
+
     def all_within(self, x: torch.Tensor, low: Any, high: Any) -> torch.Tensor:
         if isinstance(low, (int, float)) and isinstance(high, (int, float)) and low == high:
             return (x == low).all()
@@ -661,15 +665,21 @@ class TorchOps(TensorOps):
 
     def verify(self, pred: Scalar, inputs: Sequence[Any], explain: Callable[..., None],
                result: torch.Tensor) -> torch.Tensor:
-        if isinstance(pred, torch.Tensor) and self.defers_checks(pred):
-            # Checked with the step's other checks at settle_checks(), in one read. Until then
-            # the work goes on with zeros in place of a result that failed (no index from a
-            # bad message reaches a scatter).
-            self._pending.append((pred, inputs, explain))
+        if self._deferred(pred, inputs, explain):
+            # Until then the work goes on with zeros in place of a result that failed (no
+            # index from a bad message reaches a scatter).
             return torch.where(pred, result, torch.zeros_like(result))
+        return result
+
+    def _deferred(self, pred: Scalar, inputs: Sequence[Any], explain: Callable[..., None]) -> bool:
+        """Whether the check ``pred`` waits for settle_checks(), to be read with the step's
+        other checks at once; if not, it is made now (and raises if it failed)."""
+        if isinstance(pred, torch.Tensor) and self.defers_checks(pred):
+            self._pending.append((pred, inputs, explain))
+            return True
         if not bool(pred):
             _explain(inputs, explain)
-        return result
+        return False
 
     def settle_checks(self, *flags: Any) -> List[bool]:
         """Every check :meth:`verify` deferred (:meth:`defers_checks`), and ``flags``

@@ -13,7 +13,8 @@ each part. Here:
 * :func:`decode_messages` takes one program per message: it checks the header against
   ``wire.header_table``'s bounds and the step, decodes the positions (checking them against
   the count and the tensor's size as the codings' ``decode_rows`` do) and the values, 0
-  past the count (and everywhere in a message that fails a check), scaled for the sum.
+  past the count (and everywhere in a message that fails a check, its flags word
+  included), scaled for the sum.
 
 What the kernels refuse is left to the caller's composition; what fails a check is
 explained by running the composition on the host copy of the data (:func:`explain`), which
@@ -162,7 +163,6 @@ if triton is not None:
         header_wrong = tl.sum((word_inside & ~fits).to(tl.int32), 0)
         flag = tl.sum(tl.where(w == FLAGS_AT, words, 0), 0)
         count = tl.where(header_wrong == 0, tl.sum(tl.where(w == COUNT_AT, words, 0), 0).to(tl.int64), 0)
-        tl.store(flags + m, flag)
         tl.store(counts + m, count.to(tl.int32))
         wrong = header_wrong
         # The positions: each coding's slots, 0 past the count.
@@ -238,6 +238,7 @@ if triton is not None:
                 tl.store(out + slot, tl.zeros([STEP], dtype=tl.int64), mask=slot < capacity)
                 tl.store(out_values + slot, tl.zeros([STEP], dtype=tl.float32), mask=slot < capacity)
                 start += STEP
+        tl.store(flags + m, tl.where(wrong == 0, flag, 0))
         tl.store(bad + m, wrong)
 
 
@@ -400,7 +401,7 @@ class Decoded:
 
     positions: List[torch.Tensor]  # per layout: every sender's capacity slots, sender after sender
     values: List[torch.Tensor]  # the same slots' values times the scale, float32 (0 for positions only)
-    flags: torch.Tensor  # int32 flags word of each message, in the order received
+    flags: torch.Tensor  # int32 flags word of each message, in the order received (0 for one that fails a check)
     counts: torch.Tensor  # int32 count word of each message (0 for a header that fails its check)
     fine: torch.Tensor  # 0-d bool: whether every message passed every check
 
