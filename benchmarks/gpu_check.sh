@@ -50,7 +50,8 @@ EOF
 TESTS=${TESTS:-tests/test_core_references.py tests/test_core_selection.py tests/test_core_methods.py
     tests/test_codecs.py tests/test_core_twostage.py tests/test_core_sparse_allreduce.py
     tests/test_core_warmup.py tests/test_bad_input.py tests/test_device_torch.py tests/test_triton_memory.py
-    tests/test_triton_bits.py tests/test_triton_messages.py tests/test_triton_selection.py tests/test_ddp_torch.py}
+    tests/test_triton_bits.py tests/test_triton_messages.py tests/test_triton_selection.py tests/test_triton_signs.py
+    tests/test_ddp_torch.py}
 # shellcheck disable=SC2086
 part tests 300 "$PYTHON" -m pytest -q -p no:cacheprovider -rfEs -k "cuda or device_torch or triton or transport" $TESTS
 part compress 120 "$PYTHON" -m benchmarks.compress --device cuda --json "$OUT/compress.json"

@@ -12,7 +12,7 @@ import torch
 
 from ..core.ops import BlockBounds, Bound, Candidates, Pieces, Scalar, TensorOps, buffer_of
 from . import kernels
-from .kernels import triton_bits, triton_memory, triton_messages, triton_selection
+from .kernels import triton_bits, triton_memory, triton_messages, triton_selection, triton_signs
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "float64": torch.float64, "int32": torch.int32, "int64": torch.int64,
@@ -59,6 +59,16 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     for the GPU: from pageable memory the driver stages the bytes before it returns, so
     ``host`` may be freed at once; a plain copy would wait for the GPU to finish its queue."""
     return host.to(device, non_blocking=True)
+
+
+# Bounds a process keeps on their devices: a few per bucket and tensor, for large models.
+BOUNDS_KEPT = 4096
+
+
+@functools.lru_cache(maxsize=BOUNDS_KEPT)
+def _bounds(bounds: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``bounds`` on ``device``, made once: a bucket's bounds are the same at every step."""
+    return _to_device(torch.tensor(bounds, dtype=dtype, device=_HOST), device)
 
 
 def _explain(inputs: Sequence[Any], explain: Callable[..., None]) -> None:
@@ -365,6 +375,8 @@ class TorchOps(TensorOps):
                       length: int) -> Tuple[torch.Tensor, torch.Tensor]:
         if self._kernels(x) and kernels.supports_signs(x, scales):
             return kernels.sign_pack(x, scales, block, length)
+        if not self._kernels(x) and triton_signs.takes(x, scales) and length % 8 == 0 and length >= x.numel():
+            return triton_signs.sign_compress(x, scales, block, length)
         return super().sign_compress(x, scales, block, length)
 
     def sign_decode(self, packed: torch.Tensor, scales: torch.Tensor, block: int, n: int, dtype: str,
@@ -372,6 +384,11 @@ class TorchOps(TensorOps):
         if dtype == "float32" and self._kernels(scales) and kernels.supports_signs(
                 scales, *([] if add_to is None else [add_to])):
             return kernels.sign_decode(packed, scales, block, n, add_to)
+        adds = [] if add_to is None else [add_to]
+        if (dtype == "float32" and not self._kernels(scales) and packed.dtype == torch.uint8
+                and packed.numel() * 8 >= n and all(t.numel() == n for t in adds)
+                and triton_signs.takes(scales, *adds) and triton_memory.launchable(packed, scales)):
+            return triton_signs.sign_decode(packed, scales, block, n, add_to)
         return super().sign_decode(packed, scales, block, n, dtype, add_to)
 
     def sign_decode_all(self, messages: Sequence[Tuple[torch.Tensor, torch.Tensor, int, int]],
@@ -391,8 +408,7 @@ class TorchOps(TensorOps):
         return torch.nonzero(mask).reshape(-1)
 
     def searchsorted(self, ascending: torch.Tensor, bounds: Sequence[int]) -> torch.Tensor:
-        return torch.searchsorted(ascending, _to_device(
-            torch.tensor(bounds, dtype=ascending.dtype, device=_HOST), ascending.device))
+        return torch.searchsorted(ascending, _bounds(tuple(bounds), ascending.dtype, ascending.device))
 
     def greater_equal(self, x: torch.Tensor, threshold: Scalar) -> torch.Tensor:
         return x >= threshold
