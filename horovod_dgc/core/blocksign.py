@@ -391,12 +391,11 @@ class BlockSign(TwoStageMethod):
         packed, residual = ops.sign_compress(p, scales, block, world * shard)
         layout = self.layout(call.name, n, world)
         per_shard = layout.parts[1][1]
-        messages = []
+        messages, word = [], flag(ops, finite)
         for j in range(world):
             # One block per tensor: every shard carries the one scale.
             shard_scales = ops.slice(scales, 0 if self.config.block_size is None else j * per_shard, per_shard)
-            header = layout.header(call.rank, call.step, shard_entries(n, shard, j), flag(ops, finite),
-                                   call.traced_id)
+            header = layout.header(call.rank, call.step, shard_entries(n, shard, j), word, call.traced_id)
             messages.append(wire.encode_parts(ops, layout, header,
                                               [ops.slice(packed, j * shard // 8, shard // 8), shard_scales]))
         handover = StageHandover(call, n, ops.dtype(grad), {"layout": layout, "shard": shard})
@@ -435,7 +434,8 @@ class BlockSign(TwoStageMethod):
                                              call.bucket.numel)
         signs, sent_scales = ops.gather(packed, tables.send_bytes), ops.gather(scales, tables.send_scales)
         nbytes, blocks = shards.owner.numel // BYTE, shards.owner_blocks
-        messages = [wire.encode_parts(ops, layout, layout.header(call.rank, call.step, count, flag(ops, finite)),
+        word = flag(ops, finite)
+        messages = [wire.encode_parts(ops, layout, layout.header(call.rank, call.step, count, word),
                                       [ops.slice(signs, j * nbytes, nbytes), ops.slice(sent_scales, j * blocks, blocks)])
                     for j, count in enumerate(shards.sent_counts)]
         handover = StageHandover(call.as_call(), call.bucket.numel, ops.dtype(grad),
