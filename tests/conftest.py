@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from horovod_dgc.core.collectives import emulate
+from horovod_dgc.torch.kernels import triton_memory
 from horovod_dgc.torch.ops import TorchOps
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,6 +118,12 @@ def exchange(engine, grad: torch.Tensor) -> torch.Tensor:
 
 # Two names of this machine that Horovod takes for two hosts (both are local, so no SSH).
 TWO_HOSTS = ("localhost", "127.0.0.1")
+
+
+# Where the Triton kernel tests run: CPU tensors under Triton's interpreter, else CUDA ones.
+TRITON_DEVICE = "cpu" if triton_memory.INTERPRETED else "cuda"
+runs_on_the_triton_device = pytest.mark.skipif(TRITON_DEVICE == "cuda" and not torch.cuda.is_available(),
+                                               reason="no CUDA device (the interpreted run covers the CPU)")
 
 
 def check_under_the_triton_interpreter(test_file: str) -> None:

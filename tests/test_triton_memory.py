@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from conftest import check_under_the_triton_interpreter
+from conftest import TRITON_DEVICE, check_under_the_triton_interpreter, runs_on_the_triton_device
 
 pytest.importorskip("triton")
 
@@ -18,9 +18,7 @@ from horovod_dgc.torch.kernels import triton_memory  # noqa: E402
 from horovod_dgc.torch.ops import TorchOps  # noqa: E402
 
 # In a process started with TRITON_INTERPRET=1 (see the last test) the kernel runs on CPU tensors.
-DEVICE = "cpu" if triton_memory.INTERPRETED else "cuda"
-runs_here = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
-                               reason="no CUDA device (the interpreted run covers the CPU)")
+DEVICE, runs_here = TRITON_DEVICE, runs_on_the_triton_device
 
 
 def reference(grad, scale, velocity, block, momentum=None, m=0.0, nesterov=False):

@@ -13,7 +13,7 @@ import struct
 
 import pytest
 import torch
-from conftest import check_under_the_triton_interpreter
+from conftest import TRITON_DEVICE, check_under_the_triton_interpreter, runs_on_the_triton_device
 
 pytest.importorskip("triton")
 
@@ -22,9 +22,7 @@ from horovod_dgc.core.wire import MessageError, MessageLayout  # noqa: E402
 from horovod_dgc.torch.kernels import triton_memory, triton_messages  # noqa: E402
 from horovod_dgc.torch.ops import TorchOps  # noqa: E402
 
-DEVICE = "cpu" if triton_memory.INTERPRETED else "cuda"
-runs_here = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(),
-                               reason="no CUDA device (the interpreted run covers the CPU)")
+DEVICE, runs_here = TRITON_DEVICE, runs_on_the_triton_device
 STEP = 7
 
 
