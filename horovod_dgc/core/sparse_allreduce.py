@@ -88,11 +88,10 @@ class BucketRegions:
             positions below each gives every group's start.
         group_capacity: each group's ``C_in``: its tensor's, or the group's size if smaller
             (0 for a region past the tensor's end).
-        group_shift: per group, what a bucket position in it is shifted by to its sort key:
-            its owner position (``owner offset_s - offset_s - j R_s`` on) plus
-            ``j * owner.numel``, so that sorting lays the positions out destination by
-            destination, and destination j's keys less ``j * owner.numel`` are its owner
-            positions.
+        group_shift: per group, what takes a bucket position in it to its sort key,
+            ``owner offset_s - offset_s - j R_s + j * owner.numel`` (its owner position plus
+            ``j * owner.numel``): sorting lays the positions out destination by destination,
+            and destination j's keys less ``j * owner.numel`` are its owner positions.
         to_owners: the message to each destination: its groups' capacities.
         forward_plan: the owner's selection, each tensor's ``min(C_out, R_s)`` largest.
         forward: an owner's message.
@@ -127,7 +126,7 @@ class BucketRegions:
 @dataclass(frozen=True)
 class RegionTables:
     """The constant tensors of :class:`BucketRegions` on a device: each group's capacity,
-    shift, order and largeness, and per sending owner r the bucket position of each of its
+    shift and largeness, and per sending owner r the bucket position of each of its
     forwarded entries less its owner position (``sender_shifts``, rank after rank), capped at
     its tensor's last entry (``last_entries``, rank after rank)."""
 
