@@ -536,7 +536,7 @@ def decode_received(ops: TensorOps, data: Tensor, expected: Sequence[Expected], 
     header checked (:func:`receive`), every message decoded, its positions checked
     (:func:`checked_positions`): by the adapter's kernel (``TensorOps.decode_received``)
     where it takes them, else :func:`decode_composed`. ``traced_id``: as :func:`receive`'s."""
-    decoded = None if traced_id is not None else ops.decode_received(data, expected, step, dtypes)
+    decoded = _by_kernel(ops, data, expected, step, dtypes, traced_id)
     if decoded is None:
         return decode_composed(ops, data, expected, step, dtypes, receiver, traced_id)
     flags, positions, values, counts = decoded
@@ -555,11 +555,18 @@ def decode_end_to_end(ops: TensorOps, data: Tensor, expected: Sequence[Expected]
     """(each message's flags word; every message's ``capacity`` positions and values as
     ``dtype``, 0 past its count, message after message) of ``data``: :func:`decode_received`
     of messages with values, for a caller that sums them all at once."""
-    decoded = None if traced_id is not None else ops.decode_received(data, expected, step, [dtype] * len(expected))
+    decoded = _by_kernel(ops, data, expected, step, [dtype] * len(expected), traced_id)
     if decoded is not None:
         return decoded[:3]
     flags, messages = decode_composed(ops, data, expected, step, [dtype] * len(expected), receiver, traced_id)
     return flags, ops.concat([positions for positions, _, _ in messages]), ops.concat([v for _, v, _ in messages])
+
+
+def _by_kernel(ops: TensorOps, data: Tensor, expected: Sequence[Expected], step: Any, dtypes: Sequence[str],
+               traced_id: Any) -> Optional[Tuple[Tensor, Tensor, Optional[Tensor], Tensor]]:
+    """``TensorOps.decode_received`` of these messages, unless their tensor id word is given
+    at run time (the kernel checks each layout's own)."""
+    return None if traced_id is not None else ops.decode_received(data, expected, step, dtypes)
 
 
 def decode_composed(ops: TensorOps, data: Tensor, expected: Sequence[Expected], step: Any,

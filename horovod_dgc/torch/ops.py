@@ -375,7 +375,7 @@ class TorchOps(TensorOps):
                       length: int) -> Tuple[torch.Tensor, torch.Tensor]:
         if self._kernels(x) and kernels.supports_signs(x, scales):
             return kernels.sign_pack(x, scales, block, length)
-        if not self._kernels(x) and triton_signs.takes(x, scales) and length % 8 == 0 and length >= x.numel():
+        if not self._kernels(x) and triton_signs.compresses(x, scales, length):
             return triton_signs.sign_compress(x, scales, block, length)
         return super().sign_compress(x, scales, block, length)
 
@@ -384,10 +384,7 @@ class TorchOps(TensorOps):
         if dtype == "float32" and self._kernels(scales) and kernels.supports_signs(
                 scales, *([] if add_to is None else [add_to])):
             return kernels.sign_decode(packed, scales, block, n, add_to)
-        adds = [] if add_to is None else [add_to]
-        if (dtype == "float32" and not self._kernels(scales) and packed.dtype == torch.uint8
-                and packed.numel() * 8 >= n and all(t.numel() == n for t in adds)
-                and triton_signs.takes(scales, *adds) and triton_memory.launchable(packed, scales)):
+        if dtype == "float32" and not self._kernels(scales) and triton_signs.decodes(packed, scales, n, add_to):
             return triton_signs.sign_decode(packed, scales, block, n, add_to)
         return super().sign_decode(packed, scales, block, n, dtype, add_to)
 

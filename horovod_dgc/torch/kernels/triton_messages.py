@@ -346,7 +346,9 @@ def _launch(layout: wire.MessageLayout, header: Sequence[Any], message: torch.Te
         count, layout.capacity, low_bits, index_at, index_bytes, n_index, upper_at, upper_bits, n_marks, value_at,
         message_at, j, base,
         INDEX=index_kind, VALUE=VALUE_KINDS[layout.value_format], TENSOR_WORD=tensor_word, RUN=run is not None,
-        COUNT_AT=wire.header_table((layout,), (0,)).count_at, FLOAT16_MAX=codecs.FORMAT_MAX["float16"],
+        # Only a run's count word is written here (its header table, made once per layout).
+        COUNT_AT=wire.header_table((layout,), (0,)).count_at if run is not None else -1,
+        FLOAT16_MAX=codecs.FORMAT_MAX["float16"],
         BLOCK=ENTRIES_PER_PROGRAM)
 
 

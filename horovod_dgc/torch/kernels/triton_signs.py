@@ -53,14 +53,25 @@ if triton is not None:
         tl.store(out + i, value, mask=inside)
 
 
-def takes(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels take these buffers and scales: float32, and tensors Triton may
-    take."""
-    return all(t.dtype == torch.float32 for t in tensors) and launchable(*tensors)
+def compresses(x: torch.Tensor, scales: torch.Tensor, length: int) -> bool:
+    """Whether :func:`sign_compress` takes these: float32 ``x`` and ``scales``, ``length`` a
+    multiple of 8 that holds ``x``, and tensors Triton may take."""
+    return (length % 8 == 0 and length >= x.numel() and x.dtype == scales.dtype == torch.float32
+            and launchable(x, scales))
+
+
+def decodes(packed: torch.Tensor, scales: torch.Tensor, n: int, add_to: Optional[torch.Tensor]) -> bool:
+    """Whether :func:`sign_decode` takes these: bytes holding ``n`` signs, float32 ``scales``
+    (and ``add_to`` of ``n`` entries, where given), and tensors Triton may take."""
+    adds = [] if add_to is None else [add_to]
+    return (packed.dtype == torch.uint8 and packed.numel() * 8 >= n
+            and all(t.dtype == torch.float32 for t in [scales, *adds]) and all(t.numel() == n for t in adds)
+            and launchable(packed, scales, *adds))
 
 
 def sign_compress(x: torch.Tensor, scales: torch.Tensor, block: int, length: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``TensorOps.sign_compress`` (the residual written over ``x``): one launch."""
+    """``TensorOps.sign_compress`` (the residual written over ``x``; what :func:`compresses`
+    accepts): one launch."""
     n_bytes = length // 8
     packed = torch.empty(n_bytes, dtype=torch.uint8, device=x.device)
     if n_bytes:
@@ -71,7 +82,8 @@ def sign_compress(x: torch.Tensor, scales: torch.Tensor, block: int, length: int
 
 def sign_decode(packed: torch.Tensor, scales: torch.Tensor, block: int, n: int,
                 add_to: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``TensorOps.sign_decode`` in float32 (written over ``add_to`` where given): one launch."""
+    """``TensorOps.sign_decode`` in float32 (written over ``add_to`` where given; what
+    :func:`decodes` accepts): one launch."""
     out = add_to if add_to is not None else torch.empty(n, dtype=torch.float32, device=scales.device)
     if n:
         _sign_decode[(-(-n // ENTRIES_PER_PROGRAM),)](packed, scales, out, out, n, block, ADD=add_to is not None,
