@@ -20,7 +20,7 @@ from horovod_dgc.core.method import CompressCall
 from horovod_dgc.core.ops import TensorOps
 from horovod_dgc.core.selection import top_count
 from horovod_dgc.core.wire import (COUNT_WORD, HEADER_BYTES, HEADER_FIELDS, HEADER_WORDS, MessageLayout,
-                                   PartsLayout, encode_parts)
+                                   PartsLayout, encode_parts, encode_set, part_at, receive, set_table)
 from horovod_dgc.torch.ops import TorchOps
 
 from conftest import randn
@@ -389,6 +389,61 @@ def test_a_part_of_another_dtype_than_its_layout_is_refused_naming_the_tensor():
     assert message.numel() == layout.nbytes
 
 
+@pytest.mark.parametrize("sizes", [(3, 1), (16, 5), (9, 0)])
+def test_a_message_set_is_each_message_built_byte_by_byte(sizes):
+    """encode_set's one gather against messages written here with struct: each header, then
+    each part's picked entries and zeros up to its 8-byte room. The flags word is a tensor, as
+    a sender's non-finite flag is. Catches a part read from the wrong source or at a wrong
+    offset (a source's size, the zero words after the headers), a float's bytes taken one
+    entry apart, padding read from a source instead of the zero words, and a message's part
+    found at the wrong place by part_at."""
+    n_signs, n_scales = sizes
+    layout = PartsLayout(name="layer.weight", method_id=5, numel=8 * n_signs, capacity=8 * n_signs,
+                         part_list=(("uint8", n_signs), ("float32", n_scales)))
+    rng = random.Random(f"set-{sizes}")
+    signs = torch.tensor([rng.randrange(256) for _ in range(2 * n_signs + 3)], dtype=torch.uint8)
+    scales = torch.tensor([rng.uniform(-2, 2) for _ in range(n_scales + 2)])
+    picks = [[rng.sample(range(signs.numel()), n_signs), rng.sample(range(scales.numel()), n)]
+             for n in (n_scales, max(0, n_scales - 1), 0)]
+    flags = torch.tensor(1)
+    headers = [layout.header(3, 7, m + 1, flags) for m in range(len(picks))]
+    table = torch.tensor(set_table(layout, picks, [signs.numel(), scales.numel()]))
+    got = bytes(encode_set(ops, layout, headers, [signs, scales], table).tolist())
+    expected = b""
+    for m, (sign_picks, scale_picks) in enumerate(picks):
+        words = [int(w) for w in headers[m]]
+        part_signs = bytes(int(signs[i]) for i in sign_picks)
+        part_scales = b"".join(struct.pack("=f", float(scales[i])) for i in scale_picks)
+        message = struct.pack(f"={HEADER_WORDS}i", *words)
+        for part, room in ((part_signs, -(-n_signs // 8) * 8), (part_scales, -(-4 * n_scales // 8) * 8)):
+            message += part + bytes(room - len(part))
+        assert len(message) == layout.nbytes
+        assert got[part_at(layout, m, 0):part_at(layout, m, 0) + n_signs] == part_signs
+        assert got[part_at(layout, m, 1):part_at(layout, m, 1) + len(part_scales)] == part_scales
+        expected += message
+    assert got == expected
+    with pytest.raises(TypeError, match=r"'layer.weight': a float64 part where the layout holds float32"):
+        encode_set(ops, layout, headers, [signs, scales.double()], table)
+
+
+def test_a_received_set_hands_on_its_checked_bytes_flags_and_counts():
+    """receive of messages of one layout (the headers read as rows of the data) against the
+    words written: flags and counts message after message, the parts of each, and a wrong
+    step named with its sender. Catches headers read at another message's offset and the
+    flags or count word taken from another field."""
+    layout = PartsLayout(name="w", method_id=5, numel=64, capacity=64, part_list=(("uint8", 8), ("float32", 1)))
+    messages = [encode_parts(ops, layout, layout.header(r, 4, 10 * r, r % 2), [torch.full((8,), r, dtype=torch.uint8),
+                                                                              torch.tensor([r + 0.5])])
+                for r in range(3)]
+    data = torch.cat(messages)
+    received = receive(ops, data, [(layout, r) for r in range(3)], 4)
+    assert received.flags.tolist() == [0, 1, 0] and received.counts.tolist() == [0, 10, 20]
+    assert torch.equal(received.data, data)
+    assert [(p.tolist(), s.tolist()) for p, s in received.parts(ops)] == [([r] * 8, [r + 0.5]) for r in range(3)]
+    with pytest.raises(MessageError, match=r"rank 0 sent a malformed message for tensor 'w': step is 4, expected 5"):
+        receive(ops, data, [(layout, r) for r in range(3)], 5)
+
+
 @pytest.mark.parametrize("rows, row_bits, capacity", [(1, 40, 8), (3, 17, 5), (4, 64, 64), (2, 9, 1)])
 def test_row_set_bits_against_a_loop_over_each_row(rows, row_bits, capacity):
     """Catches a rank counted across rows (a row's start not subtracted), a row boundary off
@@ -425,6 +480,16 @@ def test_where_with_zero_keeps_integers_where_true_and_floats_as_where_does():
     assert ops.where(pred, ints, 0).dtype == torch.int64
     floats = torch.tensor([1.5, float("nan"), float("inf"), float("nan")])
     assert ops.where(pred, floats, 0).tolist() == [1.5, 0.0, float("inf"), 0.0]
+
+
+def test_a_constant_writes_each_device_word_in_every_place_it_is_given(monkeypatch):
+    """Words left on the device (as on a GPU) are written in place: one tensor given at
+    several places (a flags word in every header of a message set) and another once, against
+    the list read on the host. Catches a tensor written at its first place only."""
+    monkeypatch.setattr(TorchOps, "sizes_cost_a_wait", lambda self, x: True)
+    flag, other = torch.tensor(1), torch.tensor(-7)
+    got = TorchOps().constant([3, flag, 5, flag, other, flag], "int32", like=torch.zeros(1))
+    assert got.dtype == torch.int32 and got.tolist() == [3, 1, 5, 1, -7, 1]
 
 
 def test_bitcast_reads_a_float32_as_its_ieee_bits():

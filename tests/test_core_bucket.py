@@ -363,8 +363,9 @@ def test_a_bfloat16_bucket_keeps_float32_memories_and_sends_a_top_k_of_each_tens
 @pytest.mark.parametrize("method,nan_at", [("dgc", 2), ("gaussiank", 2), ("scalecom", 2), ("scalecom", 1),
                                            ("blocksign", 2)],
                          ids=["dgc", "gaussiank", "scalecom", "scalecom-on-its-leader", "blocksign"])
-def test_a_step_not_finite_on_one_rank_is_dropped_by_every_rank(method, nan_at):
-    """Rank 1's gradient holds a NaN at step ``nan_at`` (ScaleCom's leader at step 1)."""
+def test_a_step_not_finite_on_one_rank_is_dropped_by_every_rank(method, nan_at, choices):
+    """Rank 1's gradient holds a NaN at step ``nan_at`` (ScaleCom's leader at step 1); its
+    flag, where a GPU leaves it on the device, reaches every destination's header."""
     results, _, bucketed = run_steps(method, world=3, steps=nan_at + 1, nan_at=nan_at)
     _, _, two_steps = run_steps(method, world=3, steps=nan_at)
     for per_avg, bucket_avg in results[nan_at:]:

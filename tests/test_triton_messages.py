@@ -365,6 +365,68 @@ def test_torch_ops_sum_what_the_kernel_decodes_and_refuse_what_it_does_not_take(
     assert ops.decode_sums(data, layouts, senders, torch.tensor(STEP), outs, 0.5) is None
 
 
+def parts_message(layout, sender, count, flags, step=STEP):
+    """A message of packed signs and a scale (blocksign's parts), header by its definition."""
+    words = [wire.MAGIC, layout.method_id, wire.tensor_id(layout.name), layout.numel % 2 ** 31,
+             layout.numel // 2 ** 31, layout.capacity, count, wire.DTYPE_CODES["float32"], wire.DTYPE_CODES["uint8"],
+             sender, step, flags]
+    return struct.pack("=12i", *words) + bytes([sender] * 8) + struct.pack("=f", sender + 0.5) + bytes(4)
+
+
+HEADER_SPOILED = {  # word, value, what the composition says of rank 1's message
+    "magic": (0, 0x1234, r"rank 1 .*'signs'.*magic"),
+    "tensor id": (2, 5, r"rank 1 .*'signs'.*tensor id is 5"),
+    "count past the capacity": (6, 65, r"rank 1 .*count is 65, expected 0 to 64"),
+    "sender rank": (9, 2, r"rank 1 .*sender rank is 2, expected 1"),
+    "step": (10, STEP + 1, r"rank 1 .*step is 8, expected 7"),
+    "flags": (11, 2, r"rank 1 .*flags is 2, expected 0 to 1"),
+}
+
+
+@pytest.mark.parametrize("spoiled", [None, *HEADER_SPOILED])
+@runs_here
+def test_every_header_of_a_message_set_is_checked_in_one_launch(spoiled, monkeypatch):
+    """The header check against headers written here: each message's flags and count, and a
+    header spoiled one word at a time refused (its flags and count 0, the others kept) and
+    named by the composition through wire.receive, as an engine runs it. Catches a bound
+    read from another message's row, the step compared with its bounds (0) instead of the
+    step, the flags or count taken from another word, and a failure not counted."""
+    layout = wire.PartsLayout(name="signs", method_id=5, numel=64, capacity=64,
+                              part_list=(("uint8", 8), ("float32", 1)))
+    sent = [(40, 0), (64, 1), (0, 0)]
+    encoded = [parts_message(layout, r, count, flags) for r, (count, flags) in enumerate(sent)]
+    if spoiled is not None:
+        word, value, error = HEADER_SPOILED[spoiled]
+        encoded[1] = encoded[1][:4 * word] + struct.pack("=i", value) + encoded[1][4 * word + 4:]
+    data = torch.tensor(list(b"".join(encoded)), dtype=torch.uint8, device=DEVICE)
+    flags, counts, fine = triton_messages.check_headers(data, layout, (0, 1, 2), STEP)
+    if spoiled is None:
+        assert bool(fine) and flags.tolist() == [0, 1, 0] and counts.tolist() == [40, 64, 0]
+        return
+    assert not bool(fine) and flags.tolist() == [0, 0, 0] and counts.tolist() == [40, 0, 0]
+    monkeypatch.setattr(TorchOps, "sizes_cost_a_wait", lambda self, x: True)
+    ops = TorchOps()
+    assert triton_messages.checks_headers(data, [(layout, r) for r in range(3)], STEP)
+    with pytest.raises(MessageError, match=error):
+        wire.receive(ops, data, [(layout, r) for r in range(3)], STEP)
+        ops.settle_checks()
+
+
+@runs_here
+def test_the_header_check_refuses_what_it_does_not_take():
+    layout = wire.PartsLayout(name="signs", method_id=5, numel=64, capacity=64,
+                              part_list=(("uint8", 8), ("float32", 1)))
+    other = wire.PartsLayout(name="other", method_id=5, numel=64, capacity=64,
+                             part_list=(("uint8", 8), ("float32", 1)))
+    data = torch.zeros(2 * layout.nbytes, dtype=torch.uint8, device=DEVICE)
+    assert triton_messages.checks_headers(data, [(layout, 0), (layout, 1)], STEP) == triton_memory.launchable(data)
+    for expected, step, size in [([(layout, 0), (other, 1)], STEP, 2 * layout.nbytes),  # two layouts
+                                 ([(layout, 0), (layout, torch.tensor(1))], STEP, 2 * layout.nbytes),  # a traced rank
+                                 ([(layout, 0), (layout, 1)], torch.tensor(STEP), 2 * layout.nbytes),  # step on the device
+                                 ([(layout, 0), (layout, 1)], STEP, 2 * layout.nbytes - 8)]:  # another size
+        assert not triton_messages.checks_headers(data[:size], expected, step)
+
+
 @pytest.mark.skipif(not triton_memory.INTERPRETED, reason="counts the interpreter's launches")
 def test_a_bucket_message_costs_a_few_operations_each_way():
     """What the benchmarks count: the encode is a zeroed message, the decoded values and one

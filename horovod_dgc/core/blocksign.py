@@ -212,29 +212,38 @@ class SignTables:
             zero slot's 0 (in the memories' dtype).
         worker_tail: the bucket's padding that shares a chunk with a tensor's last entry
             (None: none), zeroed after each decode.
-        send_bytes, send_scales: the bytes and the worker scales of each destination's
-            message, destination after destination, in the owner layout.
+        send_frame: the :func:`~.wire.set_table` of every destination's message, destination
+            after destination: its header, the packed bytes and the worker scales of its
+            shards in the owner layout.
         owner_chunk_block, server_inverse, server_tail: as the worker's, for this rank's
             shards (entries past each tensor's end are padding).
-        gather_bytes, gather_scales: per byte of the bucket, where it and its scale lie
-            among the owners' messages concatenated (scales: and a zero slot).
+        received_scales: per sender and chunk of this rank's shards, where the chunk's scale
+            lies among the float32 words of the received messages (or the zero slot after
+            them).
+        return_frame: the :func:`~.wire.set_table` of the message this rank returns.
+        gather_bytes, gather_scales: per byte of the bucket, where it and its scale lie in
+            the owners' messages (bytes; float32 words, or the zero slot after them).
     """
 
     worker_chunk_block: Tensor
     worker_inverse: Tensor
     worker_tail: Optional[Tensor]
-    send_bytes: Tensor
-    send_scales: Tensor
+    send_frame: Tensor
     owner_chunk_block: Tensor
     server_inverse: Tensor
     server_tail: Optional[Tensor]
+    received_scales: Tensor
+    return_frame: Tensor
     gather_bytes: Tensor
     gather_scales: Tensor
 
     @classmethod
     def build(cls, ops: TensorOps, shards: SignShards, like: Tensor) -> "SignTables":
-        world, chunk = shards.world_size, shards.chunk
+        world, chunk, layout = shards.world_size, shards.chunk, shards.layout
         owner_bytes, blocks = shards.owner.numel // BYTE, shards.owner_blocks
+        # Scales are read as the float32 words of the received messages, and a zero slot
+        # after them.
+        zero_scale = world * layout.nbytes // 4
         worker_chunk_block, worker_counts, worker_tail = [], [], []
         owner_chunk_block, server_counts, server_tail = [], [], []
         gather_bytes, gather_scales = [], []
@@ -259,12 +268,13 @@ class SignTables:
                 send_scales[j] += [worker_base + b + (0 if shards.block_size is None else j * shard // shards.block_size)
                                    for b in range(shards.owner_block_count(shard))]
                 # This segment's bytes of shard j: where they lie among the owners' messages.
-                at = j * owner_bytes + o.offset // BYTE
+                at = wire.part_at(layout, j, 0) + o.offset // BYTE
                 gather_bytes += range(at, at + sent)
-                gather_scales += shards.blocks_of(j * blocks + owner_base, inside, sent * BYTE, BYTE, 0)
+                gather_scales += shards.blocks_of(wire.part_at(layout, j, 1) // 4 + owner_base, inside,
+                                                  sent * BYTE, BYTE, zero_scale)
             padding = s.span // BYTE - -(-n // BYTE)
             gather_bytes += [0] * padding
-            gather_scales += [world * blocks] * padding
+            gather_scales += [zero_scale] * padding
             worker_base += shards.worker_block_count(shard)
             owner_base += shards.owner_block_count(shard)
         dtype = state_dtype(shards.bucket.dtype)
@@ -277,10 +287,14 @@ class SignTables:
 
         return cls(worker_chunk_block=ints(worker_chunk_block), worker_inverse=inverses(worker_counts),
                    worker_tail=ints(worker_tail) if worker_tail else None,
-                   send_bytes=ints([b for per in send_bytes for b in per]),
-                   send_scales=ints([b for per in send_scales for b in per]),
+                   send_frame=ints(wire.set_table(layout, list(zip(send_bytes, send_scales)),
+                                                  [shards.bucket.numel // BYTE, shards.worker_blocks + 1])),
                    owner_chunk_block=ints(owner_chunk_block), server_inverse=inverses(server_counts),
                    server_tail=ints(server_tail) if server_tail else None,
+                   received_scales=ints([zero_scale if b == blocks else wire.part_at(layout, r, 1) // 4 + b
+                                         for r in range(world) for b in owner_chunk_block]),
+                   return_frame=ints(wire.set_table(layout, [(range(owner_bytes), range(blocks))],
+                                                    [owner_bytes, blocks + 1])),
                    gather_bytes=ints(gather_bytes), gather_scales=ints(gather_scales))
 
 
@@ -301,6 +315,12 @@ def server_average(ops: TensorOps, total: Tensor, state: State, world_size: int)
 def _exchanges(message_bytes: int, world_size: int) -> Tuple[Tuple[str, int], ...]:
     """The alltoall of one message per destination, then the allgather of one."""
     return (ALLTOALL, world_size * message_bytes), (ALLGATHER, message_bytes)
+
+
+def _scale_words(ops: TensorOps, received: wire.Received) -> Tensor:
+    """The received messages read as float32 words (where their scales lie), and a zero slot."""
+    words = ops.from_bytes(received.data, SCALE_DTYPE)
+    return ops.pad(words, ops.numel(words) + 1)
 
 
 def _zero_tail(ops: TensorOps, x: Tensor, tail: Optional[Tensor]) -> Tensor:
@@ -432,15 +452,12 @@ class BlockSign(TwoStageMethod):
         scales = _scales_by_block(ops, sums, tables.worker_chunk_block, tables.worker_inverse)
         packed, residual = ops.sign_compress(p, ops.gather(scales, tables.worker_chunk_block), chunk,
                                              call.bucket.numel)
-        signs, sent_scales = ops.gather(packed, tables.send_bytes), ops.gather(scales, tables.send_scales)
-        nbytes, blocks = shards.owner.numel // BYTE, shards.owner_blocks
         word = flag(ops, finite)
-        messages = [wire.encode_parts(ops, layout, layout.header(call.rank, call.step, count, word),
-                                      [ops.slice(signs, j * nbytes, nbytes), ops.slice(sent_scales, j * blocks, blocks)])
-                    for j, count in enumerate(shards.sent_counts)]
+        headers = [layout.header(call.rank, call.step, count, word) for count in shards.sent_counts]
+        messages = wire.encode_set(ops, layout, headers, [packed, scales], tables.send_frame)
         handover = StageHandover(call.as_call(), call.bucket.numel, ops.dtype(grad),
                                  {"layout": layout, "shards": shards})
-        return ops.concat(messages), {**state, "residual": _zero_tail(ops, residual, tables.worker_tail)}, handover
+        return messages, {**state, "residual": _zero_tail(ops, residual, tables.worker_tail)}, handover
 
     def _serve_bucket(self, ops: TensorOps, state: State, received: wire.Received, finite: Scalar,
                       handover: StageHandover) -> Tuple[Tensor, State]:
@@ -448,27 +465,28 @@ class BlockSign(TwoStageMethod):
         call, shards = handover.call, handover.data["shards"]
         tables, layout, numel = shards.tables(ops, received.flags), shards.layout, shards.owner.numel
         chunk, total = shards.chunk, None
-        for packed, scales in received.parts:
-            spread = ops.gather(ops.pad(scales, shards.owner_blocks + 1), tables.owner_chunk_block)
-            total = ops.sign_decode(packed, spread, chunk, numel, state_dtype(handover.dtype), add_to=total)
+        spread = ops.gather(_scale_words(ops, received), tables.received_scales)
+        chunks = ops.numel(tables.owner_chunk_block)
+        for r in range(call.world_size):
+            total = ops.sign_decode(ops.slice(received.data, wire.part_at(layout, r, 0), numel // BYTE),
+                                    ops.slice(spread, r * chunks, chunks), chunk, numel,
+                                    state_dtype(handover.dtype), add_to=total)
         averaged = server_average(ops, total, state, call.world_size)
         averaged = _zero_tail(ops, averaged, tables.server_tail)
         scales = _scales_by_block(ops, ops.block_abs_sum(averaged, chunk), tables.owner_chunk_block,
                                   tables.server_inverse)
         packed, server = ops.sign_compress(averaged, ops.gather(scales, tables.owner_chunk_block), chunk, numel)
         header = layout.header(call.rank, call.step, shards.sent_counts[shards.rank], flag(ops, finite))
-        message = wire.encode_parts(ops, layout, header, [packed, ops.slice(scales, 0, shards.owner_blocks)])
+        message = wire.encode_set(ops, layout, [header], [packed, scales], tables.return_frame)
         return message, {**state, "server": _zero_tail(ops, server, tables.server_tail)}
 
     def _finish_bucket(self, ops: TensorOps, received: wire.Received, handover: StageHandover) -> Tensor:
         """:meth:`finish` of a bucket: the owners' shards in the bucket's layout."""
         shards = handover.data["shards"]
         tables = shards.tables(ops, received.flags)
-        signs = ops.gather(ops.concat([packed for packed, _ in received.parts]), tables.gather_bytes)
-        scales = ops.pad(ops.concat([scales for _, scales in received.parts]),
-                         shards.world_size * shards.owner_blocks + 1)
-        update = ops.sign_decode(signs, ops.gather(scales, tables.gather_scales), BYTE, shards.bucket.numel,
-                                 state_dtype(handover.dtype))
+        signs = ops.gather(received.data, tables.gather_bytes)
+        scales = ops.gather(_scale_words(ops, received), tables.gather_scales)
+        update = ops.sign_decode(signs, scales, BYTE, shards.bucket.numel, state_dtype(handover.dtype))
         return _zero_tail(ops, update, tables.worker_tail)
 
     def _receive(self, ops: TensorOps, received: Tensor, handover: StageHandover) -> wire.Received:
@@ -495,7 +513,7 @@ class BlockSign(TwoStageMethod):
             return self._serve_bucket(ops, state, received, finite, handover)
         shard = handover.data["shard"]
         dtype, total = state_dtype(handover.dtype), None
-        for packed, scales in received.parts:
+        for packed, scales in received.parts(ops):
             total = ops.sign_decode(packed, scales, self._scale_block(ops, packed, scales), shard,
                                     dtype, add_to=total)
         valid = shard_entries(handover.numel, shard, call.rank)
@@ -520,5 +538,5 @@ class BlockSign(TwoStageMethod):
         shard = handover.data["shard"]
         valid = [shard_entries(handover.numel, shard, j) for j in range(handover.call.world_size)]
         messages = [(packed, scales, self._scale_block(ops, packed, scales), count)
-                    for (packed, scales), count in zip(received.parts, valid) if count]
+                    for (packed, scales), count in zip(received.parts(ops), valid) if count]
         return ops.sign_decode_all(messages, state_dtype(handover.dtype))

@@ -463,6 +463,15 @@ class TensorOps(ABC):
         runs."""
         return None
 
+    def check_headers(self, data: Tensor, expected: Sequence[Tuple[Any, Any]],
+                      step: Any) -> Optional[Tuple[Tensor, Tensor, Scalar]]:
+        """A kernel's check of every header of ``data``, one message per entry of ``expected``
+        ((layout, sender) pairs) laid end to end: (each message's flags word, each one's count
+        word, whether every header is as expected), as ``wire.receive``'s composition computes
+        them. None where the adapter has no such kernel or it does not take these messages:
+        the composition then runs."""
+        return None
+
     def decode_positions(self, data: Tensor, layout: Any, sender: int,
                          step: Any) -> Optional[Tuple[Tensor, Tensor]]:
         """A kernel's check and decode of one message of ``layout`` from ``sender``: (its

@@ -15,9 +15,11 @@ message at ``r * nbytes``. Unused slots (``count < capacity``) decode as positio
 :func:`receive` is the one way in for every family: it checks the size of what a collective
 delivered and every header in it against what this rank expects, in one vectorised
 comparison, and raises :class:`MessageError` naming the sending rank and the tensor on any
-difference (adapters never read or write header words). An adapter's decode kernel checks
-the same bounds, from :func:`header_table`, and leaves a message it refuses to
-:func:`receive`, which names the difference.
+difference (adapters never read or write header words). An adapter's kernels
+(``TensorOps.check_headers``, ``decode_received``) check the same bounds, from
+:func:`header_table`, and leave a message they refuse to :func:`receive`'s explanation,
+which names the difference. :func:`encode_set` frames several messages of one layout in
+one gather, from a table (:func:`set_table`) made once per bucket.
 """
 from __future__ import annotations
 
@@ -274,6 +276,51 @@ def encode_parts(ops: TensorOps, layout: Layout, header: List[Any], parts: Seque
     return ops.concat(encoded)
 
 
+# Zero words after a message set's headers: the bytes a set's table reads for padding.
+ZERO_WORDS = 2
+
+
+def encode_set(ops: TensorOps, layout: Layout, headers: Sequence[Sequence[Any]], sources: Sequence[Tensor],
+               table: Tensor) -> Tensor:
+    """``len(headers)`` messages of ``layout`` laid end to end, in one gather: message m's
+    header is ``headers[m]``, its parts the entries of ``sources`` (one per part, in the
+    part's dtype) that :func:`set_table` picked for it."""
+    for (dtype, _), source in zip(layout.parts, sources):
+        if ops.dtype(source) != dtype:  # its bytes would be read as another dtype's
+            raise TypeError(f"{layout.name!r}: a {ops.dtype(source)} part where the layout holds {dtype}")
+    words = ops.constant([word for header in headers for word in header] + [0] * ZERO_WORDS, "int32",
+                         like=sources[0])
+    return ops.gather(ops.concat([ops.to_bytes(words)] + [ops.to_bytes(source) for source in sources]), table)
+
+
+def set_table(layout: Layout, picks: Sequence[Sequence[Sequence[int]]], source_sizes: Sequence[int]) -> List[int]:
+    """The byte table of :func:`encode_set` for ``len(picks)`` messages: message m's part i
+    holds the entries ``picks[m][i]`` of source i (``source_sizes[i]`` entries in the part's
+    dtype), then zeros up to the part's room."""
+    zero = len(picks) * HEADER_BYTES  # the first byte of the zero words
+    bases, at = [], zero + ZERO_WORDS * 4
+    for (dtype, _), size in zip(layout.parts, source_sizes):
+        bases.append(at)
+        at += size * DTYPE_BYTES[dtype]
+    table: List[int] = []
+    for m, per_part in enumerate(picks):
+        table += range(m * HEADER_BYTES, (m + 1) * HEADER_BYTES)
+        for i, ((dtype, _), entries, base) in enumerate(zip(layout.parts, per_part, bases)):
+            width = DTYPE_BYTES[dtype]
+            if width == 1:
+                table += [base + e for e in entries]
+            else:
+                table += [base + e * width + b for e in entries for b in range(width)]
+            table += [zero] * (layout.part_bytes(i) - len(entries) * width)
+    return table
+
+
+def part_at(layout: Layout, message: int, part: int) -> int:
+    """Where part ``part`` of message ``message`` begins among messages of ``layout`` laid
+    end to end, in bytes."""
+    return message * layout.nbytes + layout.part_spans[part][0]
+
+
 def encode_runs(ops: TensorOps, layouts: Sequence[MessageLayout], headers: Sequence[Sequence[Any]],
                 positions: Tensor, starts: Tensor, source: Tensor, source_positions: Tensor,
                 bases: Sequence[int]) -> Tuple[Tensor, Tensor]:
@@ -322,40 +369,65 @@ def interned(layout: L) -> L:
 
 @dataclass(frozen=True)
 class Received:
-    """What :func:`receive` found: each message's parts, and each message's flags word
-    (nonzero: the sender's gradient was not finite) and count word."""
+    """What :func:`receive` found: the messages' bytes once checked (zeros in place of bytes
+    that failed a check whose error waits, as ``TensorOps.verify`` hands them on), what each
+    was expected to be, and each message's flags word (nonzero: the sender's gradient was
+    not finite) and count word."""
 
-    parts: List[List[Tensor]]
+    data: Tensor
+    expected: Sequence[Expected]
     flags: Tensor
     counts: Tensor
+
+    def parts(self, ops: TensorOps) -> List[List[Tensor]]:
+        """Each message's parts, as views where the bytes allow."""
+        return [parts_of(ops, ops.slice(self.data, offset, layout.nbytes), layout)
+                for offset, (layout, _) in zip(_offsets(self.expected), self.expected)]
 
 
 def receive(ops: TensorOps, data: Tensor, expected: Sequence[Expected], step: Any,
             receiver: Any = None, traced_id: Any = None) -> Received:
-    """The parts and flags of each message in ``data``, the concatenation of one message per
-    entry of ``expected``, after checking the total size and every header at once (one
-    comparison; ``step`` may be a run-time tensor). On any difference :class:`MessageError`
-    names the first sending rank and tensor that differ, or the receiving rank ``receiver``
-    when only the size differs. ``traced_id``: the tensor id word every message carries, where
-    one trace serves several tensors (``Layout.header``); None: each layout's own."""
+    """The checked bytes, flags and counts of the messages in ``data``, the concatenation of
+    one message per entry of ``expected``, after checking the total size and every header at
+    once (one comparison; ``step`` may be a run-time tensor). On any difference
+    :class:`MessageError` names the first sending rank and tensor that differ, or the
+    receiving rank ``receiver`` when only the size differs. ``traced_id``: the tensor id word
+    every message carries, where one trace serves several tensors (``Layout.header``); None:
+    each layout's own."""
     total = sum(layout.nbytes for layout, _ in expected)
     size_ok = ops.size(data) == total
     fitted = ops.fit(data, total)
-    offsets = _offsets(expected)
-    headers = ops.from_bytes(ops.concat([ops.slice(fitted, offset, HEADER_BYTES)
-                                         for offset in offsets]), "int32")
-    low, high = _bounds(expected, step, traced_id)
-    valid = ops.all_within(headers, ops.constant(low, "int32", like=headers),
-                           ops.constant(high, "int32", like=headers))
-    senders = ops.constant([sender for _, sender in expected], "int64", like=headers)
-    fitted = ops.verify(ops.where(size_ok, valid, False), [data, senders, step, *id_inputs(traced_id)],
-                        lambda values, ranks, at, *word: _diagnose(values, ranks, at, expected, total,
-                                                                   receiver, *word),
+    checked = None if traced_id is not None else ops.check_headers(fitted, expected, step)
+    if checked is None:
+        headers = _headers(ops, fitted, expected)
+        low, high = _bounds(expected, step, traced_id)
+        valid = ops.all_within(headers, ops.constant(low, "int32", like=headers),
+                               ops.constant(high, "int32", like=headers))
+        flags = ops.strided_sample(headers, FLAGS_WORD, HEADER_WORDS)
+        counts = ops.strided_sample(headers, COUNT_WORD, HEADER_WORDS)
+    else:
+        flags, counts, valid = checked
+    senders = [sender for _, sender in expected]
+    # Senders known only at run time (a traced rank) are read with the data if a check fails.
+    traced = [] if all(isinstance(sender, int) for sender in senders) else [
+        ops.constant(senders, "int64", like=flags)]
+
+    def explain(values: Sequence[int], *rest: Any) -> None:
+        ranks, (at, *word) = (rest[0], rest[1:]) if traced else (senders, rest)
+        _diagnose(values, ranks, at, expected, total, receiver, *word)
+
+    fitted = ops.verify(ops.where(size_ok, valid, False), [data, *traced, step, *id_inputs(traced_id)], explain,
                         fitted)
-    return Received([parts_of(ops, ops.slice(fitted, offset, layout.nbytes), layout)
-                     for offset, (layout, _) in zip(offsets, expected)],
-                    ops.strided_sample(headers, FLAGS_WORD, HEADER_WORDS),
-                    ops.strided_sample(headers, COUNT_WORD, HEADER_WORDS))
+    return Received(fitted, expected, flags, counts)
+
+
+def _headers(ops: TensorOps, data: Tensor, expected: Sequence[Expected]) -> Tensor:
+    """Every header's words, message after message."""
+    layouts = {layout for layout, _ in expected}
+    if len(layouts) == 1:  # messages of one size: the headers are rows of the data
+        return ops.from_bytes(ops.rows(data, 0, layouts.pop().nbytes, HEADER_BYTES, len(expected)), "int32")
+    return ops.from_bytes(ops.concat([ops.slice(data, offset, HEADER_BYTES) for offset in _offsets(expected)]),
+                          "int32")
 
 
 @dataclass(frozen=True)
@@ -578,7 +650,7 @@ def decode_composed(ops: TensorOps, data: Tensor, expected: Sequence[Expected], 
     received = receive(ops, data, expected, step, receiver, traced_id)
     counts = [ops.gather(received.counts, m) for m in range(len(expected))]
     decoded = [layout.decode(ops, parts, count, dtype) for (layout, _), parts, count, dtype
-               in zip(expected, received.parts, counts, dtypes)]
+               in zip(expected, received.parts(ops), counts, dtypes)]
     positions = checked_positions(ops, [(where, ok) for where, _, ok in decoded], expected, step, traced_id)
     return received.flags, [(where, values, count) for where, (_, values, _), count
                             in zip(positions, decoded, counts)]

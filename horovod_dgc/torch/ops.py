@@ -118,8 +118,15 @@ class TorchOps(TensorOps):
         on_device = [isinstance(v, torch.Tensor) and self.sizes_cost_a_wait(v) for v in values]
         fixed = [0 if held else int(v) for v, held in zip(values, on_device)]
         out = _to_device(torch.tensor(fixed, dtype=DTYPES[dtype], device=_HOST), like.device)
+        places: Dict[int, List[int]] = {}  # each tensor's places (a flags word in every header of a set)
         for i in [i for i, held in enumerate(on_device) if held]:
-            out[i] = values[i].reshape(())  # a copy on the device, cast as int() would (toward zero)
+            places.setdefault(id(values[i]), []).append(i)
+        for at in places.values():
+            value = values[at[0]].reshape(())  # a copy on the device, cast as int() would (toward zero)
+            if len(at) == 1:
+                out[at[0]] = value
+            else:
+                out.index_put_((_to_device(torch.tensor(at, device=_HOST), like.device),), value.to(out.dtype))
         return out
 
     def ones(self, n: Any, dtype: str, like: torch.Tensor) -> torch.Tensor:
@@ -197,8 +204,8 @@ class TorchOps(TensorOps):
         if isinstance(b, torch.Tensor) and not isinstance(a, torch.Tensor) and pred.shape == b.shape \
                 and torch.result_type(b, a) == b.dtype:
             return b.masked_fill(pred, a)
-        if pred.dtype == torch.bool and type(a) is int and type(b) is int and (a, b) == (1, 0):
-            return pred.to(torch.int64)
+        if pred.dtype == torch.bool and type(a) is int and type(b) is int and (a, b) in ((1, 0), (0, 1)):
+            return (pred if a else ~pred).to(torch.int64)
         if (type(b) is int and b == 0 and isinstance(a, torch.Tensor) and pred.dtype == torch.bool
                 and pred.shape == a.shape and a.dtype in _INTEGERS):
             return a * pred  # integers only: a float's NaN times 0 would stay NaN
@@ -468,6 +475,12 @@ class TorchOps(TensorOps):
             return None
         return kernels.decode_positions(data, layout, sender, step)
 
+    def check_headers(self, data: torch.Tensor, expected: Sequence[Tuple[Any, Any]],
+                      step: Any) -> Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        if self._kernels(data) or not triton_messages.checks_headers(data, expected, step):
+            return None
+        return triton_messages.check_headers(data, expected[0][0], tuple(sender for _, sender in expected), step)
+
     def decode_received(self, data: torch.Tensor, expected: Sequence[Tuple[Any, Any]], step: Any,
                         dtypes: Sequence[str]) -> Optional[Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor],
                                                                  torch.Tensor]]:
@@ -657,7 +670,9 @@ class TorchOps(TensorOps):
         return torch.round(x)
 
     def fit(self, data: torch.Tensor, length: int) -> torch.Tensor:
-        if data.numel() >= length:
+        if data.numel() == length:
+            return data
+        if data.numel() > length:
             return data[:length]
         return torch.cat([data, data.new_zeros(length - data.numel())])
 

@@ -14,7 +14,10 @@ each part. Here:
   ``wire.header_table``'s bounds and the step, decodes the positions (checking them against
   the count and the tensor's size as the codings' ``decode_rows`` do) and the values, 0
   past the count (and everywhere in a message that fails a check, its flags word
-  included), scaled for the sum.
+  included), scaled for the sum;
+* :func:`check_headers` checks every header of a set of messages of one layout (blocksign's
+  packed signs and scales, whose parts the caller reads itself) and hands out each
+  message's flags and count words, one program per message.
 
 What the kernels refuse is left to the caller's composition; what fails a check is
 explained by running the composition on the host copy of the data (:func:`explain`), which
@@ -242,6 +245,24 @@ if triton is not None:
         tl.store(bad + m, wrong)
 
 
+if triton is not None:
+    @triton.jit(do_not_specialize=["step_word", "bounds_at_high"])
+    def _check_headers(data, offsets, bounds, flags, counts, failures, step_word, bounds_at_high,
+                       WORDS: tl.constexpr, STEP_AT: tl.constexpr, COUNT_AT: tl.constexpr,
+                       FLAGS_AT: tl.constexpr, LANES: tl.constexpr):
+        m = tl.program_id(0).to(tl.int64)
+        w = tl.arange(0, LANES)
+        word_inside = w < WORDS
+        words = tl.load((data + tl.load(offsets + m)).to(tl.pointer_type(tl.int32)) + w, mask=word_inside, other=0)
+        low = tl.load(bounds + m * WORDS + w, mask=word_inside, other=0)
+        high = tl.load(bounds + bounds_at_high + m * WORDS + w, mask=word_inside, other=0)
+        fits = tl.where(w == STEP_AT, words == step_word, (words >= low) & (words <= high))
+        wrong = tl.sum((word_inside & ~fits).to(tl.int32), 0)
+        tl.store(flags + m, tl.where(wrong == 0, tl.sum(tl.where(w == FLAGS_AT, words, 0), 0), 0))
+        tl.store(counts + m, tl.where(wrong == 0, tl.sum(tl.where(w == COUNT_AT, words, 0), 0), 0))
+        tl.atomic_add(failures, wrong)
+
+
 def _programs(n: int) -> int:
     return -(-n // ENTRIES_PER_PROGRAM)
 
@@ -441,3 +462,49 @@ def explain(host_ops: Callable[[], Any], layouts: Sequence[wire.MessageLayout], 
     expected = [(layout, sender) for sender in senders for layout in layouts]
     wire.decode_composed(host_ops(), torch.tensor(data, dtype=torch.uint8), expected, step,
                          ["float32"] * len(expected))
+
+
+@dataclass(frozen=True)
+class HeaderPlan:
+    """Where :func:`check_headers` finds each header of some senders' messages for one
+    layout, and what it accepts in each, on one device."""
+
+    offsets: torch.Tensor  # int64: each header's first byte
+    bounds: torch.Tensor  # int32: every message's lowest header words, then its highest
+    headers: wire.HeaderTable  # where the step, count and flags words are
+
+
+@functools.lru_cache(maxsize=wire.HEADER_TABLES_KEPT)
+def header_plan(layout: wire.Layout, senders: Tuple[int, ...], device: torch.device) -> HeaderPlan:
+    """The :class:`HeaderPlan` of one message of ``layout`` from each of ``senders``."""
+    headers = wire.header_table((layout,), senders)
+    return HeaderPlan(offsets=torch.tensor(headers.offsets, dtype=torch.int64, device=device),
+                      bounds=torch.tensor(headers.low + headers.high, dtype=torch.int32, device=device),
+                      headers=headers)
+
+
+def checks_headers(data: torch.Tensor, expected: Sequence[Tuple[Any, Any]], step: Any) -> bool:
+    """Whether :func:`check_headers` takes these: messages of one layout, from senders and
+    at a step known on the host, of the size they expect, and tensors Triton may take."""
+    if not expected or not isinstance(step, int) or data.dtype != torch.uint8:
+        return False
+    layout = expected[0][0]
+    return (all(other == layout and isinstance(sender, int) for other, sender in expected)
+            and data.numel() == layout.nbytes * len(expected) and launchable(data))
+
+
+def check_headers(data: torch.Tensor, layout: wire.Layout, senders: Tuple[int, ...],
+                  step: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(each message's flags word, each one's count word, whether every header passed) of
+    ``data``, one message of ``layout`` from each of ``senders`` laid end to end, every header
+    checked against ``wire.header_table``'s bounds and the step (what :func:`checks_headers`
+    accepts): one launch. A message whose header fails a check has flags and count 0."""
+    table = header_plan(layout, senders, data.device)
+    flags = torch.empty(len(senders), dtype=torch.int32, device=data.device)
+    counts = torch.empty(len(senders), dtype=torch.int32, device=data.device)
+    failures = torch.zeros((), dtype=torch.int32, device=data.device)
+    _check_headers[(len(senders),)](data, table.offsets, table.bounds, flags, counts, failures,
+                                    wire.step_word(step), len(table.bounds) // 2, WORDS=table.headers.words,
+                                    STEP_AT=table.headers.step_at, COUNT_AT=table.headers.count_at,
+                                    FLAGS_AT=table.headers.flags_at, LANES=HEADER_LANES)
+    return flags, counts, failures == 0
