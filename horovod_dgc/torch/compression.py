@@ -367,16 +367,26 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
     def launch_updates(self, kind: str, updates: Sequence[Tuple[DenseUpdate, List[int]]]) -> DenseExchange:
         """The averaging all-reduce of each ``(update, its tensors' places)``, named
         ``kind.`` and the update's name."""
-        return DenseExchange([(self.transport.launch(ALLREDUCE, update.tensor, f"{kind}.{update.name}"), update, places)
+        transport = self._dense_transport
+        return DenseExchange([(transport.launch(ALLREDUCE, update.tensor, f"{kind}.{update.name}"), update, places)
                               for update, places in updates], self.engine.steps_taken - 1)
 
     def finish_dense(self, exchange: DenseExchange) -> List[torch.Tensor]:
         """The averages of a :class:`DenseExchange`'s tensors, in its entries' order."""
         places, averaged = [], []
         for handle, update, members in exchange.launched:
-            averaged += self.engine.dense_all_received(update, self.transport.wait(handle))
+            averaged += self.engine.dense_all_received(update, self._dense_transport.wait(handle))
             places += members
         return in_entry_order(places, averaged)
+
+    @property
+    def _dense_transport(self) -> Transport:
+        """Where tensors sent dense are averaged: among every worker. The hierarchical mode's
+        transport runs the method between hosts only, on host averages it takes itself."""
+        if self.hierarchical:
+            from .collectives import HOROVOD
+            return HOROVOD
+        return self.transport
 
     def _check_place_in_the_world(self) -> None:
         """The memories, the step counters and the message layouts belong to the world the
