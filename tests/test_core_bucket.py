@@ -530,6 +530,36 @@ def test_a_blocksign_bucket_runs_each_tensor_as_the_paper_says(world, block, mu)
                     assert saved[name]["momentum"].tolist() == pytest.approx(moms[t][r], rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.parametrize("method,options", [("blocksign", {}), ("scalecom", {}),
+                                            ("dgc", {"aggregation": "sparse_allreduce"})])
+def test_a_two_stage_buckets_averages_cost_no_operation_per_tensor(method, options):
+    """The finish of a bucket of 80 tensors dispatches as many operations as one of 8 of the
+    same total size: the averages are the views made once of the bucket's gradient buffer
+    (a slice and a view per member and step would add 144). Their values are the bucketed
+    steps' tests' concern."""
+    from benchmarks.model_step import OpCounter
+
+    def finish(shapes):
+        engines = [Engine(BY_NAME[method].build(**options), 2, r) for r in range(2)]
+        names = [f"t{i}" for i in range(len(shapes))]
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(2)]
+            buckets = [e.bucket("layer", list(zip(names, gs))) for e, gs in zip(engines, grads)]
+            firsts = [e.first_bucket(b, gs, [None] * len(gs)) for e, b, gs in zip(engines, buckets, grads)]
+            counters = [OpCounter(), OpCounter()]
+
+            def counted(r, got, h):
+                with counters[r]:
+                    return engines[r].finish_bucket(got, h, buckets[r], shapes)
+            averages = two_stages(engines, firsts, lambda r, got, h: engines[r].second(buckets[r].key, got, h),
+                                  counted)
+            assert [a.shape for a in averages[0]] == [torch.Size(s) for s in shapes]
+        return [c.count for c in counters]
+
+    assert finish([(640,)] * 8) == finish([(64,)] * 80)
+
+
 @pytest.mark.parametrize("options,dtype", [({}, torch.float32), ({"momentum": 0.9}, torch.float32),
                                            ({"block_size": 64}, torch.float32), ({"block_size": 24}, torch.float32),
                                            ({}, torch.bfloat16)], ids=["one-block", "momentum", "block-64",

@@ -380,7 +380,8 @@ class Engine:
                       shapes: Sequence[torch.Size]) -> List[torch.Tensor]:
         """:meth:`finish` of a bucket's exchange: the averaged update of each member, shaped
         like it (views of one flat update)."""
-        return self._segments(bucket, shapes, self.finish(received, handover, torch.Size([bucket.numel])))
+        return self._segments(bucket, shapes, self.finish(received, handover, torch.Size([bucket.numel])),
+                              handover.destination)
 
     def flush_bucket(self, bucket: Bucket, grads: Sequence[torch.Tensor],
                      params: Sequence[Optional[torch.Tensor]]) -> DenseUpdate:
@@ -677,16 +678,23 @@ class Engine:
             if o.bucket is None:
                 averaged.append(flat.reshape(o.shape))
             else:
-                averaged += self._segments(o.bucket, o.shapes, flat)
+                averaged += self._segments(o.bucket, o.shapes, flat, o.destination)
         self._spend(names, time.perf_counter() - started)
         return averaged
 
-    def _segments(self, bucket: Bucket, shapes: Sequence[torch.Size], flat: torch.Tensor) -> List[torch.Tensor]:
-        """A bucket's averages, one per member, shaped like it: views of ``flat`` (the views
-        made once of the gradients' buffer, where the averages were written over it)."""
+    def _segments(self, bucket: Bucket, shapes: Sequence[torch.Size], flat: torch.Tensor,
+                  destination: Optional[torch.Tensor]) -> List[torch.Tensor]:
+        """A bucket's averages, one per member, shaped like it: the views made once of the
+        gradients' buffer where ``flat`` was written over it or may be copied there (it is
+        the step's ``destination``: no message or memory holds it), else views of ``flat``.
+        One copy costs a pass over the bucket; a view per member costs two operations each."""
         own = self._flats.get((bucket.key, "gradients"))
-        if own is not None and own[0].data_ptr() == flat.data_ptr() and own[0].shape == flat.shape:
-            return list(own[1])
+        if own is not None and own[0].shape == flat.shape and own[0].dtype == flat.dtype:
+            if own[0].data_ptr() == flat.data_ptr():
+                return list(own[1])
+            if destination is own[0]:
+                own[0].copy_(flat)
+                return list(own[1])
         return [flat[s.offset:s.end].view(shape) for s, shape in zip(bucket.segments, shapes)]
 
     def memories(self, name: str) -> Dict[str, torch.Tensor]:
