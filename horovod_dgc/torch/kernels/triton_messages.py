@@ -137,6 +137,22 @@ if triton is not None:
                 tl.store((message + value_at).to(tl.pointer_type(tl.uint16)) + i, top.to(tl.uint16), mask=inside)
                 tl.store(decoded + i, (top << 16).to(tl.float32, bitcast=True), mask=kept)
 
+    @triton.jit
+    def _header(header, bounds, m, step_word, bounds_at_high, WORDS: tl.constexpr, STEP_AT: tl.constexpr,
+                COUNT_AT: tl.constexpr, FLAGS_AT: tl.constexpr, LANES: tl.constexpr):
+        """Message m's header at byte pointer ``header``, checked: (its words outside their
+        bounds, the step word counted wrong unless it is the decoding step's; its flags
+        word; its count word, 0 for a header that fails)."""
+        w = tl.arange(0, LANES)
+        word_inside = w < WORDS
+        words = tl.load(header.to(tl.pointer_type(tl.int32)) + w, mask=word_inside, other=0)
+        low = tl.load(bounds + m * WORDS + w, mask=word_inside, other=0)
+        high = tl.load(bounds + bounds_at_high + m * WORDS + w, mask=word_inside, other=0)
+        fits = tl.where(w == STEP_AT, words == step_word, (words >= low) & (words <= high))
+        wrong = tl.sum((word_inside & ~fits).to(tl.int32), 0)
+        flag = tl.sum(tl.where(w == FLAGS_AT, words, 0), 0)
+        return wrong, flag, tl.where(wrong == 0, tl.sum(tl.where(w == COUNT_AT, words, 0), 0), 0)
+
     @triton.jit(do_not_specialize=["step_word", "bounds_at_high"])
     def _decode(data, plan, bounds, positions, values, flags, counts, bad, step_word, bounds_at_high, scale,
                 COLUMNS: tl.constexpr, WORDS: tl.constexpr, STEP_AT: tl.constexpr, COUNT_AT: tl.constexpr,
@@ -156,18 +172,10 @@ if triton is not None:
         scale_at = offset + tl.load(row + 10)
         out = positions + tl.load(row + 12)
         out_values = values + tl.load(row + 12)
-        # The header: every word within its bounds, the step word the decoding step's.
-        w = tl.arange(0, LANES)
-        word_inside = w < WORDS
-        words = tl.load((data + offset).to(tl.pointer_type(tl.int32)) + w, mask=word_inside, other=0)
-        low = tl.load(bounds + m * WORDS + w, mask=word_inside, other=0)
-        high = tl.load(bounds + bounds_at_high + m * WORDS + w, mask=word_inside, other=0)
-        fits = tl.where(w == STEP_AT, words == step_word, (words >= low) & (words <= high))
-        header_wrong = tl.sum((word_inside & ~fits).to(tl.int32), 0)
-        flag = tl.sum(tl.where(w == FLAGS_AT, words, 0), 0)
-        count = tl.where(header_wrong == 0, tl.sum(tl.where(w == COUNT_AT, words, 0), 0).to(tl.int64), 0)
-        tl.store(counts + m, count.to(tl.int32))
-        wrong = header_wrong
+        wrong, flag, count = _header(data + offset, bounds, m, step_word, bounds_at_high, WORDS, STEP_AT,
+                                     COUNT_AT, FLAGS_AT, LANES)
+        tl.store(counts + m, count)
+        count = count.to(tl.int64)
         # The positions: each coding's slots, 0 past the count.
         if kind >= 2:  # Elias-Fano's upper bits or the bitmap: the i-th set bit into slot i
             bits_at = tl.where(kind == 2, upper_at, index_at)
@@ -251,16 +259,17 @@ if triton is not None:
                        WORDS: tl.constexpr, STEP_AT: tl.constexpr, COUNT_AT: tl.constexpr,
                        FLAGS_AT: tl.constexpr, LANES: tl.constexpr):
         m = tl.program_id(0).to(tl.int64)
-        w = tl.arange(0, LANES)
-        word_inside = w < WORDS
-        words = tl.load((data + tl.load(offsets + m)).to(tl.pointer_type(tl.int32)) + w, mask=word_inside, other=0)
-        low = tl.load(bounds + m * WORDS + w, mask=word_inside, other=0)
-        high = tl.load(bounds + bounds_at_high + m * WORDS + w, mask=word_inside, other=0)
-        fits = tl.where(w == STEP_AT, words == step_word, (words >= low) & (words <= high))
-        wrong = tl.sum((word_inside & ~fits).to(tl.int32), 0)
-        tl.store(flags + m, tl.where(wrong == 0, tl.sum(tl.where(w == FLAGS_AT, words, 0), 0), 0))
-        tl.store(counts + m, tl.where(wrong == 0, tl.sum(tl.where(w == COUNT_AT, words, 0), 0), 0))
+        wrong, flag, count = _header(data + tl.load(offsets + m), bounds, m, step_word, bounds_at_high, WORDS,
+                                     STEP_AT, COUNT_AT, FLAGS_AT, LANES)
+        tl.store(flags + m, tl.where(wrong == 0, flag, 0))
+        tl.store(counts + m, count)
         tl.atomic_add(failures, wrong)
+
+
+def _header_words(headers: wire.HeaderTable) -> dict:
+    """The header kernel's constants for ``headers``."""
+    return dict(WORDS=headers.words, STEP_AT=headers.step_at, COUNT_AT=headers.count_at,
+                FLAGS_AT=headers.flags_at, LANES=HEADER_LANES)
 
 
 def _programs(n: int) -> int:
@@ -374,13 +383,34 @@ def _launch(layout: wire.MessageLayout, header: Sequence[Any], message: torch.Te
 
 
 @dataclass(frozen=True)
+class HeaderPlan:
+    """Where the kernels find each header of some messages, and what they accept in each,
+    on one device."""
+
+    offsets: torch.Tensor  # int64: each header's first byte
+    bounds: torch.Tensor  # int32: every message's lowest header words, then its highest
+    headers: wire.HeaderTable  # where the step, count and flags words are
+
+
+def _header_plan(headers: wire.HeaderTable, device: torch.device) -> HeaderPlan:
+    return HeaderPlan(offsets=torch.tensor(headers.offsets, dtype=torch.int64, device=device),
+                      bounds=torch.tensor(headers.low + headers.high, dtype=torch.int32, device=device),
+                      headers=headers)
+
+
+@functools.lru_cache(maxsize=wire.HEADER_TABLES_KEPT)
+def header_plan(layout: wire.Layout, senders: Tuple[int, ...], device: torch.device) -> HeaderPlan:
+    """The :class:`HeaderPlan` of one message of ``layout`` from each of ``senders``."""
+    return _header_plan(wire.header_table((layout,), senders), device)
+
+
+@dataclass(frozen=True)
 class Plan:
     """Where :func:`decode_messages` finds each message of some senders for some layouts,
     and what it accepts in each header, on one device."""
 
     rows: torch.Tensor  # int64, plan_row per message in the order received
-    bounds: torch.Tensor  # int32: every message's lowest header words, then its highest
-    headers: wire.HeaderTable  # where the step, count and flags words are
+    header: HeaderPlan
     starts: Tuple[int, ...]  # where each layout's slots start among the decoded ones
     slots: int  # decoded slots of all messages
 
@@ -399,9 +429,8 @@ def plan(layouts: Tuple[wire.MessageLayout, ...], senders: Tuple[int, ...], devi
     for m, offset in enumerate(headers.offsets):
         i, t = divmod(m, len(layouts))
         rows.append(plan_row(layouts[t], offset, m, starts[t] + i * layouts[t].capacity))
-    return Plan(rows=torch.tensor(rows, dtype=torch.int64, device=device),
-                bounds=torch.tensor(headers.low + headers.high, dtype=torch.int32, device=device),
-                headers=headers, starts=tuple(starts), slots=at)
+    return Plan(rows=torch.tensor(rows, dtype=torch.int64, device=device), header=_header_plan(headers, device),
+                starts=tuple(starts), slots=at)
 
 
 def decodes(data: torch.Tensor, layouts: Sequence[wire.MessageLayout], senders: int, step: Any,
@@ -440,11 +469,10 @@ def decode_messages(data: torch.Tensor, layouts: Sequence[wire.MessageLayout], s
     positions = torch.empty(table.slots, dtype=torch.int64, device=data.device)
     values = torch.empty(table.slots, dtype=torch.float32, device=data.device)
     flags, counts, failures = torch.empty(3, n_messages, dtype=torch.int32, device=data.device)
-    _decode[(n_messages,)](data, table.rows, table.bounds, positions, values, flags, counts, failures,
-                           wire.step_word(step), len(table.bounds) // 2, scale,
-                           COLUMNS=table.rows.shape[1], WORDS=table.headers.words, STEP_AT=table.headers.step_at,
-                           COUNT_AT=table.headers.count_at, FLAGS_AT=table.headers.flags_at, LANES=HEADER_LANES,
-                           STEP=BITS_PER_STEP)
+    header = table.header
+    _decode[(n_messages,)](data, table.rows, header.bounds, positions, values, flags, counts, failures,
+                           wire.step_word(step), len(header.bounds) // 2, scale,
+                           COLUMNS=table.rows.shape[1], **_header_words(header.headers), STEP=BITS_PER_STEP)
     if len(layouts) == 1:
         per_layout = [(positions, values)]
     else:
@@ -462,25 +490,6 @@ def explain(host_ops: Callable[[], Any], layouts: Sequence[wire.MessageLayout], 
     expected = [(layout, sender) for sender in senders for layout in layouts]
     wire.decode_composed(host_ops(), torch.tensor(data, dtype=torch.uint8), expected, step,
                          ["float32"] * len(expected))
-
-
-@dataclass(frozen=True)
-class HeaderPlan:
-    """Where :func:`check_headers` finds each header of some senders' messages for one
-    layout, and what it accepts in each, on one device."""
-
-    offsets: torch.Tensor  # int64: each header's first byte
-    bounds: torch.Tensor  # int32: every message's lowest header words, then its highest
-    headers: wire.HeaderTable  # where the step, count and flags words are
-
-
-@functools.lru_cache(maxsize=wire.HEADER_TABLES_KEPT)
-def header_plan(layout: wire.Layout, senders: Tuple[int, ...], device: torch.device) -> HeaderPlan:
-    """The :class:`HeaderPlan` of one message of ``layout`` from each of ``senders``."""
-    headers = wire.header_table((layout,), senders)
-    return HeaderPlan(offsets=torch.tensor(headers.offsets, dtype=torch.int64, device=device),
-                      bounds=torch.tensor(headers.low + headers.high, dtype=torch.int32, device=device),
-                      headers=headers)
 
 
 def checks_headers(data: torch.Tensor, expected: Sequence[Tuple[Any, Any]], step: Any) -> bool:
@@ -504,7 +513,5 @@ def check_headers(data: torch.Tensor, layout: wire.Layout, senders: Tuple[int, .
     counts = torch.empty(len(senders), dtype=torch.int32, device=data.device)
     failures = torch.zeros((), dtype=torch.int32, device=data.device)
     _check_headers[(len(senders),)](data, table.offsets, table.bounds, flags, counts, failures,
-                                    wire.step_word(step), len(table.bounds) // 2, WORDS=table.headers.words,
-                                    STEP_AT=table.headers.step_at, COUNT_AT=table.headers.count_at,
-                                    FLAGS_AT=table.headers.flags_at, LANES=HEADER_LANES)
+                                    wire.step_word(step), len(table.bounds) // 2, **_header_words(table.headers))
     return flags, counts, failures == 0
