@@ -61,14 +61,17 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
-# Bounds a process keeps on their devices: a few per bucket and tensor, for large models.
-BOUNDS_KEPT = 4096
+# Fixed integer tables a process keeps on their devices: a few per bucket and tensor, for
+# large models.
+TABLES_KEPT = 4096
 
 
-@functools.lru_cache(maxsize=BOUNDS_KEPT)
-def _bounds(bounds: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``bounds`` on ``device``, made once: a bucket's bounds are the same at every step."""
-    return _to_device(torch.tensor(bounds, dtype=dtype, device=_HOST), device)
+@functools.lru_cache(maxsize=TABLES_KEPT)
+def _fixed(values: Tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` on ``device``, made once: a bucket's searchsorted bounds and the places of
+    its headers' device words are the same at every step (each copy would cost a host-to-
+    device transfer and an operation)."""
+    return _to_device(torch.tensor(values, dtype=dtype, device=_HOST), device)
 
 
 def _explain(inputs: Sequence[Any], explain: Callable[..., None]) -> None:
@@ -126,7 +129,7 @@ class TorchOps(TensorOps):
             if len(at) == 1:
                 out[at[0]] = value
             else:
-                out.index_put_((_to_device(torch.tensor(at, device=_HOST), like.device),), value.to(out.dtype))
+                out.index_put_((_fixed(tuple(at), torch.int64, like.device),), value.to(out.dtype))
         return out
 
     def ones(self, n: Any, dtype: str, like: torch.Tensor) -> torch.Tensor:
@@ -412,7 +415,7 @@ class TorchOps(TensorOps):
         return torch.nonzero(mask).reshape(-1)
 
     def searchsorted(self, ascending: torch.Tensor, bounds: Sequence[int]) -> torch.Tensor:
-        return torch.searchsorted(ascending, _bounds(tuple(bounds), ascending.dtype, ascending.device))
+        return torch.searchsorted(ascending, _fixed(tuple(bounds), ascending.dtype, ascending.device))
 
     def greater_equal(self, x: torch.Tensor, threshold: Scalar) -> torch.Tensor:
         return x >= threshold
