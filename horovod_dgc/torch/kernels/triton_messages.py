@@ -254,12 +254,12 @@ if triton is not None:
 
 
 if triton is not None:
-    @triton.jit(do_not_specialize=["step_word", "bounds_at_high"])
-    def _check_headers(data, offsets, bounds, flags, counts, failures, step_word, bounds_at_high,
+    @triton.jit(do_not_specialize=["step_word", "bounds_at_high", "message_bytes"])
+    def _check_headers(data, bounds, flags, counts, failures, step_word, bounds_at_high, message_bytes,
                        WORDS: tl.constexpr, STEP_AT: tl.constexpr, COUNT_AT: tl.constexpr,
                        FLAGS_AT: tl.constexpr, LANES: tl.constexpr):
         m = tl.program_id(0).to(tl.int64)
-        wrong, flag, count = _header(data + tl.load(offsets + m), bounds, m, step_word, bounds_at_high, WORDS,
+        wrong, flag, count = _header(data + m * message_bytes, bounds, m, step_word, bounds_at_high, WORDS,
                                      STEP_AT, COUNT_AT, FLAGS_AT, LANES)
         tl.store(flags + m, tl.where(wrong == 0, flag, 0))
         tl.store(counts + m, count)
@@ -384,17 +384,14 @@ def _launch(layout: wire.MessageLayout, header: Sequence[Any], message: torch.Te
 
 @dataclass(frozen=True)
 class HeaderPlan:
-    """Where the kernels find each header of some messages, and what they accept in each,
-    on one device."""
+    """What the kernels accept in each header of some messages, on one device."""
 
-    offsets: torch.Tensor  # int64: each header's first byte
     bounds: torch.Tensor  # int32: every message's lowest header words, then its highest
-    headers: wire.HeaderTable  # where the step, count and flags words are
+    headers: wire.HeaderTable  # where each header lies, where its step, count and flags words are
 
 
 def _header_plan(headers: wire.HeaderTable, device: torch.device) -> HeaderPlan:
-    return HeaderPlan(offsets=torch.tensor(headers.offsets, dtype=torch.int64, device=device),
-                      bounds=torch.tensor(headers.low + headers.high, dtype=torch.int32, device=device),
+    return HeaderPlan(bounds=torch.tensor(headers.low + headers.high, dtype=torch.int32, device=device),
                       headers=headers)
 
 
@@ -512,6 +509,6 @@ def check_headers(data: torch.Tensor, layout: wire.Layout, senders: Tuple[int, .
     flags = torch.empty(len(senders), dtype=torch.int32, device=data.device)
     counts = torch.empty(len(senders), dtype=torch.int32, device=data.device)
     failures = torch.zeros((), dtype=torch.int32, device=data.device)
-    _check_headers[(len(senders),)](data, table.offsets, table.bounds, flags, counts, failures,
-                                    wire.step_word(step), len(table.bounds) // 2, **_header_words(table.headers))
+    _check_headers[(len(senders),)](data, table.bounds, flags, counts, failures, wire.step_word(step),
+                                    len(table.bounds) // 2, layout.nbytes, **_header_words(table.headers))
     return flags, counts, failures == 0
