@@ -31,7 +31,9 @@ that would wait for it (``host_syncs.HostReadCounter``); on a GPU the synchronis
 themselves (``host_syncs.SyncCounter``)::
 
     TRITON_INTERPRET=1 python -m benchmarks.model_step [--methods dgc topk dgc-sar ...] [--world 2] [--rounds 5]
-        [--split 10] [--device cpu|cuda]
+        [--split 10] [--layouts buckets ...] [--device cpu|cuda]
+
+``--rounds 0`` counts without timing (milliseconds shown as "-").
 """
 from __future__ import annotations
 
@@ -235,27 +237,31 @@ def split_shapes(shapes: Sequence[Tuple[int, ...]], pieces: int) -> List[Tuple[i
 
 
 def measure(methods: Sequence[str], world: int, warmup: int, rounds: int, pieces: int = 1,
-            device: torch.device = torch.device("cpu")) -> Dict[str, Dict[str, Dict[str, float]]]:
+            device: torch.device = torch.device("cpu"),
+            layouts: Sequence[str] = LAYOUTS) -> Dict[str, Dict[str, Dict[str, float]]]:
+    """Per method and layout: "ms" (the median of ``rounds`` timed steps, NaN for none),
+    "ops" and "reads" (counted on a fresh run's second step)."""
     shapes = [tuple(p.shape) for p in resnet50().parameters()]
     if pieces > 1:
         shapes = split_shapes(shapes, pieces)
     results: Dict[str, Dict[str, Dict[str, float]]] = {}
     for method in methods:
-        runs = {layout: Run(method, shapes, layout, world, device) for layout in LAYOUTS}
-        for run in runs.values():
-            for _ in range(warmup):
-                run.step(run.gradients())
-        times: Dict[str, List[float]] = {layout: [] for layout in LAYOUTS}
-        for r in range(rounds):
-            for layout in (LAYOUTS if r % 2 == 0 else tuple(reversed(LAYOUTS))):
-                times[layout].append(timed(runs[layout], world))
+        times: Dict[str, List[float]] = {layout: [] for layout in layouts}
+        if rounds:
+            runs = {layout: Run(method, shapes, layout, world, device) for layout in layouts}
+            for run in runs.values():
+                for _ in range(warmup):
+                    run.step(run.gradients())
+            for r in range(rounds):
+                for layout in (layouts if r % 2 == 0 else tuple(reversed(layouts))):
+                    times[layout].append(timed(runs[layout], world))
         results[method] = {}
-        for layout, run in runs.items():
+        for layout in layouts:
             counting = Run(method, shapes, layout, world, device)
             counting.step(counting.gradients())  # the first makes the plans' tables and layouts
             aten, reads = counted(counting, world)
-            results[method][layout] = {"ms": statistics.median(times[layout]) * 1e3, "ops": aten,
-                                       "reads": reads}
+            ms = statistics.median(times[layout]) * 1e3 if times[layout] else math.nan
+            results[method][layout] = {"ms": ms, "ops": aten, "reads": reads}
     return results
 
 
@@ -265,7 +271,8 @@ def parse_args(argv: Sequence[str] = None) -> argparse.Namespace:
     p.add_argument("--world", type=int, default=2, help="ranks emulated in this process")
     p.add_argument("--warmup", type=int, default=20,
                    help="untimed steps per layout (candidate bounds settle within about 15 steps of randn gradients)")
-    p.add_argument("--rounds", type=int, default=5, help="timed steps per layout, interleaved")
+    p.add_argument("--rounds", type=int, default=5, help="timed steps per layout, interleaved (0: count only)")
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     p.add_argument("--split", type=int, default=1,
                    help="cut each tensor into this many (10: 1,610 tensors of the same total size)")
     p.add_argument("--device", type=torch.device, default=torch.device("cpu"))
@@ -276,7 +283,7 @@ def main(argv: Sequence[str] = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
     large_interpreted_programs()
-    results = measure(args.methods, args.world, args.warmup, args.rounds, args.split, args.device)
+    results = measure(args.methods, args.world, args.warmup, args.rounds, args.split, args.device, args.layouts)
     model = "ResNet-50's 161 tensors" + (f", each cut into {args.split}" if args.split > 1 else "")
     where = (torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "CPU, one thread")
     print(f"{model} (25,557,032 entries), {args.world} ranks emulated, {where}, "
@@ -286,10 +293,15 @@ def main(argv: Sequence[str] = None) -> None:
     print(f"| method | layout | ms | x one tensor | ATen ops | {waits} |")
     print("|---|---|---:|---:|---:|---:|")
     for method, layouts in results.items():
-        flat = layouts["one tensor"]["ms"]
+        flat = layouts.get("one tensor", {"ms": math.nan})["ms"]
         for layout, r in layouts.items():
-            print(f"| {method} | {layout} | {r['ms']:.1f} | {r['ms'] / flat:.2f} | {r['ops']:.0f} | "
-                  f"{r['reads']:.0f} |")
+            print(f"| {method} | {layout} | {_shown(r['ms'], '.1f')} | {_shown(r['ms'] / flat, '.2f')} | "
+                  f"{r['ops']:.0f} | {r['reads']:.0f} |")
+
+
+def _shown(x: float, spec: str) -> str:
+    """``x`` formatted, or "-" where it was not measured."""
+    return "-" if math.isnan(x) else format(x, spec)
 
 
 if __name__ == "__main__":
