@@ -452,9 +452,15 @@ MUTANTS: Tuple[Mutant, ...] = (
        'else self._flat_buffer(bucket, grads, "gradients")[0].zero_()',
        "a bucket's buffer cleared when it launches, where gradients accumulated into the last "
        "step's averages (the .grad views) still lie"),
-    _m("bucket-averages-viewed-each-step", "torch/engine.py", "if destination is own[0]:", "if False:",
+    _m("bucket-averages-viewed-each-step", "torch/engine.py",
+       "own[0].data_ptr() == flat.data_ptr() or destination is own[0]):", "own[0].data_ptr() == flat.data_ptr()):",
        "a two-stage bucket's averages handed out as new views of a new flat tensor every step "
        "(two operations per tensor, where the cached views of the gradients' buffer cost none)"),
+    _m("bucket-padding-left-as-averaged", "torch/engine.py",
+       "                own[0].copy_(flat)\n            self._zero_padding(bucket, own[0])",
+       "                own[0].copy_(flat)",
+       "the average of a dropped step left in the gradients' buffer with NaN in its padding, so "
+       "every later step of the bucket is flagged non-finite"),
     _m("world-change-unnoticed", "torch/compression.py",
        "if (transport.size(), transport.rank()) != (engine.world_size, engine.rank):", "if False:",
        "a compressor exchanges in a resized world with the old world's memories"),

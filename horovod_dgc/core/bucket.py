@@ -131,6 +131,11 @@ class Bucket:
         return tuple(s.name for s in self.segments)
 
     @functools.cached_property
+    def padding(self) -> Tuple[int, ...]:
+        """The positions of the flat buffer that are padding, ascending."""
+        return tuple(i for s in self.segments for i in range(s.end, s.offset + s.span))
+
+    @functools.cached_property
     def key(self) -> str:
         """The name its message and memories go by: the label and a checksum of the member
         names, so that ranks whose buckets hold other tensors are told apart by the header."""

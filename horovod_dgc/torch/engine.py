@@ -133,6 +133,7 @@ class Engine:
         self._bucket_of: Dict[Tuple[str, Tuple[str, ...]], Bucket] = {}
         # Each bucket's flat buffers (its gradients, its parameters) and their members' views.
         self._flats: Dict[Tuple[str, str], Tuple[torch.Tensor, List[torch.Tensor]]] = {}
+        self._paddings: Dict[str, torch.Tensor] = {}  # each bucket's padding positions, on its device
         self._loss_scale: Callable[[], float] = lambda: 1.0
         self._weight_decays: Dict[str, float] = {}
         self._compute_s: Dict[str, float] = {}
@@ -689,13 +690,23 @@ class Engine:
         the step's ``destination``: no message or memory holds it), else views of ``flat``.
         One copy costs a pass over the bucket; a view per member costs two operations each."""
         own = self._flats.get((bucket.key, "gradients"))
-        if own is not None and own[0].shape == flat.shape and own[0].dtype == flat.dtype:
-            if own[0].data_ptr() == flat.data_ptr():
-                return list(own[1])
-            if destination is own[0]:
+        if own is not None and own[0].shape == flat.shape and own[0].dtype == flat.dtype and (
+                own[0].data_ptr() == flat.data_ptr() or destination is own[0]):
+            if own[0].data_ptr() != flat.data_ptr():
                 own[0].copy_(flat)
-                return list(own[1])
+            self._zero_padding(bucket, own[0])
+            return list(own[1])
         return [flat[s.offset:s.end].view(shape) for s, shape in zip(bucket.segments, shapes)]
+
+    def _zero_padding(self, bucket: Bucket, flat: torch.Tensor) -> None:
+        """0 over ``flat``'s padding, which the next step reads as zeros: the average of a
+        step some rank could not send is NaN there too."""
+        if not bucket.padding:
+            return
+        positions = self._paddings.get(bucket.key)
+        if positions is None or positions.device != flat.device:
+            positions = self._paddings[bucket.key] = torch.tensor(bucket.padding, device=flat.device)
+        self.ops.scatter_zero(flat, positions)
 
     def memories(self, name: str) -> Dict[str, torch.Tensor]:
         """Tensor ``name``'s memories as kept now (flat; views of its bucket's, where a
