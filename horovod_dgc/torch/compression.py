@@ -86,6 +86,7 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
         self._lock = threading.Lock()
         self._engine: Optional[Engine] = None
         self._optimizer_checked = False
+        self._sparse_bypass_to_tell = False
         self._scaler_told = False
         self._scaler_checked = False
         self._one_worker_told = False
@@ -251,6 +252,10 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
     def compress(self, tensor: torch.Tensor):
         if Engine.passes_through(tensor):
             return tensor, None
+        if not self._optimizer_checked:
+            # Before anything is launched: a refusal at decompress left this step's
+            # collectives in flight under names that a rebuilt optimizer uses again.
+            self._check_wrapping_optimizer()
         name, param = self._lookup(tensor)
         if self._handed_over_again(name):
             return tensor.new_zeros(1, dtype=torch.float32), AlreadyAveraged(tensor)
@@ -291,8 +296,9 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
 
     def decompress(self, tensor: torch.Tensor, ctx) -> torch.Tensor:
         self.check_grad_scaler_use()
-        if not self._optimizer_checked:
-            self._check_wrapping_optimizer()
+        if self._sparse_bypass_to_tell:
+            self._sparse_bypass_to_tell = False
+            self._warn_of_sparse_gradients()
         self._averages_delivered = True
         if ctx is None:
             return tensor
@@ -485,8 +491,8 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
                     f"horovod_dgc compressors exchange among all {hvd.size()} workers; the "
                     f"optimizer was given a process set of {process_set.size()}: use the "
                     f"global process set (process sets are not supported)")
-            if not getattr(optimizer, "sparse_as_dense", True):
-                self._warn_of_sparse_gradients()
+            # Said at the first decompress, when every gradient of the step exists.
+            self._sparse_bypass_to_tell |= not getattr(optimizer, "sparse_as_dense", True)
 
     def _warn_of_sparse_gradients(self) -> None:
         """Horovod sends a sparse gradient by an allgather of its own, never through

@@ -36,6 +36,13 @@ def double_momentum() -> None:
     sgd = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     optimizer = hvd.DistributedOptimizer(sgd, named_parameters=net.named_parameters(), compression=compression)
     expect_error(lambda: one_step(optimizer, net), "momentum=0.9")
+    launched_nothing(compression)
+
+
+def launched_nothing(compression) -> None:
+    """A refusal on the stock path comes before the step launches a collective: one left in
+    flight would collide with the next optimizer's under the same parameter names."""
+    assert compression.stats().bytes_sent == 0, compression.stats()
 
 
 def weight_decay_left_outside_the_momentum() -> None:
@@ -44,11 +51,12 @@ def weight_decay_left_outside_the_momentum() -> None:
     The same decay given to the compressor trains."""
     net = torch.nn.Linear(64, 64)
     sgd = torch.optim.SGD(net.parameters(), lr=0.1, weight_decay=1e-4)
-    optimizer = hvd.DistributedOptimizer(sgd, named_parameters=net.named_parameters(),
-                                         compression=hdgc.Compression.dgc())
+    compression = hdgc.Compression.dgc()
+    optimizer = hvd.DistributedOptimizer(sgd, named_parameters=net.named_parameters(), compression=compression)
     expect_error(lambda: one_step(optimizer, net), "weight_decay=0.0001, which torch's SGD adds "
                  "to the gradient before its momentum; the compressor applies the momentum "
                  "(momentum=0.9), so that decay would act outside it, 10x weaker")
+    launched_nothing(compression)
     net = torch.nn.Linear(64, 64)
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
                                          named_parameters=net.named_parameters(),
@@ -181,7 +189,8 @@ def momentum_cycled_by_a_scheduler() -> None:
     """OneCycleLR sets the SGD's momentum in param_groups at construction and every step: the
     fused optimizer, which moved it into the compressor before the scheduler existed, refuses
     it at the next step's first gradient, before launching anything (an exchange left in
-    flight would collide with the next one's name), and the stock path at its first step."""
+    flight would collide with the next one's name), and the stock path at its first
+    gradient."""
     for wrap in (hdgc.DistributedOptimizer, hvd.DistributedOptimizer):
         net = torch.nn.Linear(64, 64)
         compression = hdgc.Compression.dgc(named_parameters=net.named_parameters())
@@ -194,6 +203,8 @@ def momentum_cycled_by_a_scheduler() -> None:
         if wrap is hdgc.DistributedOptimizer:
             assert all(p.grad is None or not optimizer.state[p] for p in net.parameters()), \
                 "the SGD stepped with the scheduler's momentum before the refusal"
+        else:
+            launched_nothing(compression)
 
 
 def scaled_training(wrap, prefix: str):
