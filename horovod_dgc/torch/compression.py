@@ -320,7 +320,7 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
         synchronizes a second time (Horovod warns of the time it costs), and compressing the
         average as a new gradient would put it into the memories twice and advance the step
         counters twice. A call from a backward hook starts a new step; so does an optimizer
-        step (registered by the first decompress)."""
+        step (registered by the first compress)."""
         synchronizing = _called_by_synchronize()
         with self._lock:
             if not synchronizing and self._averages_delivered:
