@@ -25,7 +25,7 @@ setup(
         "tensorflow": ["tensorflow-cpu>=2.16", "tf_keras>=2.16"],
         # triton runs the GPU kernel's tests under its interpreter on a CPU; py-spy dumps the
         # stacks of a stuck job (make stress-hierarchical).
-        "test": ["pytest>=8", "hypothesis>=6", "mpi4py>=4", "pyflakes>=3", "triton>=3", "py-spy>=0.3"],
+        "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6", "mpi4py>=4", "pyflakes>=3", "triton>=3", "py-spy>=0.3"],
         "examples": ["tqdm>=4.60", "mnist1d>=0.0.2", "matplotlib>=3.7"],
     },
     classifiers=[

@@ -34,20 +34,30 @@ TINY_RUN = ["--hosts", "2", "--methods", "dense,dgc", "--model", "tiny", "--batc
 STOP_DEADLINE_S = 30.0
 
 
+# Every namespace of these tests' clusters starts with it.
+PREFIX = "hdgct"
+
+
 def unique_prefix() -> str:
-    return f"hdgct{uuid.uuid4().hex[:10]}"
+    return f"{PREFIX}{uuid.uuid4().hex[:10]}"
+
+
+def ours(names) -> set:
+    """The names among ``names`` of these tests' namespaces: make test runs another file's
+    tests beside these, which may add and remove namespaces of their own meanwhile."""
+    return {name for name in names if name.startswith(PREFIX)}
 
 
 def etc_netns_entries() -> set:
-    return set(os.listdir(ETC_NETNS)) if ETC_NETNS.is_dir() else set()
+    return ours(os.listdir(ETC_NETNS)) if ETC_NETNS.is_dir() else set()
 
 
 @pytest.fixture
 def netns_unchanged():
     """Fail the test if it leaves a namespace or an /etc/netns entry behind."""
-    namespaces, etc = set(netns_names()), etc_netns_entries()
+    namespaces, etc = ours(netns_names()), etc_netns_entries()
     yield
-    assert set(netns_names()) == namespaces
+    assert ours(netns_names()) == namespaces
     assert etc_netns_entries() == etc
 
 
@@ -289,14 +299,14 @@ def test_a_job_past_its_time_limit_is_stopped(tmp_path, netns_unchanged):
 
 def test_without_root_it_refuses_in_one_sentence(tmp_path):
     nobody = str(pwd.getpwnam("nobody").pw_uid)
-    before = set(netns_names())
+    before = ours(netns_names())
     proc = subprocess.run(["setpriv", f"--reuid={nobody}", f"--regid={nobody}", "--clear-groups",
                            *bench_args(tmp_path, "--quick")],
                           cwd=ROOT, env=worker_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     assert proc.stderr == ("cluster-bench: ERROR: creating network namespaces needs root: run "
                            "this command as root (for example with sudo).\n")
-    assert set(netns_names()) == before
+    assert ours(netns_names()) == before
 
 
 TRANSFER_SERVER = """
