@@ -12,8 +12,8 @@ back afterwards.
     .venv/bin/python -m benchmarks.mutation [--only ID,...] [--layer core|torch|tensorflow]
                                             [--out results/mutation]
 
-A mutant of compression between hosts runs the slow job that tests that mode (``make
-test-slow``; out of ``make test`` while its intermittent hang is open), which the table names.
+A mutant of compression between hosts runs the one job that tests that mode (a 4-worker job
+late in its layer's test files), which the table names.
 
 A mutant that no test catches takes its layer's whole test set (core about 1.5 minutes, torch
 about 7, tensorflow about 6 on 2 cores); a caught one usually seconds. Exit status 1 when a
@@ -66,9 +66,9 @@ class Mutant:
     old: str
     new: str
     bug: str
-    # The test of `make test-slow` that judges it, where `make test` holds none that could:
-    # compression between hosts, whose jobs are slow while their intermittent hang is open.
-    slow_test: Optional[str] = None
+    # The one test that judges it, where its layer's files would reach it only after minutes:
+    # compression between hosts, which one 4-worker job of each framework tests.
+    test: Optional[str] = None
 
     @property
     def compiled(self) -> bool:
@@ -88,21 +88,16 @@ class Mutant:
 
     @property
     def tests(self) -> Tuple[str, ...]:
-        """Its layer's test files, the kernels' own first for a C kernel; or its slow test."""
-        if self.slow_test:
-            return (self.slow_test,)
+        """Its layer's test files, the kernels' own first for a C kernel; or its one test."""
+        if self.test:
+            return (self.test,)
         if self.compiled:
             return KERNEL_TESTS + tuple(t for t in TESTS["core"] if t not in KERNEL_TESTS)
         return TESTS[self.layer]
 
-    @property
-    def marker(self) -> str:
-        """The pytest marker expression its tests run under."""
-        return "slow" if self.slow_test else "not slow"
 
-
-def _m(id: str, path: str, old: str, new: str, bug: str, slow_test: Optional[str] = None) -> Mutant:
-    return Mutant(id, f"horovod_dgc/{path}", old, new, bug, slow_test)
+def _m(id: str, path: str, old: str, new: str, bug: str, test: Optional[str] = None) -> Mutant:
+    return Mutant(id, f"horovod_dgc/{path}", old, new, bug, test)
 
 
 TORCH_HOSTS_TEST = "test_torch_multiprocess.py::test_hierarchical_compresses_host_averages_between_hosts"
@@ -901,10 +896,10 @@ def copy_tree(destination: Path) -> None:
             shutil.copy2(source, target)
 
 
-def run_tests(tree: Path, tests: Sequence[str], marker: str = "not slow") -> Tuple[Optional[str], str]:
+def run_tests(tree: Path, tests: Sequence[str]) -> Tuple[Optional[str], str]:
     """(the first failing test's id, or None when all passed; pytest's output) in ``tree``,
-    of the tests that ``marker`` selects."""
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-m", marker, "-q", "-x",
+    of ``tests`` that ``make test`` runs."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "not slow", "-q", "-x",
                            "-p", "no:cacheprovider", *[f"tests/{t}" for t in tests]],
                           cwd=tree, env=worker_env(PYTHONPATH=str(tree)), capture_output=True, text=True,
                           timeout=TIMEOUT_S)
@@ -930,7 +925,7 @@ def try_mutant(mutant: Mutant, tree: Path, tests: Optional[Sequence[str]] = None
         if failed_build:
             return Verdict(mutant.id, mutant.layer, f"it does not compile: {failed_build}", None,
                            time.perf_counter() - started, stale=True)
-        caught_by, _ = run_tests(tree, tests or mutant.tests, mutant.marker)
+        caught_by, _ = run_tests(tree, tests or mutant.tests)
     finally:
         path.write_text(original)
         for so, content in built.items():

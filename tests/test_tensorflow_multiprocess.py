@@ -152,8 +152,6 @@ def test_a_run_saved_on_2_workers_resumes_on_3_with_the_memories_redistributed(t
         assert out.count(f"{method} resumed on 3 from 2 ok") == 3, out
 
 
-# Slow, as its PyTorch twin, while the intermittent hang of the hierarchical jobs is open.
-@pytest.mark.slow
 @pytest.mark.parametrize("kinds", TF_KIND_LISTS)
 def test_hierarchical_compresses_host_averages_between_hosts(kinds):
     """2 hosts x 2 workers in tf.function: each step's gradient and the memories equal a
