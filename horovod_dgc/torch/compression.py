@@ -478,9 +478,13 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
     def _check_wrapping_optimizer(self) -> None:
         """Refuse an hvd.DistributedOptimizer around an optimizer that would apply momentum
         or weight decay a second time, or an op other than Average (best effort: the
-        optimizer is found through the garbage collector's referrers)."""
+        optimizer is found through the garbage collector's referrers). Once: compress runs on
+        each device's autograd thread, and a second check would hook the step twice."""
         import horovod.torch as hvd
-        self._optimizer_checked = True
+        with self._lock:
+            if self._optimizer_checked:
+                return
+            self._optimizer_checked = True
         for optimizer in _optimizers_holding(self):
             check_optimizer_compatible(optimizer, self.config, getattr(optimizer, "op", hvd.Average))
             optimizer.register_step_post_hook(self._forget_the_exchanged)
