@@ -459,6 +459,13 @@ MUTANTS: Tuple[Mutant, ...] = (
     _m("world-change-unnoticed", "torch/compression.py",
        "if (transport.size(), transport.rank()) != (engine.world_size, engine.rank):", "if False:",
        "a compressor exchanges in a resized world with the old world's memories"),
+    _m("world-checked-after-horovod-is-handed-a-tensor", "torch/compression.py",
+       "        self._check_place_in_the_world()\n        if Engine.passes_through(tensor):",
+       "        if Engine.passes_through(tensor):",
+       "in a world resized under Horovod's own elastic state, a survivor hands Horovod its step's "
+       "first placeholder before it refuses; when its peer has refused and shut Horovod down first, "
+       "that call fails as a recoverable reset and the elastic driver waits for hosts",
+       "test_elastic_torch.py::test_a_reset_that_bypasses_our_state_is_refused_naming_the_old_and_new_world"),
     _m("two-optimizers-one-compressor", "torch/compression.py", "if len(holders) > 1:", "if False:",
        "one compressor given to two optimizers is not refused"),
     _m("broadcast-state-step-counted", "torch/optimizer.py",

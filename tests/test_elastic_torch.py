@@ -85,10 +85,14 @@ def test_worker_added_at_a_commit_takes_its_share_and_conserves_gradient_mass(tm
 
 def test_a_reset_that_bypasses_our_state_is_refused_naming_the_old_and_new_world(tmp_path):
     """Horovod's own TorchState resizes the world under the compressor: the survivors stop at
-    their next exchange with an error that says so, not with malformed-message errors."""
-    proc = lose_a_worker(tmp_path, "--state", "horovods")
+    their next exchange with an error that says so, not with malformed-message errors. One
+    survivor starts its step 5 s after the other, which has stopped and shut Horovod down by
+    then: the late one must refuse too, before it hands Horovod anything (a Horovod call there
+    fails as a recoverable reset, and the driver waits for hosts instead of ending the job)."""
+    proc = lose_a_worker(tmp_path, "--state", "horovods", "--lag-after-reset-s", "5",
+                         launcher=("--elastic-timeout", "60"))
     assert proc.returncode != 0
-    # Which rank dies depends on the order horovodrun gives the hosts ranks.
-    assert re.search(r"joined as rank \d of 3 workers, but this is now rank \d of 2", proc.stdout), \
-        proc.stdout[-6000:]
+    # Which ranks refuse depends on the order horovodrun gives the hosts ranks.
+    refusals = re.findall(r"joined as rank \d of 3 workers, but this is now rank \d of 2", proc.stdout)
+    assert len(refusals) == 2, proc.stdout[-6000:]
     assert "horovod_dgc.torch.elastic.TorchState" in proc.stdout, proc.stdout[-6000:]

@@ -250,6 +250,10 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
         return matches[0] if len(matches) == 1 else None
 
     def compress(self, tensor: torch.Tensor):
+        # Before Horovod is handed anything of the step, even a tensor that passes through: a
+        # peer that refused first has shut Horovod down, and a Horovod call failing on that
+        # reads to elastic as a recoverable reset (the driver then waits for hosts).
+        self._check_place_in_the_world()
         if Engine.passes_through(tensor):
             return tensor, None
         if not self._optimizer_checked:
@@ -397,8 +401,12 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
     def _check_place_in_the_world(self) -> None:
         """The memories, the step counters and the message layouts belong to the world the
         engine joined: a world resized by an elastic reset that did not go through
-        :class:`horovod_dgc.torch.elastic.TorchState` would be read as malformed messages."""
-        engine, transport = self.engine, self.transport
+        :class:`horovod_dgc.torch.elastic.TorchState` would be read as malformed messages.
+        A compressor without an engine yet belongs to the world it first exchanges in."""
+        engine = self._engine
+        if engine is None:
+            return
+        transport = self.transport
         if (transport.size(), transport.rank()) != (engine.world_size, engine.rank):
             raise RuntimeError(
                 f"this compressor joined as rank {engine.rank} of {engine.world_size} workers, but "

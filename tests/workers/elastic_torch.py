@@ -16,7 +16,9 @@ every entry into the training function (after each reset) every rank checks that
 parameters and residuals are identical on all ranks and that the law holds; at the end it checks the law again. Top-k's law holds exactly (every value's rounding to
 the wire stays in its residual); ScaleCom's all-reduce sums float32 values, whose rounding no
 residual keeps. ``--path fused`` trains with our fused optimizer: the reset interrupts its
-step with gradients submitted and exchanges in flight.
+step with gradients submitted and exchanges in flight. ``--lag-after-reset-s``: rank 0 of a
+resized world waits that long before its first step there, so that a peer which stops at
+its own first step has shut Horovod down by then (a forced interleaving).
 """
 import argparse
 import os
@@ -91,7 +93,8 @@ def wait_for_a_host(state, marker: Optional[Path] = None) -> None:
     raise TimeoutError("no host was added within 60 s")
 
 
-def main(victim: str, marker: Path, method: str, path: str, event: str, state_kind: str) -> None:
+def main(victim: str, marker: Path, method: str, path: str, event: str, state_kind: str,
+         lag_after_reset_s: float) -> None:
     hvd.init()
     torch.set_num_threads(1)
     model = make_model()
@@ -112,6 +115,8 @@ def main(victim: str, marker: Path, method: str, path: str, event: str, state_ki
     def train(state):
         if state_kind == "ours" or state.step == 0:
             check(state, model, compression, initial, "entry", True, TOLERANCE[method])
+        if hvd.size() == 2 and hvd.rank() == 0 and state.step > 0:
+            time.sleep(lag_after_reset_s)
         while state.step < STEPS:
             if event == "grow" and state.step == GROW_AT and hvd.size() == 2:
                 wait_for_a_host(state, marker)
@@ -144,5 +149,6 @@ if __name__ == "__main__":
     parser.add_argument("--method", choices=sorted(TOLERANCE), default="topk")
     parser.add_argument("--path", choices=("stock", "fused"), default="stock")
     parser.add_argument("--state", choices=("ours", "horovods"), default="ours")
+    parser.add_argument("--lag-after-reset-s", type=float, default=0.0)
     args = parser.parse_args()
-    main(args.victim, args.marker, args.method, args.path, args.event, args.state)
+    main(args.victim, args.marker, args.method, args.path, args.event, args.state, args.lag_after_reset_s)
