@@ -13,10 +13,11 @@ setup:
 	@bash scripts/setup_env.sh
 
 ## The default test run (what CI runs): unit and multi-process tests, no slow benchmarks; two
-## test processes (pytest-xdist), each taking whole files, so one file's multi-process jobs wait
-## on their workers while the other's run.
+## test processes (pytest-xdist), each taking whole files in collection order (the longest
+## first: tests/conftest.py), so one file's multi-process jobs wait on their workers while the
+## other's run.
 test: setup
-	$(PYTHON) -m pytest -m "not slow" -q -n 2 --dist loadfile --durations=30
+	$(PYTHON) -m pytest -m "not slow" -q -n 2 --dist loadfile --no-loadscope-reorder --durations=30
 
 ## The documentation site (Sphinx, MyST, furo) into build/docs/html, warnings as errors; make test
 ## builds it too and checks its internal links (tests/test_docs.py).

@@ -38,6 +38,17 @@ def _succeeded(proc: subprocess.CompletedProcess) -> str:
     return proc.stdout
 
 
+# The files of multi-process jobs, longest first: make test's two processes take whole files
+# in collection order, so these start at once instead of ending the run on one process.
+LONGEST_FILES = ("test_tensorflow_multiprocess.py", "test_torch_multiprocess.py", "test_ddp_torch.py",
+                 "test_cluster_netns.py", "test_elastic_torch.py")
+
+
+def pytest_collection_modifyitems(items: List[pytest.Item]) -> None:
+    first = {name: place for place, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: first.get(item.path.name, len(LONGEST_FILES)))
+
+
 _warm_server: Optional[subprocess.Popen] = None
 _warm_server_errors = tempfile.TemporaryFile("w+")  # what it prints itself (its launches' output goes to files)
 
