@@ -474,6 +474,10 @@ MUTANTS: Tuple[Mutant, ...] = (
     _m("unfrozen-parameter-unrefused", "torch/optimizer.py",
        "if p.grad is not None and p not in self._delay]", "if False]",
        "a parameter unfrozen after the fused optimizer was built is applied unaveraged"),
+    _m("complex-parameter-accepted", "torch/optimizer.py", "    if complex_named:", "    if False:",
+       "a complex parameter is taken by the fused optimizer and fails at its first step in Horovod's "
+       "all-reduce, which names neither the parameter nor a way out",
+       "test_bad_input.py::test_a_complex_parameter_is_refused_at_construction_naming_it"),
     _m("ddp-scheduler-momentum-unchecked", "torch/ddp.py",
        "check_plain_optimizer(self._optimizer, self.compression.config, _INSTEAD)", "pass",
        "the DDP hook misses a momentum a scheduler set in the SGD after registration"),

@@ -203,3 +203,15 @@ def test_a_compressor_used_before_hvd_init_or_ddp_register_says_which_to_call(mo
     monkeypatch.setattr(hvd, "is_initialized", lambda: False)
     with pytest.raises(ValueError, match=r"hvd.init\(\) before .*ddp.register\(model, compression\)"):
         Compression.topk().set_epoch(0)
+
+
+def test_a_complex_parameter_is_refused_at_construction_naming_it():
+    """Horovod all-reduces no complex tensor: the fused optimizer refuses one when it is built,
+    not at the first step (where Horovod's own error names neither parameter nor way out)."""
+    from horovod_dgc.torch import DistributedOptimizer
+    real = torch.nn.Parameter(torch.zeros(3))
+    phase = torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64))
+    sgd = torch.optim.SGD([real, phase], lr=0.1)
+    with pytest.raises(ValueError, match=r"\['phase'\] are complex: .*torch.view_as_real"):
+        DistributedOptimizer(sgd, named_parameters=[("real", real), ("phase", phase)],
+                             compression=Compression.topk())

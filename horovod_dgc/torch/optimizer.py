@@ -30,7 +30,6 @@ import torch
 from ..core.callers import caller_frames
 from ..core.collectives import DEFAULT_BUCKET_CAP_MB, backward_buckets
 from ..core.methods import spec_of
-from .collectives import PREFIX, wait
 from .compression import Compression, MethodCompressor, check_optimizer_compatible, check_plain_optimizer
 from .engine import DenseExchange, Engine
 
@@ -103,8 +102,7 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         # A dense tensor waits in _dense_ready until its bucket is complete; the bucket then
         # sends one all-reduce per dtype.
         self._dense_ready: set = set()
-        self._dense_exchanges: Dict[int, Tuple[Optional[DenseExchange], List[torch.nn.Parameter],
-                                               List[Tuple[int, torch.nn.Parameter]]]] = {}
+        self._dense_exchanges: Dict[int, Tuple[Optional[DenseExchange], List[torch.nn.Parameter]]] = {}
 
     # -- per-parameter work as gradients become ready ------------------------------------------------
     def _hook(self, p: torch.nn.Parameter) -> None:
@@ -151,29 +149,23 @@ class _FusedDistributedOptimizer(torch.optim.Optimizer):
         bucket's number would be the same in two optimizers stepping in one backward pass."""
         return f"{kind}.{self._names[members[0]]}"
 
-    def _launch_dense(self, bucket: int) -> Tuple[Optional[DenseExchange], List[torch.nn.Parameter],
-                                                 List[Tuple[int, torch.nn.Parameter]]]:
+    def _launch_dense(self, bucket: int) -> Tuple[Optional[DenseExchange], List[torch.nn.Parameter]]:
         """The bucket's dense tensors averaged as one flat tensor per dtype (the compressor's
         ``launch_dense``), under names that no step changes: Horovod negotiates every cycle
         over one bit per name it has seen, and one name per tensor made that several times
-        larger. A tensor handed on untouched (not floating-point) goes alone; one of zero
-        elements has nothing to average."""
-        members = self._dense_buckets[bucket]
-        sent = [p for p in members if not Engine.passes_through(p.grad)]
-        alone = [(hvd.allreduce_async_(p.grad.clone(), name=f"{PREFIX}dense.{self._names[p]}", op=hvd.Average), p)
-                 for p in members if Engine.passes_through(p.grad) and p.grad.numel()]
+        larger. A tensor of zero elements has nothing to average (parameters are
+        floating-point: complex ones are refused at construction)."""
+        sent = [p for p in self._dense_buckets[bucket] if p.grad.numel()]
         exchange = self._compression.launch_dense(self._names[sent[0]], [(self._names[p], p.grad, p) for p in sent]
                                                   ) if sent else None
-        return exchange, sent, alone
+        return exchange, sent
 
     def _finish_dense(self) -> None:
         """Write every dense bucket's averaged gradients to ``.grad``."""
         for bucket in sorted(self._dense_exchanges):
-            exchange, sent, alone = self._dense_exchanges[bucket]
+            exchange, sent = self._dense_exchanges[bucket]
             if exchange is not None:
                 torch._foreach_copy_([p.grad for p in sent], self._compression.finish_dense(exchange))
-            for handle, p in alone:
-                p.grad.copy_(wait(handle))
 
     def _finish_buckets(self) -> None:
         """Install every bucket's averaged gradients as ``.grad``: views of the bucket's buffer
@@ -395,4 +387,10 @@ def _named_parameters(optimizer: torch.optim.Optimizer,
         raise ValueError(f"named_parameters misses {len(unnamed)} parameter(s) of the optimizer "
                          f"(positions {unnamed[:5]}...)")
     in_optimizer = {id(p) for p in params}
-    return [(n, p) for n, p in named if id(p) in in_optimizer]
+    named = [(n, p) for n, p in named if id(p) in in_optimizer]
+    complex_named = [n for n, p in named if p.is_complex()]
+    if complex_named:
+        raise ValueError(f"parameters {complex_named[:5]} are complex: Horovod all-reduces no complex "
+                         "tensor, so nothing could average their gradients; hold them as real pairs "
+                         "(torch.view_as_real) in the model")
+    return named
