@@ -143,3 +143,10 @@ def test_the_docker_recipe_is_at_the_top_and_its_harness_among_the_benchmarks():
         assert (ROOT / "docker" / name).is_file(), name
     assert not (ROOT / "docker" / "__init__.py").exists()  # would shadow the docker package
     assert not (ROOT / "benchmarks" / "docker").exists()
+
+
+def test_the_files_make_test_starts_first_exist():
+    """A renamed job file would silently fall to the end of make test's order (and the run
+    take minutes longer on one process)."""
+    from conftest import LONGEST_FILES
+    assert [name for name in LONGEST_FILES if not (ROOT / "tests" / name).is_file()] == []
