@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Set
 
-from conftest import ROOT
+from conftest import LONGEST_FILES, ROOT
 
 PACKAGE = ROOT / "horovod_dgc"
 
@@ -148,5 +148,4 @@ def test_the_docker_recipe_is_at_the_top_and_its_harness_among_the_benchmarks():
 def test_the_files_make_test_starts_first_exist():
     """A renamed job file would silently fall to the end of make test's order (and the run
     take minutes longer on one process)."""
-    from conftest import LONGEST_FILES
     assert [name for name in LONGEST_FILES if not (ROOT / "tests" / name).is_file()] == []
