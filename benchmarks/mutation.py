@@ -478,6 +478,11 @@ MUTANTS: Tuple[Mutant, ...] = (
        "a complex parameter is taken by the fused optimizer and fails at its first step in Horovod's "
        "all-reduce, which names neither the parameter nor a way out",
        "test_bad_input.py::test_a_complex_parameter_is_refused_at_construction_naming_it"),
+    _m("frozen-complex-parameter-refused", "torch/optimizer.py",
+       "if p.is_complex() and p.requires_grad]", "if p.is_complex()]",
+       "a model with a frozen complex parameter, which is never all-reduced, cannot build the fused "
+       "optimizer",
+       "test_bad_input.py::test_a_frozen_complex_parameter_is_accepted_and_the_rest_trains"),
     _m("ddp-scheduler-momentum-unchecked", "torch/ddp.py",
        "check_plain_optimizer(self._optimizer, self.compression.config, _INSTEAD)", "pass",
        "the DDP hook misses a momentum a scheduler set in the SGD after registration"),

@@ -13,7 +13,7 @@ from horovod_dgc.core.collectives import ALLGATHER, ALLREDUCE
 from horovod_dgc.core.methods import BY_NAME
 from horovod_dgc.torch.engine import Engine
 
-from conftest import two_stage_bucket
+from conftest import OneRankTransport, two_stage_bucket
 
 SHAPES = [(40, 3, 3, 3), (40,), (1,), (64, 80), (1000,), (5, 2048), (3, 5)]
 NAMES = [f"t{i}" for i in range(len(SHAPES))]
@@ -362,29 +362,13 @@ def test_a_compressor_refuses_what_the_switch_does_not_support_at_construction(f
     assert Compression.topk().adaptive is None
 
 
-class _Alone:
-    """The collectives of a world of one rank: each delivers its message."""
-
-    def size(self) -> int:
-        return 1
-
-    def rank(self) -> int:
-        return 0
-
-    def launch(self, kind, message, name, root=0, chunks=None):
-        return message.clone()
-
-    def wait(self, handle):
-        return handle
-
-
 def test_a_label_no_longer_exchanged_is_not_decided_on():
     """DDP numbers its buckets anew when it rebuilds them after the first step: the labels of
     the first step that no step exchanges again get no decision and no line."""
     from horovod_dgc.torch import Compression
     compression = Compression.topk(adaptive=Adaptive(link_bytes_per_s=1e15, first_decision_step=2,
                                                      sample_steps=1, recheck_steps=2))
-    compression.use_transport(_Alone())
+    compression.use_transport(OneRankTransport())
     params = {name: torch.zeros(5000) for name in "abc"}
     compression.bind(list(params.items()))
     decided = []

@@ -1,10 +1,14 @@
 """Bad settings fail at construction; bad messages name the rank and the tensor."""
+import math
+
 import pytest
 import torch
 
 from horovod_dgc.core import DGC, CompressCall, DGCConfig, MessageError, TopK, TopKConfig
 from horovod_dgc.torch import Compression
 from horovod_dgc.torch.ops import TorchOps
+
+from conftest import OneRankTransport
 
 ops = TorchOps()
 
@@ -215,3 +219,24 @@ def test_a_complex_parameter_is_refused_at_construction_naming_it():
     with pytest.raises(ValueError, match=r"\['phase'\] are complex: .*torch.view_as_real"):
         DistributedOptimizer(sgd, named_parameters=[("real", real), ("phase", phase)],
                              compression=Compression.topk())
+
+
+def test_a_frozen_complex_parameter_is_accepted_and_the_rest_trains():
+    """A complex parameter that takes no gradient is never all-reduced: the refusal above is
+    for trainable ones only. The real parameter beside it still takes top-k's step: its k
+    largest gradient entries (all equal here, so exactly k of them) move by the learning rate
+    (a 2-D tensor above ``min_numel``, so at the method's density, not ``small_density``)."""
+    from horovod_dgc.torch import DistributedOptimizer
+    real = torch.nn.Parameter(torch.zeros(100, 100))
+    phase = torch.nn.Parameter(torch.ones(3, dtype=torch.complex64), requires_grad=False)
+    compression = Compression.topk()
+    compression.use_transport(OneRankTransport())
+    sgd = torch.optim.SGD([real, phase], lr=0.1)
+    optimizer = DistributedOptimizer(sgd, named_parameters=[("real", real), ("phase", phase)],
+                                     compression=compression)
+    (real.sum() * phase.abs().sum()).backward()
+    optimizer.step()
+    k = math.ceil(compression.config.density * real.numel())
+    assert sorted(real.detach().unique().tolist()) == pytest.approx([-0.3, 0.0])
+    assert int(real.detach().ne(0).sum()) == k
+    assert torch.equal(phase.detach(), torch.ones(3, dtype=torch.complex64))

@@ -388,7 +388,7 @@ def _named_parameters(optimizer: torch.optim.Optimizer,
                          f"(positions {unnamed[:5]}...)")
     in_optimizer = {id(p) for p in params}
     named = [(n, p) for n, p in named if id(p) in in_optimizer]
-    complex_named = [n for n, p in named if p.is_complex()]
+    complex_named = [n for n, p in named if p.is_complex() and p.requires_grad]
     if complex_named:
         raise ValueError(f"parameters {complex_named[:5]} are complex: Horovod all-reduces no complex "
                          "tensor, so nothing could average their gradients; hold them as real pairs "
