@@ -483,6 +483,11 @@ MUTANTS: Tuple[Mutant, ...] = (
        "a model with a frozen complex parameter, which is never all-reduced, cannot build the fused "
        "optimizer",
        "test_bad_input.py::test_a_frozen_complex_parameter_is_accepted_and_the_rest_trains"),
+    _m("ddp-complex-gradient-half-averaged", "torch/ddp.py", "    if not param.is_complex():\n        return view",
+       "    if True:\n        return view",
+       "the DDP hook takes bucket.gradients()'s view of a complex gradient, which covers half of it: "
+       "the other half stays each rank's own",
+       "test_ddp_torch.py::test_ddp_aggregated_gradient_equals_dense_reference"),
     _m("ddp-scheduler-momentum-unchecked", "torch/ddp.py",
        "check_plain_optimizer(self._optimizer, self.compression.config, _INSTEAD)", "pass",
        "the DDP hook misses a momentum a scheduler set in the SGD after registration"),

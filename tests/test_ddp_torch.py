@@ -20,9 +20,12 @@ needs_horovod = pytest.mark.skipif(importlib.util.find_spec("horovod") is None,
 # Two processes train, checkpoint and refuse below; the aggregation is checked on four.
 @pytest.mark.parametrize("nproc", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_ddp_aggregated_gradient_equals_dense_reference(nproc):
-    out = torchrun("ddp_torch.py", nproc, ["aggregate", "--methods", "topk,dgc"])
+    """Real parameters, and a complex one (its real and imaginary parts, as DDP's bucket holds
+    them): each averaged gradient is the mean of the ranks' exact top-k."""
+    out = torchrun("ddp_torch.py", nproc, ["aggregate,complex", "--methods", "topk,dgc"])
     for method in ("topk", "dgc"):
         assert out.count(f"{method} ddp aggregate ok") == nproc, out
+        assert out.count(f"{method} ddp complex ok") == nproc, out
 
 
 @needs_horovod

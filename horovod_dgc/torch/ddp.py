@@ -14,7 +14,7 @@
 
 How a bucket travels. DDP hands the hook one flat bucket of gradients at a time, in bucket
 order. The hook splits it into its parameters' gradients (``bucket.gradients()``, views of
-the flat buffer) and names each by its parameter (``ddp_model.module.named_parameters()``):
+the flat buffer; a complex one as its real view) and names each by its parameter (``ddp_model.module.named_parameters()``):
 every tensor is then selected, scaled and remembered on its own, exactly as on the Horovod
 paths, and the bucket is a transport unit only (its compressed tensors share one collective
 per stage, through the family's ``launch``/``finish``). Memories are keyed by parameter name,
@@ -192,9 +192,10 @@ class DDPCompressionState:
 
     def exchange(self, bucket: dist.GradBucket) -> "torch.futures.Future[torch.Tensor]":
         """Launch one bucket's collectives; the last bucket of a step finishes them all."""
-        params, views = bucket.parameters(), bucket.gradients()
-        buffer = bucket.buffer()
+        params, buffer = bucket.parameters(), bucket.buffer()
         names = [self._name_of(p)[0] for p in params]
+        views = [_as_real_in(buffer, view, p) for p, view in zip(params, bucket.gradients())]
+        params = [torch.view_as_real(p.detach()) if p.is_complex() else p for p in params]
         flight = _BucketInFlight(bucket.index(), buffer, views, names, torch.futures.Future())
         try:
             if not self._in_flight:  # a step's first bucket
@@ -282,6 +283,18 @@ class DDPCompressionState:
         if self._used is not None:
             self._used.clear()
         self.compression.abandon_exchanges()
+
+
+def _as_real_in(buffer: torch.Tensor, view: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A parameter's gradient in its bucket's buffer: ``view`` itself, or for a complex
+    parameter its real view (``torch.view_as_real``'s layout, shape ``(*param.shape, 2)``).
+    DDP stores a complex gradient in a real buffer as its real view, yet its
+    ``bucket.gradients()`` hands over a real tensor of the parameter's shape, which covers
+    only the first half of it."""
+    if not param.is_complex():
+        return view
+    start = (view.data_ptr() - buffer.data_ptr()) // buffer.element_size()
+    return buffer[start:start + 2 * param.numel()].view(*param.shape, 2)
 
 
 def _inside(view: torch.Tensor, buffer: torch.Tensor) -> bool:
