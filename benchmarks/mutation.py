@@ -488,6 +488,11 @@ MUTANTS: Tuple[Mutant, ...] = (
        "the DDP hook takes bucket.gradients()'s view of a complex gradient, which covers half of it: "
        "the other half stays each rank's own",
        "test_ddp_torch.py::test_ddp_aggregated_gradient_equals_dense_reference"),
+    _m("complex-memories-counted-as-complex", "torch/compression.py",
+       "p.numel() * (2 if p.is_complex() else 1)", "p.numel()",
+       "a checkpoint of the DDP hook with a complex parameter is refused when loaded: its memories "
+       "hold the real view's entries, twice the parameter's count",
+       "test_ddp_torch.py::test_ddp_aggregated_gradient_equals_dense_reference"),
     _m("ddp-scheduler-momentum-unchecked", "torch/ddp.py",
        "check_plain_optimizer(self._optimizer, self.compression.config, _INSTEAD)", "pass",
        "the DDP hook misses a momentum a scheduler set in the SGD after registration"),

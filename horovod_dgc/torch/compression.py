@@ -195,7 +195,8 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
         of the same sizes; ValueError otherwise). A state without modes (saved without
         ``adaptive``) starts every bucket compressed."""
         with self._lock:
-            numels = {name: p.numel() for name, p in self._parameters().items()}
+            # A complex parameter's memories are of its real view (the DDP hook's).
+            numels = {name: p.numel() * (2 if p.is_complex() else 1) for name, p in self._parameters().items()}
         state = dict(state)
         modes = state.pop(STATE_KEY, None)
         self.engine.load_state_dict(state, numels)

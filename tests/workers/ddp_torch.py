@@ -6,7 +6,8 @@ Modes (first argument, comma-separated):
   gradient equals the dense reference built from all ranks' sent values (gradient minus
   what the memory kept), bit for bit, and that Top-k and DGC sent the exact top-k.
 * ``complex``: the same for a model with a complex parameter beside a real one: the complex
-  gradient, which DDP keeps in its bucket as its real view, is averaged whole.
+  gradient, which DDP keeps in its bucket as its real view, is averaged whole; the hook's
+  state saved and loaded into a fresh model gives the next step exactly.
 * ``train --out DIR``: 20 steps of every method of ``--methods`` with fixed per-rank
   gradients, a float32 and a bfloat16 model, parameters saved to ``DIR/ddp_rank{r}.pt``
   under ``method/dtype``. With ``--horovod`` (run under
@@ -160,16 +161,22 @@ class WithComplex(torch.nn.Module):
             torch.view_as_real(g) if g.is_complex() else g).sum() for p, g in zip(self.parameters(), grads))
 
 
+def complex_gradients(module: torch.nn.Module, rank: int, step: int) -> List[torch.Tensor]:
+    return [torch.randn(p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(rank * 7 + step * 100 + i))
+            for i, p in enumerate(module.parameters())]
+
+
 def complex_aggregate(method: str) -> None:
     """DDP keeps a complex gradient in its bucket as its real view: every one of its real and
     imaginary parts is averaged (the exact top-k of each rank's real view, k of its 5,000
-    entries at density 0.01, summed over ranks and divided), none left as the rank's own."""
+    entries at density 0.01, summed over ranks and divided), none left as the rank's own.
+    The hook's state, saved after that step and loaded into a fresh model, gives the next
+    step's gradients exactly as the original does."""
     rank, size = dist.get_rank(), dist.get_world_size()
     module = WithComplex()
     model = ddp_model(module)
-    ddp.register(model, make_compression(method, value_dtype="float32"))
-    grads = [torch.randn(p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(rank * 7 + i))
-             for i, p in enumerate(module.parameters())]
+    state = ddp.register(model, make_compression(method, value_dtype="float32"))
+    grads = complex_gradients(module, rank, 0)
     model(grads).backward()
     mine = exact_topk_dense(torch.view_as_real(grads[1]), 50)
     everyone: List[torch.Tensor] = [None] * size
@@ -178,6 +185,16 @@ def complex_aggregate(method: str) -> None:
     assert module.phase.grad.dtype == torch.complex64
     assert torch.equal(torch.view_as_real(module.phase.grad), reference), \
         f"rank {rank} {method}: the complex gradient is not the average of the ranks' top-k"
+
+    saved = state.state_dict()
+    resumed = WithComplex()
+    resumed_model = ddp_model(resumed)
+    ddp.register(resumed_model, make_compression(method, value_dtype="float32")).load_state_dict(saved)
+    for each, each_model in ((module, model), (resumed, resumed_model)):
+        each.zero_grad()
+        each_model(complex_gradients(each, rank, 1)).backward()
+    for (name, original), again in zip(module.named_parameters(), resumed.parameters()):
+        assert torch.equal(original.grad, again.grad), f"rank {rank} {method} {name}: the resumed step differs"
     print(f"rank {rank}/{size} {method} ddp complex ok", flush=True)
 
 
