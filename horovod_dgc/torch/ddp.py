@@ -13,14 +13,15 @@
     # per epoch: state.set_epoch(epoch); checkpoints: state.state_dict() on every rank
 
 How a bucket travels. DDP hands the hook one flat bucket of gradients at a time, in bucket
-order. The hook splits it into its parameters' gradients (``bucket.gradients()``, views of
-the flat buffer; a complex one as its real view) and names each by its parameter (``ddp_model.module.named_parameters()``):
-every tensor is then selected, scaled and remembered on its own, exactly as on the Horovod
-paths, and the bucket is a transport unit only (its compressed tensors share one collective
-per stage, through the family's ``launch``/``finish``). Memories are keyed by parameter name,
-so they survive DDP rebuilding its buckets after the first iteration. With ``adaptive=``,
-each DDP bucket is one of the switch's buckets (``bucket<index>``): dense where that is
-predicted faster, decided at the end of a step by every rank alike (docs/algorithms.md#adaptive).
+order. The hook splits it into its parameters' gradients (``bucket.gradients()``, views of the
+flat buffer; a complex one as its real view) and names each by its parameter
+(``ddp_model.module.named_parameters()``): every tensor keeps its own k, memories and warm-up,
+exactly as on the Horovod paths, while its bucket is the unit of work: one pass over the
+compressed tensors together (where the settings allow) and one collective per stage, through
+the compressor's ``launch``/``finish``. Memories are keyed by parameter name, so they survive
+DDP rebuilding its buckets after the first iteration. With ``adaptive=``, each DDP bucket is
+one of the switch's buckets (``bucket<index>``): dense where that is predicted faster, decided
+at the end of a step by every rank alike (docs/algorithms.md#adaptive).
 
 Each hook launches its bucket's collectives asynchronously (``torch.distributed`` with
 ``async_op=True``, :mod:`horovod_dgc.torch.dist_collectives`) and returns a pending
