@@ -379,10 +379,6 @@ class Engine:
     def _read_state(self, name: str) -> Dict[str, tf.Tensor]:
         return {key: variable.read_value() for key, variable in self._states[name].items()}
 
-    def _assign_state(self, name: str, state: Dict[str, tf.Tensor]) -> None:
-        for key, value in state.items():
-            self._states[name][key].assign(value)
-
     def _keep_if(self, finite: tf.Tensor, name: str, old: Dict[str, tf.Tensor],
                  new: Dict[str, tf.Tensor]) -> tf.Operation:
         """Keep the step's memories of tensor ``name`` only if every rank's gradient was
