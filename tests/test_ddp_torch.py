@@ -55,14 +55,27 @@ def test_ddp_gradient_accumulation_under_no_sync_equals_one_pass_of_the_sum():
         assert out.count(f"{method} ddp accumulate ok") == 2, out
 
 
-def test_ddp_parameters_no_rank_used_keep_their_memories():
+@pytest.fixture(scope="module")
+def unused_and_join():
+    """One job for two: parameters no rank used, and uneven inputs under ``model.join()``."""
+    return torchrun("ddp_torch.py", 2, ["unused,join", "--methods", ",".join(PARITY_METHODS)])
+
+
+def test_ddp_parameters_no_rank_used_keep_their_memories(unused_and_join):
     """find_unused_parameters=True and static_graph=True: DDP applies nothing to a parameter
     no rank used in a step, so its memories must stay as they were (they lost what they sent)."""
-    methods = "dgc,topk,gaussiank,scalecom,blocksign,dgc-sar"
-    out = torchrun("ddp_torch.py", 2, ["unused", "--methods", methods])
-    for method in methods.split(","):
+    for method in PARITY_METHODS:
         for option in ("find_unused_parameters", "static_graph"):
-            assert out.count(f"{method} ['{option}'] ddp unused ok") == 2, out
+            assert unused_and_join.count(f"{method} ['{option}'] ddp unused ok") == 2, unused_and_join
+
+
+def test_ddp_uneven_inputs_under_join_lose_no_gradient_mass(unused_and_join):
+    """A rank that ran out of inputs shadows the others' steps through the hook with zero
+    gradients; the parameters DDP hands every rank at the end hold every rank's gradients of
+    its own steps, less what the memories owe (with and without find_unused_parameters)."""
+    for method in PARITY_METHODS:
+        for options in ("[]", "['find_unused_parameters']"):
+            assert unused_and_join.count(f"{method} {options} ddp join ok") == 2, unused_and_join
 
 
 def test_ddp_adaptive_switch_loses_no_gradient_and_every_rank_decides_alike():

@@ -8,6 +8,9 @@ Modes (first argument, comma-separated):
 * ``complex``: the same for a model with a complex parameter beside a real one: the complex
   gradient, which DDP keeps in its bucket as its real view, is averaged whole; the hook's
   state saved and loaded into a fresh model gives the next step exactly.
+* ``join``: uneven inputs under ``model.join()`` (rank r takes 3 + 2r steps), with and without
+  ``find_unused_parameters``: the parameters DDP hands every rank at the end against the sum of
+  every rank's own gradients and what the memories owe.
 * ``train --out DIR``: 20 steps of every method of ``--methods`` with fixed per-rank
   gradients, a float32 and a bfloat16 model, parameters saved to ``DIR/ddp_rank{r}.pt``
   under ``method/dtype``. With ``--horovod`` (run under
@@ -335,6 +338,36 @@ def adaptive_forced(kind: str, steps: int = 30, dense_steps: range = range(10, 2
     print(f"rank {dist.get_rank()} {kind} ddp forced switches ok", flush=True)
 
 
+# -- join -------------------------------------------------------------------------------------
+def join(kind: str, **ddp_options) -> None:
+    """Uneven inputs under DDP's ``model.join()``: rank r takes 3 + 2r steps; a rank that ran
+    out shadows the others' steps with zero gradients through the hook, and DDP hands every
+    rank the last one's parameters at the end. Those are the start less lr times (the sum of
+    every rank's gradients of its own steps over the world size, less what the memories owe):
+    a joined rank's shadow steps keep sending what its memories held, and lose nothing."""
+    method, options = PLAIN[kind]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module = Injected()
+    model = torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=BUCKET_CAP_MB, **ddp_options)
+    start = {n: p.detach().clone() for n, p in module.named_parameters()}
+    compression = getattr(hdgc.Compression, method)(**options)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = ddp.register(model, compression, optimizer=sgd)
+    steps = [3 + 2 * r for r in range(world)]
+    with model.join():
+        ddp_steps(model, module, state, sgd, range(steps[rank]))
+    index = {name: i for i, (name, _) in enumerate(module.named_parameters())}
+
+    def mean_gradient_sum(name: str, _shape) -> torch.Tensor:
+        return sum(gradients(module, r, t)[index[name]].double()
+                   for r in range(world) for t in range(steps[r])) / world
+
+    errors = conservation_error(compression, start, module.named_parameters(), mean_gradient_sum, 0.1,
+                                _mean, _gather)
+    assert max(errors.values()) < 1e-5, f"rank {rank} {kind} {ddp_options}: {errors}"
+    print(f"rank {rank} {kind} {sorted(ddp_options)} ddp join ok", flush=True)
+
+
 def adaptive_decisions(settings: Adaptive) -> List[str]:
     """Each bucket's mode after 16 steps of dgc with ``settings``; the decision lines and the
     parameters identical on every rank."""
@@ -569,6 +602,10 @@ def main() -> None:
         if mode == "aggregate":
             for method in methods:
                 aggregate(method)
+        elif mode == "join":
+            for method in methods:
+                join(method)
+                join(method, find_unused_parameters=True)
         elif mode == "complex":
             for method in methods:
                 complex_aggregate(method)
