@@ -55,6 +55,14 @@ def test_ddp_gradient_accumulation_under_no_sync_equals_one_pass_of_the_sum():
         assert out.count(f"{method} ddp accumulate ok") == 2, out
 
 
+def test_ddp_on_process_groups_of_part_of_the_world():
+    """Two DDP models on process groups of ranks 0-1 and 2-3: each group trains on its own
+    ranks' gradients alone (no gradient mass lost), its ranks alike, the groups apart."""
+    out = torchrun("ddp_torch.py", 4, ["subgroups", "--methods", ",".join(PARITY_METHODS)])
+    for method in PARITY_METHODS:
+        assert out.count(f"{method} ddp subgroups ok") == 4, out
+
+
 @pytest.fixture(scope="module")
 def unused_and_join():
     """One job for two: parameters no rank used, and uneven inputs under ``model.join()``."""

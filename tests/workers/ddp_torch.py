@@ -8,6 +8,8 @@ Modes (first argument, comma-separated):
 * ``complex``: the same for a model with a complex parameter beside a real one: the complex
   gradient, which DDP keeps in its bucket as its real view, is averaged whole; the hook's
   state saved and loaded into a fresh model gives the next step exactly.
+* ``subgroups`` (4 ranks): two DDP models on process groups of ranks 0-1 and 2-3; each group's
+  parameters against its own ranks' gradients and what their memories owe.
 * ``join``: uneven inputs under ``model.join()`` (rank r takes 3 + 2r steps), with and without
   ``find_unused_parameters``: the parameters DDP hands every rank at the end against the sum of
   every rank's own gradients and what the memories owe.
@@ -298,14 +300,14 @@ def accumulate(method: str) -> None:
 
 
 # -- adaptive ---------------------------------------------------------------------------------
-def _mean(tensor: torch.Tensor, _name: str) -> torch.Tensor:
-    dist.all_reduce(tensor)
-    return tensor / dist.get_world_size()
+def _mean(tensor: torch.Tensor, _name: str, group=None) -> torch.Tensor:
+    dist.all_reduce(tensor, group=group)
+    return tensor / dist.get_world_size(group)
 
 
-def _gather(tensor: torch.Tensor, _name: str) -> torch.Tensor:
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, tensor)
+def _gather(tensor: torch.Tensor, _name: str, group=None) -> torch.Tensor:
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor, group=group)
     return torch.cat(parts)
 
 
@@ -336,6 +338,39 @@ def adaptive_forced(kind: str, steps: int = 30, dense_steps: range = range(10, 2
                                 _mean, _gather)
     assert max(errors.values()) < 1e-5, f"{kind}: {errors}"
     print(f"rank {dist.get_rank()} {kind} ddp forced switches ok", flush=True)
+
+
+# -- subgroups --------------------------------------------------------------------------------
+def subgroups(kind: str, steps: int = 3) -> None:
+    """Two DDP models on two process groups of two ranks each (``process_group=``): each
+    group's collectives stay in it (ranks and roots are the group's), so each group's
+    parameters are its own ranks' gradients less what their memories owe, the same on both of
+    its ranks and unlike the other group's."""
+    method, options = PLAIN[kind]
+    rank = dist.get_rank()
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group = groups[rank // 2]
+    members = (2 * (rank // 2), 2 * (rank // 2) + 1)
+    module = Injected()
+    model = torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=BUCKET_CAP_MB, process_group=group)
+    start = {n: p.detach().clone() for n, p in module.named_parameters()}
+    compression = getattr(hdgc.Compression, method)(**options)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = ddp.register(model, compression, optimizer=sgd)
+    ddp_steps(model, module, state, sgd, range(steps))
+    index = {name: i for i, (name, _) in enumerate(module.named_parameters())}
+
+    def mean_gradient_sum(name: str, _shape) -> torch.Tensor:
+        return sum(gradients(module, r, t)[index[name]].double() for r in members for t in range(steps)) / 2
+
+    errors = conservation_error(compression, start, module.named_parameters(), mean_gradient_sum, 0.1,
+                                lambda t, n: _mean(t, n, group), lambda t, n: _gather(t, n, group))
+    assert max(errors.values()) < 1e-5, f"rank {rank} {kind}: {errors}"
+    everyone: List[torch.Tensor] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, flat(module))
+    assert torch.equal(everyone[members[0]], everyone[members[1]]), f"rank {rank} {kind}: group differs"
+    assert not torch.equal(everyone[0], everyone[2]), f"{kind}: the groups trained alike"
+    print(f"rank {rank} {kind} ddp subgroups ok", flush=True)
 
 
 # -- join -------------------------------------------------------------------------------------
@@ -602,6 +637,9 @@ def main() -> None:
         if mode == "aggregate":
             for method in methods:
                 aggregate(method)
+        elif mode == "subgroups":
+            for method in methods:
+                subgroups(method)
         elif mode == "join":
             for method in methods:
                 join(method)
