@@ -99,8 +99,8 @@ def flat(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def ddp_model(module: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel:
-    return torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=BUCKET_CAP_MB)
+def ddp_model(module: torch.nn.Module, **ddp_options) -> torch.nn.parallel.DistributedDataParallel:
+    return torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=BUCKET_CAP_MB, **ddp_options)
 
 
 def setup(method: str, dtype: torch.dtype = torch.float32, **overrides):
@@ -225,7 +225,7 @@ def unused(method: str, users_by_step: Tuple[Tuple[int, ...], ...], **ddp_option
     uses the same parameters at every step)."""
     rank = dist.get_rank()
     module = PartlyUsed()
-    model = torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=BUCKET_CAP_MB, **ddp_options)
+    model = ddp_model(module, **ddp_options)
     state = ddp.register(model, make_compression(method), optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     second = [n for n, _ in module.named_parameters()][2:]
     for step, users in enumerate(users_by_step):
@@ -311,16 +311,39 @@ def _gather(tensor: torch.Tensor, _name: str, group=None) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def adaptive_forced(kind: str, steps: int = 30, dense_steps: range = range(10, 20)) -> None:
-    """Every bucket forced dense for ``dense_steps``, compressed before and after: the
-    memories are empty after each dense step and no gradient mass is lost."""
+def plain_setup(kind: str, **ddp_options):
+    """:class:`Injected` under DDP (``ddp_options``) with ``kind``'s plain settings (``PLAIN``):
+    the module, the DDP model, the parameters at the start, the compressor, the hook's state
+    and SGD with lr 0.1."""
     method, options = PLAIN[kind]
     module = Injected()
-    model = ddp_model(module)
+    model = ddp_model(module, **ddp_options)
     start = {n: p.detach().clone() for n, p in module.named_parameters()}
     compression = getattr(hdgc.Compression, method)(**options)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     state = ddp.register(model, compression, optimizer=sgd)
+    return module, model, start, compression, state, sgd
+
+
+def conservation_errors(compression, module: torch.nn.Module, start: Dict[str, torch.Tensor],
+                        steps_of: Dict[int, int], group=None) -> Dict[str, float]:
+    """:func:`conservation_error` of ``module`` trained by the ranks of ``steps_of`` (rank ->
+    its steps, each rank's gradients of its own steps averaged over those ranks), the
+    memories averaged and gathered in ``group``."""
+    index = {name: i for i, (name, _) in enumerate(module.named_parameters())}
+
+    def mean_gradient_sum(name: str, _shape) -> torch.Tensor:
+        return sum(gradients(module, r, t)[index[name]].double()
+                   for r, steps in steps_of.items() for t in range(steps)) / len(steps_of)
+
+    return conservation_error(compression, start, module.named_parameters(), mean_gradient_sum, 0.1,
+                              lambda t, n: _mean(t, n, group), lambda t, n: _gather(t, n, group))
+
+
+def adaptive_forced(kind: str, steps: int = 30, dense_steps: range = range(10, 20)) -> None:
+    """Every bucket forced dense for ``dense_steps``, compressed before and after: the
+    memories are empty after each dense step and no gradient mass is lost."""
+    module, model, start, compression, state, sgd = plain_setup(kind)
     for step in range(steps):
         if step in (dense_steps.start, dense_steps.stop):
             compression.force_mode(DENSE if step == dense_steps.start else None)
@@ -328,14 +351,7 @@ def adaptive_forced(kind: str, steps: int = 30, dense_steps: range = range(10, 2
         if step in dense_steps:
             assert memories_empty(compression, module.named_parameters()), (kind, step)
     assert set(compression.bucket_modes().values()) == {COMPRESSED}, compression.bucket_modes()
-    index = {name: i for i, (name, _) in enumerate(module.named_parameters())}
-    world = dist.get_world_size()
-
-    def mean_gradient_sum(name: str, _shape) -> torch.Tensor:
-        return sum(gradients(module, r, t)[index[name]].double() for r in range(world) for t in range(steps)) / world
-
-    errors = conservation_error(compression, start, module.named_parameters(), mean_gradient_sum, 0.1,
-                                _mean, _gather)
+    errors = conservation_errors(compression, module, start, {r: steps for r in range(dist.get_world_size())})
     assert max(errors.values()) < 1e-5, f"{kind}: {errors}"
     print(f"rank {dist.get_rank()} {kind} ddp forced switches ok", flush=True)
 
@@ -346,25 +362,13 @@ def subgroups(kind: str, steps: int = 3) -> None:
     group's collectives stay in it (ranks and roots are the group's), so each group's
     parameters are its own ranks' gradients less what their memories owe, the same on both of
     its ranks and unlike the other group's."""
-    method, options = PLAIN[kind]
     rank = dist.get_rank()
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     group = groups[rank // 2]
     members = (2 * (rank // 2), 2 * (rank // 2) + 1)
-    module = Injected()
-    model = torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=BUCKET_CAP_MB, process_group=group)
-    start = {n: p.detach().clone() for n, p in module.named_parameters()}
-    compression = getattr(hdgc.Compression, method)(**options)
-    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
-    state = ddp.register(model, compression, optimizer=sgd)
+    module, model, start, compression, state, sgd = plain_setup(kind, process_group=group)
     ddp_steps(model, module, state, sgd, range(steps))
-    index = {name: i for i, (name, _) in enumerate(module.named_parameters())}
-
-    def mean_gradient_sum(name: str, _shape) -> torch.Tensor:
-        return sum(gradients(module, r, t)[index[name]].double() for r in members for t in range(steps)) / 2
-
-    errors = conservation_error(compression, start, module.named_parameters(), mean_gradient_sum, 0.1,
-                                lambda t, n: _mean(t, n, group), lambda t, n: _gather(t, n, group))
+    errors = conservation_errors(compression, module, start, {r: steps for r in members}, group)
     assert max(errors.values()) < 1e-5, f"rank {rank} {kind}: {errors}"
     everyone: List[torch.Tensor] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, flat(module))
@@ -380,25 +384,12 @@ def join(kind: str, **ddp_options) -> None:
     rank the last one's parameters at the end. Those are the start less lr times (the sum of
     every rank's gradients of its own steps over the world size, less what the memories owe):
     a joined rank's shadow steps keep sending what its memories held, and lose nothing."""
-    method, options = PLAIN[kind]
-    rank, world = dist.get_rank(), dist.get_world_size()
-    module = Injected()
-    model = torch.nn.parallel.DistributedDataParallel(module, bucket_cap_mb=BUCKET_CAP_MB, **ddp_options)
-    start = {n: p.detach().clone() for n, p in module.named_parameters()}
-    compression = getattr(hdgc.Compression, method)(**options)
-    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
-    state = ddp.register(model, compression, optimizer=sgd)
-    steps = [3 + 2 * r for r in range(world)]
+    rank = dist.get_rank()
+    module, model, start, compression, state, sgd = plain_setup(kind, **ddp_options)
+    steps_of = {r: 3 + 2 * r for r in range(dist.get_world_size())}
     with model.join():
-        ddp_steps(model, module, state, sgd, range(steps[rank]))
-    index = {name: i for i, (name, _) in enumerate(module.named_parameters())}
-
-    def mean_gradient_sum(name: str, _shape) -> torch.Tensor:
-        return sum(gradients(module, r, t)[index[name]].double()
-                   for r in range(world) for t in range(steps[r])) / world
-
-    errors = conservation_error(compression, start, module.named_parameters(), mean_gradient_sum, 0.1,
-                                _mean, _gather)
+        ddp_steps(model, module, state, sgd, range(steps_of[rank]))
+    errors = conservation_errors(compression, module, start, steps_of)
     assert max(errors.values()) < 1e-5, f"rank {rank} {kind} {ddp_options}: {errors}"
     print(f"rank {rank} {kind} {sorted(ddp_options)} ddp join ok", flush=True)
 
@@ -613,10 +604,27 @@ def sparse_misuse() -> None:
     expect(Exception, ["['0.weight'] is sparse"], lambda: model(tokens).sum().backward())
 
 
+def unused_with_each_option(method: str) -> None:
+    # The second layer: everyone, no rank, rank 0 only, no rank; never.
+    unused(method, ((0, 1), (), (0,), ()), find_unused_parameters=True)
+    unused(method, ((), (), ()), static_graph=True)
+
+
+def join_with_and_without_unused(method: str) -> None:
+    join(method)
+    join(method, find_unused_parameters=True)
+
+
+# The modes run once per method of --methods.
+PER_METHOD = {"aggregate": aggregate, "complex": complex_aggregate, "subgroups": subgroups,
+              "join": join_with_and_without_unused, "accumulate": accumulate, "checkpoint": checkpoint,
+              "unused": unused_with_each_option}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("modes", help="comma-separated: aggregate, train, accumulate, checkpoint, misuse, unused, adaptive, "
-                                          "compiled")
+    parser.add_argument("modes", help="comma-separated: aggregate, complex, subgroups, join, train, accumulate, "
+                                      "checkpoint, misuse, unused, adaptive, compiled")
     parser.add_argument("--methods", default="topk,dgc")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--horovod", action="store_true",
@@ -634,40 +642,19 @@ def main() -> None:
         return
     dist.init_process_group("gloo")
     for mode in args.modes.split(","):
-        if mode == "aggregate":
+        if mode in PER_METHOD:
             for method in methods:
-                aggregate(method)
-        elif mode == "subgroups":
-            for method in methods:
-                subgroups(method)
-        elif mode == "join":
-            for method in methods:
-                join(method)
-                join(method, find_unused_parameters=True)
-        elif mode == "complex":
-            for method in methods:
-                complex_aggregate(method)
+                PER_METHOD[mode](method)
         elif mode == "train":
             results = {f"{m}/{d}": train_ddp(m, DTYPES[d]) for m in methods for d in DTYPES}
             torch.save(results, args.out / f"ddp_rank{dist.get_rank()}.pt")
             print(f"rank {dist.get_rank()} ddp trained", flush=True)
-        elif mode == "accumulate":
-            for method in methods:
-                accumulate(method)
-        elif mode == "checkpoint":
-            for method in methods:
-                checkpoint(method)
         elif mode == "misuse":
             misuse()
         elif mode == "adaptive":
             adaptive()
         elif mode == "compiled":
             compiled(methods[0])
-        elif mode == "unused":
-            for method in methods:
-                # The second layer: everyone, no rank, rank 0 only, no rank; never.
-                unused(method, ((0, 1), (), (0,), ()), find_unused_parameters=True)
-                unused(method, ((), (), ()), static_graph=True)
         else:
             raise SystemExit(f"unknown mode {mode!r}")
     gc.collect()  # the DDP models, which hold the group, before the group (see amp_torch.py)
