@@ -478,6 +478,10 @@ MUTANTS: Tuple[Mutant, ...] = (
        "a complex parameter is taken by the fused optimizer and fails at its first step in Horovod's "
        "all-reduce, which names neither the parameter nor a way out",
        "test_bad_input.py::test_a_complex_parameter_is_refused_at_construction_naming_it"),
+    _m("maximize-with-decay-accepted", "torch/compression.py",
+       'if weight_decay and any(g.get("maximize", False) for g in groups):', "if False:",
+       "an SGD with maximize=True negates a weight decay the compressor added: the parameters grow",
+       "test_bad_input.py::test_a_maximizing_sgd_is_refused_where_the_compressor_applies_weight_decay"),
     _m("frozen-complex-parameter-refused", "torch/optimizer.py",
        "if p.is_complex() and p.requires_grad]", "if p.is_complex()]",
        "a model with a frozen complex parameter, which is never all-reduced, cannot build the fused "

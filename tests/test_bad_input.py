@@ -240,3 +240,47 @@ def test_a_frozen_complex_parameter_is_accepted_and_the_rest_trains():
     assert sorted(real.detach().unique().tolist()) == pytest.approx([-0.3, 0.0])
     assert int(real.detach().ne(0).sum()) == k
     assert torch.equal(phase.detach(), torch.ones(3, dtype=torch.complex64))
+
+
+def _maximizing_run(method: str, maximize: bool) -> torch.Tensor:
+    """5 steps of our DistributedOptimizer over SGD(momentum=0.9, maximize=maximize), on a
+    loss negated where ``maximize`` is False: the same objective both ways."""
+    from horovod_dgc.torch import DistributedOptimizer
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 300), torch.nn.Linear(300, 50))
+    compression = getattr(Compression, method)()
+    compression.use_transport(OneRankTransport())
+    optimizer = DistributedOptimizer(
+        torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, nesterov=method == "blocksign",
+                        maximize=maximize), named_parameters=net.named_parameters(), compression=compression)
+    inputs = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        optimizer.zero_grad()
+        loss = net(torch.randn(8, 64, generator=inputs)).square().mean()
+        (loss if maximize else -loss).backward()
+        optimizer.step()
+    return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+
+@pytest.mark.parametrize("method", ["dgc", "blocksign"])
+def test_a_maximizing_sgd_whose_momentum_moved_to_the_compressor_ascends_as_the_negated_loss(method):
+    """Momentum is linear in the gradient: moved into the compressor, an SGD with
+    maximize=True takes exactly the steps that a descent of the negated loss takes."""
+    assert torch.equal(_maximizing_run(method, True), _maximizing_run(method, False))
+
+
+def test_a_maximizing_sgd_is_refused_where_the_compressor_applies_weight_decay():
+    """SGD(maximize=True) negates what it is given: a weight decay the compressor already added
+    would grow the parameters (torch's SGD decays after negating). Refused when our optimizer
+    would move the SGD's decay into dgc, and on every path where dgc has a decay of its own."""
+    from horovod_dgc.torch import DistributedOptimizer
+    from horovod_dgc.torch.compression import check_plain_optimizer
+    weights = torch.nn.Parameter(torch.ones(100, 100))
+    compression = Compression.dgc()
+    compression.use_transport(OneRankTransport())
+    with pytest.raises(ValueError, match=r"maximize=True.*weight_decay=0.1.*negated objective"):
+        DistributedOptimizer(torch.optim.SGD([weights], lr=0.1, weight_decay=0.1, maximize=True),
+                             named_parameters=[("weights", weights)], compression=compression)
+    with pytest.raises(ValueError, match=r"maximize=True.*weight_decay=0.01"):
+        check_plain_optimizer(torch.optim.SGD([weights], lr=0.1, maximize=True),
+                              Compression.dgc(weight_decay=0.01).config)

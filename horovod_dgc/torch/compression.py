@@ -756,6 +756,7 @@ def check_plain_optimizer(optimizer: torch.optim.Optimizer, config,
             f"(momentum or adaptive moments) and would apply it a second time: use "
             f"torch.optim.SGD(momentum=0), or a method that keeps a plain residual (topk, "
             f"gaussiank, scalecom), which works under any optimizer")
+    check_not_maximizing(optimizer, getattr(config, "weight_decay", 0.0))
     for key in ("momentum", "weight_decay"):
         mine = getattr(config, key, 0.0)
         theirs = [g.get(key, 0.0) for g in optimizer.param_groups]
@@ -779,6 +780,19 @@ def check_plain_optimizer(optimizer: torch.optim.Optimizer, config,
             f"{1 / (1 - config.momentum):.3g}x weaker than in SGD(momentum={config.momentum}): "
             f"give the compressor weight_decay={max(decays)} and the optimizer weight_decay=0, "
             f"or {instead}")
+
+
+def check_not_maximizing(optimizer: torch.optim.Optimizer, weight_decay: float) -> None:
+    """Raise ValueError if a parameter group of ``optimizer`` has ``maximize=True`` while the
+    compressor adds ``weight_decay`` to the gradient: the SGD negates what it is given, the
+    decay included, which would then push the parameters away from zero (torch's SGD adds
+    its decay after negating). Momentum alone is unaffected: it is linear in the gradient."""
+    groups = _local_optimizer(optimizer).param_groups
+    if weight_decay and any(g.get("maximize", False) for g in groups):
+        raise ValueError(f"the optimizer has maximize=True, but the compressor adds weight_decay="
+                         f"{weight_decay} to the gradient before the optimizer negates it, which "
+                         f"would grow the parameters instead of decaying them: minimize the "
+                         f"negated objective with maximize=False instead")
 
 
 COMPRESSORS = {"sparse": SparseCompressor, "two-stage": TwoStageCompressor}

@@ -30,7 +30,8 @@ import torch
 from ..core.callers import caller_frames
 from ..core.collectives import DEFAULT_BUCKET_CAP_MB, backward_buckets
 from ..core.methods import spec_of
-from .compression import Compression, MethodCompressor, check_optimizer_compatible, check_plain_optimizer
+from .compression import (Compression, MethodCompressor, check_not_maximizing, check_optimizer_compatible,
+                          check_plain_optimizer)
 from .engine import DenseExchange, Engine
 
 _MOVED_AT_CONSTRUCTION = ("keep it 0 after construction, when this DistributedOptimizer moved the "
@@ -307,6 +308,7 @@ def _move_sgd_hyperparameters(optimizer: torch.optim.Optimizer, compression: Met
         names = {id(p): n for n, p in named}
         decays = {names[id(p)]: float(g.get("weight_decay", 0.0))
                   for g in optimizer.param_groups for p in g["params"] if id(p) in names}
+        check_not_maximizing(optimizer, max(decays.values(), default=0.0))
         if len(set(decays.values())) > 1:
             compression.engine.set_weight_decays(decays)
         elif any(decays.values()):
