@@ -482,6 +482,10 @@ MUTANTS: Tuple[Mutant, ...] = (
        'if weight_decay and any(g.get("maximize", False) for g in groups):', "if False:",
        "an SGD with maximize=True negates a weight decay the compressor added: the parameters grow",
        "test_bad_input.py::test_a_maximizing_sgd_is_refused_where_the_compressor_applies_weight_decay"),
+    _m("compressor-shared-by-two-models", "torch/compression.py",
+       "if renamed or not any(id(p) in bound for p in params.values()):", "if False:",
+       "one compressor given to two models mixes their memories under the same parameter names",
+       "test_bad_input.py::test_one_compressor_for_two_models_is_refused_and_an_optimizer_built_anew_is_not"),
     _m("frozen-complex-parameter-refused", "torch/optimizer.py",
        "if p.is_complex() and p.requires_grad]", "if p.is_complex()]",
        "a model with a frozen complex parameter, which is never all-reduced, cannot build the fused "

@@ -284,3 +284,25 @@ def test_a_maximizing_sgd_is_refused_where_the_compressor_applies_weight_decay()
     with pytest.raises(ValueError, match=r"maximize=True.*weight_decay=0.01"):
         check_plain_optimizer(torch.optim.SGD([weights], lr=0.1, maximize=True),
                               Compression.dgc(weight_decay=0.01).config)
+
+
+def test_one_compressor_for_two_models_is_refused_and_an_optimizer_built_anew_is_not():
+    """A compressor's memories are keyed by parameter name: given to a second model's optimizer
+    (a GAN's discriminator beside its generator, both named "0.weight", "0.bias"), it would mix
+    their memories, and a second model with names of its own would still share its step. An
+    optimizer built anew over the same model (after unfreezing a layer) keeps the compressor."""
+    from horovod_dgc.torch import DistributedOptimizer
+    generator, discriminator = torch.nn.Sequential(torch.nn.Linear(4, 3)), torch.nn.Sequential(torch.nn.Linear(4, 3))
+    compression = Compression.topk()
+    compression.use_transport(OneRankTransport())
+    generator[0].bias.requires_grad_(False)
+    DistributedOptimizer(torch.optim.SGD(generator.parameters(), lr=0.1),
+                         named_parameters=generator.named_parameters(), compression=compression)
+    generator[0].bias.requires_grad_(True)
+    DistributedOptimizer(torch.optim.SGD(generator.parameters(), lr=0.1),
+                         named_parameters=generator.named_parameters(), compression=compression)
+    with pytest.raises(ValueError, match=r"another model's parameters.*\['0.weight', '0.bias'\].*one compressor per model"):
+        DistributedOptimizer(torch.optim.SGD(discriminator.parameters(), lr=0.1),
+                             named_parameters=discriminator.named_parameters(), compression=compression)
+    with pytest.raises(ValueError, match=r"another model's parameters already: .*one compressor per model"):
+        compression.bind(discriminator.named_parameters(prefix="discriminator"))

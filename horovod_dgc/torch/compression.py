@@ -106,7 +106,9 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
 
     # -- set-up ------------------------------------------------------------------------------
     def bind(self, named_parameters: NamedParameters) -> None:
-        """Key the per-tensor memories by these parameter names."""
+        """Key the per-tensor memories by these parameter names. Bound again (an optimizer
+        built anew over the same model), every name must stay on its parameter and some
+        parameter must be the same: the memories belong to one model."""
         params = list(named_parameters)
         names = [name for name, _ in params]
         if len(set(names)) != len(names):
@@ -114,7 +116,22 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
         if not params:
             raise ValueError("named_parameters is empty (a generator already consumed? pass a "
                              "fresh model.named_parameters())")
+        self._check_same_model(dict(params))
         self._params = dict(params)
+
+    def _check_same_model(self, params: Dict[str, torch.nn.Parameter]) -> None:
+        """Raise ValueError if ``params`` are another model's than the bound ones."""
+        if not self._params:
+            return
+        renamed = [name for name, p in params.items() if self._params.get(name, p) is not p]
+        bound = {id(p) for p in self._params.values()}
+        if renamed or not any(id(p) in bound for p in params.values()):
+            named = f" ({renamed[:3]} name other tensors now)" if renamed else ""
+            raise ValueError(f"this compressor is bound to another model's parameters already{named}: "
+                             f"its memories are kept per parameter name, and two models (a GAN's "
+                             f"generator and discriminator, say) would share them; build one "
+                             f"compressor per model (state_dict() and load_state_dict() carry "
+                             f"memories over to a new one)")
 
     def reconfigure(self, **changes) -> None:
         """Replace settings of the method's config (validated again); only before training."""
