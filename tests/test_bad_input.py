@@ -301,8 +301,9 @@ def test_one_compressor_for_two_models_is_refused_and_an_optimizer_built_anew_is
     generator[0].bias.requires_grad_(True)
     DistributedOptimizer(torch.optim.SGD(generator.parameters(), lr=0.1),
                          named_parameters=generator.named_parameters(), compression=compression)
-    with pytest.raises(ValueError, match=r"another model's parameters.*\['0.weight', '0.bias'\].*one compressor per model"):
+    with pytest.raises(ValueError, match=r"another model's parameters.*\['0.weight', '0.bias'\]"
+                                         r".*each optimizer \(or DDP model\) its own"):
         DistributedOptimizer(torch.optim.SGD(discriminator.parameters(), lr=0.1),
                              named_parameters=discriminator.named_parameters(), compression=compression)
-    with pytest.raises(ValueError, match=r"another model's parameters already: .*one compressor per model"):
+    with pytest.raises(ValueError, match=r"another model's parameters already: .*each optimizer \(or DDP model\) its own"):
         compression.bind(discriminator.named_parameters(prefix="discriminator"))

@@ -129,9 +129,9 @@ class MethodCompressor(CompressorControls, HorovodCompressor):
             named = f" ({renamed[:3]} name other tensors now)" if renamed else ""
             raise ValueError(f"this compressor is bound to another model's parameters already{named}: "
                              f"its memories are kept per parameter name, and two models (a GAN's "
-                             f"generator and discriminator, say) would share them; build one "
-                             f"compressor per model (state_dict() and load_state_dict() carry "
-                             f"memories over to a new one)")
+                             f"generator and discriminator, say) would share them; give each "
+                             f"optimizer (or DDP model) its own compressor (state_dict() and "
+                             f"load_state_dict() carry memories over to a new one)")
 
     def reconfigure(self, **changes) -> None:
         """Replace settings of the method's config (validated again); only before training."""
