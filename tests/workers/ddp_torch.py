@@ -121,6 +121,17 @@ def ddp_steps(model, module, state, sgd, steps) -> None:
         sgd.step()
 
 
+def mean_over_ranks(sent: torch.Tensor) -> torch.Tensor:
+    """The dense reference of an average: every rank's ``sent`` summed in rank order, then
+    scaled by 1 / world size, as the exchanges do."""
+    everyone: List[torch.Tensor] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sent)
+    reference = torch.zeros_like(sent)
+    for each in everyone:
+        reference = reference + each
+    return reference * (1.0 / len(everyone))
+
+
 # -- aggregate -----------------------------------------------------------------------------
 def aggregate(method: str) -> None:
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -135,12 +146,7 @@ def aggregate(method: str) -> None:
         if compressed:
             k = top_count(config.density_floor(tuple(grad.shape)) or config.density, grad.numel())
             assert torch.equal(mine, exact_topk_dense(grad, k)), f"{name}: not the exact top-k"
-        everyone: List[torch.Tensor] = [None] * size
-        dist.all_gather_object(everyone, mine)
-        reference = torch.zeros_like(grad)
-        for sent in everyone:
-            reference = reference + sent
-        reference = reference * (1.0 / size)
+        reference = mean_over_ranks(mine)
         if compressed:
             assert torch.equal(param.grad, reference), f"rank {rank} {method} {name}: not bit-exact"
         else:
@@ -184,9 +190,7 @@ def complex_aggregate(method: str) -> None:
     grads = complex_gradients(module, rank, 0)
     model(grads).backward()
     mine = exact_topk_dense(torch.view_as_real(grads[1]), 50)
-    everyone: List[torch.Tensor] = [None] * size
-    dist.all_gather_object(everyone, mine)
-    reference = sum(everyone[1:], everyone[0]) * (1.0 / size)
+    reference = mean_over_ranks(mine)
     assert module.phase.grad.dtype == torch.complex64
     assert torch.equal(torch.view_as_real(module.phase.grad), reference), \
         f"rank {rank} {method}: the complex gradient is not the average of the ranks' top-k"
