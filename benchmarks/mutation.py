@@ -304,6 +304,10 @@ MUTANTS: Tuple[Mutant, ...] = (
     _m("torch-allreduce-summed", "torch/collectives.py",
        "handle = hvd.allreduce_async(message, op=hvd.Average,", "handle = hvd.allreduce_async(message, op=hvd.Sum,",
        "the all-reduce of a method's messages (ScaleCom's values) sums instead of averaging"),
+    _m("wait-spins", "torch/collectives.py", "        _sleep_until_done(handle)\n", "",
+       "a wait for a collective spins in Horovod's own wait, taking a core from the workers that "
+       "share it",
+       "test_torch_multiprocess.py::test_a_rank_waiting_for_a_late_peer_sleeps_instead_of_spinning"),
     _m("tf-allreduce-summed", "tensorflow/collectives.py", "return hvd.allreduce(message, op=hvd.Average,",
        "return hvd.allreduce(message, op=hvd.Sum,",
        "TensorFlow: the all-reduce of a method's messages sums instead of averaging"),

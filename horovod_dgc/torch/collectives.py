@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 import horovod.torch as hvd
@@ -15,6 +16,13 @@ PREFIX = "horovod_dgc."
 # Each launched collective's (kind, name) by its handle, so that a failed wait names it.
 _LAUNCHED: Dict[int, Tuple[str, str]] = {}
 _LAUNCHED_LOCK = threading.Lock()
+
+# Horovod's own wait (hvd.synchronize) spins on a core until the collective is done. Where
+# workers outnumber cores, the waiting workers' spins starve the background threads that do
+# the work, and a step stalled for 10 to 45 s now and then (past Gloo's 30 s timeout: the
+# hierarchical mode's "hang"). So a wait sleeps between polls, the pause doubling from the
+# first to the longest (at most one of Horovod's 1 ms cycles late).
+POLL_PAUSE_S = (5e-5, 1e-3)
 
 
 def launch(kind: str, message: torch.Tensor, name: str, root: int = 0,
@@ -47,6 +55,7 @@ def wait(handle: int) -> torch.Tensor:
     with _LAUNCHED_LOCK:
         kind, name = _LAUNCHED.pop(handle, ("collective", "?"))
     try:
+        _sleep_until_done(handle)
         result = hvd.synchronize(handle)
     except HorovodInternalError as error:
         raise HorovodInternalError(
@@ -55,6 +64,13 @@ def wait(handle: int) -> torch.Tensor:
             f"for longer than Gloo's timeout (horovodrun --gloo-timeout-seconds, "
             f"HOROVOD_GLOO_TIMEOUT_SECONDS; 30 s by default), or one died. Horovod said: {error}") from error
     return result[0] if isinstance(result, tuple) else result
+
+
+def _sleep_until_done(handle: int) -> None:
+    pause_s, longest_s = POLL_PAUSE_S
+    while not hvd.poll(handle):
+        time.sleep(pause_s)
+        pause_s = min(2 * pause_s, longest_s)
 
 
 class HorovodTransport:
