@@ -143,10 +143,10 @@ compose-test: setup
 	$(PYTHON) -m benchmarks.compose.compose_test $(if $(COMPOSE),--compose $(COMPOSE)) \
 		$(if $(KILL_WORKER),--kill-worker $(KILL_WORKER))
 
-## The intermittent hang of hierarchical=True (docs/guide/many-hosts.md): its PyTorch and TensorFlow
-## test jobs alternating, again and again, each line stamped, the stacks of a run that hangs dumped
-## (py-spy, which make setup installs). RUNS=20; NO_BYTECODE=1 compiles every module from source in
-## every worker.
+## hierarchical=True's PyTorch and TensorFlow test jobs alternating, again and again, at Gloo's
+## default 30 s timeout (a step stalled past it fails the run; docs/guide/many-hosts.md), each line
+## stamped, the stacks of a run that never ends dumped (py-spy, which make setup installs). RUNS=20;
+## NO_BYTECODE=1 compiles every module from source in every worker.
 stress-hierarchical: setup
 	$(PYTHON) -m benchmarks.hierarchical_stress --runs $(or $(RUNS),20) $(if $(NO_BYTECODE),--no-bytecode)
 

@@ -4,11 +4,11 @@ Runs the test jobs of 2 hosts x 2 workers again and again, PyTorch's
 (``tests/workers/hierarchy_torch.py``, both Horovod paths) and TensorFlow's
 (``tests/workers/hierarchy_tensorflow.py``) alternating, each through the run lists of its
 test in turn. Every output line is stamped with the
-time. A run still going after ``--dump-after-s`` gets every worker's Python and native stacks
-(py-spy, when it is installed) written beside its log, and is then stopped. Horovod's Gloo
-timeout is raised (``--gloo-timeout-s``) so that a stuck job stays stuck until it is dumped,
-instead of aborting after 30 s with nothing but "Timed out waiting 30000ms". One line per run,
-then a summary::
+time. Gloo's timeout is Horovod's default, 30 s (``--gloo-timeout-s``), as in the first
+reports: a step that stalls past it ends the run with "Timed out waiting 30000ms", counted as
+a failure, as it would end a user's job. A run still going after ``--dump-after-s`` (a wait
+that no timeout ends) gets every worker's Python and native stacks (py-spy, when it is
+installed) written beside its log, and is then stopped. One line per run, then a summary::
 
     python -m benchmarks.hierarchical_stress [--runs 20] [--frameworks torch,tensorflow]
         [--no-bytecode] [--out DIR]
@@ -176,9 +176,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="the jobs to alternate, comma-separated (default: torch,tensorflow)")
     p.add_argument("--dump-after-s", type=float, default=240.0,
                    help="dump the stacks of a run still going after this long, then stop it "
-                        "(a passing run takes 40-170 s on 2 cores, the longer ones with --no-bytecode)")
-    p.add_argument("--gloo-timeout-s", type=int, default=900,
-                   help="Horovod's Gloo timeout (30 s by default in horovodrun)")
+                        "(a passing run takes 15-60 s on 2 cores, the longer ones with --no-bytecode)")
+    p.add_argument("--gloo-timeout-s", type=int, default=30,
+                   help="Horovod's Gloo timeout (its default: 30 s); a larger one lets a stalled "
+                        "step finish late and pass")
     p.add_argument("--no-bytecode", action="store_true",
                    help="compile every module from source in every worker")
     p.add_argument("--out", type=Path, default=ROOT / "build" / "hierarchical-stress")

@@ -21,7 +21,9 @@ import horovod.torch as hvd
 import torch
 
 import horovod_dgc.torch as hdgc
+from horovod_dgc.core.collectives import ALLREDUCE
 from horovod_dgc.core.selection import top_count
+from horovod_dgc.torch.collectives import launch, wait
 from twostage_torch import check_same_parameters_on_every_rank, simulation
 
 STEPS = 6
@@ -103,6 +105,10 @@ def run(kind: str, path: str, hosts) -> None:
     else:
         expected = simulation(compression.method, averaged, {n: [n] for n in compressed},
                               len(hosts))
+    # The ranks build their references at different speeds, and the stock optimizer waits in
+    # Horovod's own wait, which spins: those that finish first would take the cores from the
+    # others (horovod_dgc.torch.collectives.POLL_PAUSE_S). So they meet first in a wait that sleeps.
+    wait(launch(ALLREDUCE, torch.zeros(1), f"references built.{kind}.{path}"))
     mine = all_grads[rank]
     params = dict(net.named_parameters())
     for step in range(STEPS):
