@@ -58,6 +58,7 @@ JOBS: Dict[str, Job] = {
     "tensorflow": Job(ROOT / "tests" / "workers" / "hierarchy_tensorflow.py", "--kinds", TF_KIND_LISTS),
 }
 WORKERS = 4
+OK_LINE = re.compile(r"^(\d+:\d+:[\d.]+) \[\d+\]<stdout>:rank \d+/\d+ (.+) hierarchical ok")
 TIMEOUT_LINE = re.compile(r"^\S+ \[(\d+)\]<stderr>:.*Timed out waiting \d+ms for (send|recv) operation")
 
 
@@ -69,6 +70,9 @@ class RunResult:
     expected_oks: int
     timeouts: List[str]  # "rank R: send|recv", one per Gloo timeout reported
     last_ok: Optional[str]  # the last "... hierarchical ok" line
+    # The longest time from a kind's last ok line to the next kind's first (its build, its
+    # references and its steps; a stalled step shows here below Gloo's timeout)
+    longest_kind_s: Optional[float] = None
 
     @property
     def passed(self) -> bool:
@@ -81,7 +85,23 @@ def classify(log: str, run_list: str) -> RunResult:
     oks = [line for line in lines if "hierarchical ok" in line]
     timeouts = [f"rank {m.group(1)}: {m.group(2)}" for m in map(TIMEOUT_LINE.match, lines) if m]
     return RunResult(oks=len(oks), expected_oks=WORKERS * len(run_list.split(",")),
-                     timeouts=timeouts, last_ok=oks[-1] if oks else None)
+                     timeouts=timeouts, last_ok=oks[-1] if oks else None,
+                     longest_kind_s=_longest_kind_s(oks))
+
+
+def _longest_kind_s(oks: List[str]) -> Optional[float]:
+    kinds: List[Tuple[str, List[float]]] = []  # (kind, its ok lines' times), in log order
+    for line in oks:
+        match = OK_LINE.match(line)
+        if match is None:
+            continue
+        hours, minutes, seconds = match.group(1).split(":")
+        time_s = int(hours) * 3600 + int(minutes) * 60 + float(seconds)
+        if not kinds or kinds[-1][0] != match.group(2):
+            kinds.append((match.group(2), []))
+        kinds[-1][1].append(time_s)
+    return max((min(times) - max(before) for (_, before), (_, times) in zip(kinds, kinds[1:])),
+               default=None)
 
 
 def _stamp(source: IO[str], sink: IO[str]) -> None:
@@ -134,9 +154,9 @@ def planned(index: int, frameworks: Sequence[str]) -> Tuple[str, Job, str]:
 
 
 def run_once(index: int, frameworks: Sequence[str], out_dir: Path, env: dict, dump_after_s: float,
-             gloo_timeout_s: int) -> bool:
+             gloo_timeout_s: int) -> Tuple[bool, Optional[float]]:
     """Run ``index`` of :func:`planned`; whether it passed (every ok, no timeout, ended on its
-    own)."""
+    own), and its longest kind after the first (s)."""
     framework, job, run_list = planned(index, frameworks)
     bin_dir = Path(sys.executable).parent
     cmd = [str(bin_dir / "horovodrun"), "-np", str(WORKERS), "-H", "localhost:2,127.0.0.1:2",
@@ -161,12 +181,13 @@ def run_once(index: int, frameworks: Sequence[str], out_dir: Path, env: dict, du
     result = classify(log_path.read_text(), run_list)
     passed = result.passed and stacks is None
     print(f"run {index:3d} ({framework:10s}): {'passed' if passed else 'FAILED'} in {time.monotonic() - started:5.0f} s, "
-          f"{result.oks} of {result.expected_oks} ok; Gloo timeouts: "
+          f"{result.oks} of {result.expected_oks} ok; longest kind after the first: "
+          f"{'-' if result.longest_kind_s is None else f'{result.longest_kind_s:.1f} s'}; Gloo timeouts: "
           f"{', '.join(result.timeouts) or 'none'}; log {log_path}"
           + ("" if passed else f"; last ok line: {result.last_ok}")
           + ("" if stacks is None else f"; stopped after {dump_after_s:.0f} s, stacks in {stacks}"),
           flush=True)
-    return passed
+    return passed, result.longest_kind_s
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -200,8 +221,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     results = [run_once(i, args.frameworks, args.out, env, args.dump_after_s, args.gloo_timeout_s)
                for i in range(args.runs)]
-    failed = [i for i, passed in enumerate(results) if not passed]
+    failed = [i for i, (passed, _) in enumerate(results) if not passed]
+    longest_s = max((s for _, s in results if s is not None), default=None)
     print(f"\n{len(results) - len(failed)} of {len(results)} runs passed"
+          + ("" if longest_s is None else f"; the longest kind after a run's first took {longest_s:.1f} s")
           + (f"; failed: {', '.join(map(str, failed))} (logs and stacks in {args.out})" if failed else ""))
     return 1 if failed else 0
 

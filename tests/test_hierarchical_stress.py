@@ -4,8 +4,8 @@ from benchmarks.hierarchical_stress import RUN_LISTS, TF_KIND_LISTS, classify, p
 RUN_LIST = RUN_LISTS[0]
 
 
-def _ok(rank: int, kind: str) -> str:
-    return f"08:19:57.038 [{rank}]<stdout>:rank {rank}/4 {kind} hierarchical ok"
+def _ok(rank: int, kind: str, time: str = "08:19:57.038") -> str:
+    return f"{time} [{rank}]<stdout>:rank {rank}/4 {kind} hierarchical ok"
 
 
 def test_a_run_with_every_ok_and_no_timeout_passed():
@@ -30,6 +30,19 @@ def test_gloo_timeouts_are_read_per_rank_and_fail_the_run():
     result = classify(log, RUN_LIST)
     assert result.timeouts == ["rank 0: send", "rank 2: recv"]
     assert result.oks == 4 and not result.passed
+
+
+def test_the_longest_kind_runs_from_the_last_ok_of_the_kind_before_to_the_first_of_its_own():
+    # topk: ranks done at 10-12 s; scalecom at 15-16 (3 s); blocksign at 59-61 (43 s); a
+    # naive reference: the gaps between consecutive kinds, from the slowest to the fastest rank.
+    times = {"topk stock": [10, 11, 12, 11], "scalecom own": [15, 16, 15, 15],
+             "blocksign stock": [60, 61, 59, 59]}
+    log = "\n".join(_ok(r, kind, f"08:19:{at:06.3f}") for kind, ats in times.items()
+                     for r, at in enumerate(ats))
+    expected = max(min(b) - max(a) for a, b in zip(list(times.values()), list(times.values())[1:]))
+    assert expected == 43
+    assert classify(log, RUN_LIST).longest_kind_s == expected
+    assert classify("\n".join(_ok(r, "topk stock") for r in range(4)), RUN_LIST).longest_kind_s is None
 
 
 def test_missing_oks_fail_a_run_without_timeouts():
