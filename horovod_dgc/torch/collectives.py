@@ -18,9 +18,9 @@ _LAUNCHED: Dict[int, Tuple[str, str]] = {}
 _LAUNCHED_LOCK = threading.Lock()
 
 # Horovod's own wait (hvd.synchronize) spins on a core until the collective is done. Where
-# workers outnumber cores, the waiting workers' spins starve the background threads that do
-# the work, and a step stalled for 10 to 45 s now and then (past Gloo's 30 s timeout: the
-# hierarchical mode's "hang"). So a wait sleeps between polls, the pause doubling from the
+# workers outnumber cores, the waiting workers' spins starve the workers still computing and
+# the background threads that do the work, and now and then a step stalls for tens of seconds
+# (past Gloo's 30 s timeout). So a wait sleeps between polls, the pause doubling from the
 # first to the longest (at most one of Horovod's 1 ms cycles late).
 POLL_PAUSE_S = (5e-5, 1e-3)
 
@@ -48,10 +48,11 @@ def launch(kind: str, message: torch.Tensor, name: str, root: int = 0,
 
 
 def wait(handle: int) -> torch.Tensor:
-    """The result of a launched collective (alltoall's received splits dropped). If Horovod
-    shuts down while this rank waits (a peer stopped, died or was cut off, and Gloo's
-    timeout ran out), the HorovodInternalError raised names the collective and its tensors
-    (the same type: Horovod's elastic training recovers from it as before)."""
+    """The result of a launched collective (alltoall's received splits dropped), waited for
+    asleep between polls (``POLL_PAUSE_S``). If Horovod shuts down while this rank waits (a
+    peer stopped, died or was cut off, and Gloo's timeout ran out), the HorovodInternalError
+    raised names the collective and its tensors (the same type: Horovod's elastic training
+    recovers from it as before)."""
     with _LAUNCHED_LOCK:
         kind, name = _LAUNCHED.pop(handle, ("collective", "?"))
     try:
