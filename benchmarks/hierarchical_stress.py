@@ -1,21 +1,22 @@
-"""The intermittent hang of ``hierarchical=True`` (docs/guide/many-hosts.md), made easy to catch.
+"""``hierarchical=True``'s test jobs again and again, to catch a step that stalls
+(docs/guide/many-hosts.md: workers that share cores).
 
 Runs the test jobs of 2 hosts x 2 workers again and again, PyTorch's
 (``tests/workers/hierarchy_torch.py``, both Horovod paths) and TensorFlow's
 (``tests/workers/hierarchy_tensorflow.py``) alternating, each through the run lists of its
-test in turn. Every output line is stamped with the
-time. Gloo's timeout is Horovod's default, 30 s (``--gloo-timeout-s``), as in the first
-reports: a step that stalls past it ends the run with "Timed out waiting 30000ms", counted as
-a failure, as it would end a user's job. A run still going after ``--dump-after-s`` (a wait
-that no timeout ends) gets every worker's Python and native stacks (py-spy, when it is
-installed) written beside its log, and is then stopped. One line per run, then a summary::
+test in turn. Every output line is stamped with the time. Gloo's timeout is Horovod's
+default, 30 s (``--gloo-timeout-s``): a step that stalls past it ends the run with "Timed out
+waiting 30000ms", counted as a failure, as it would end a user's job; a shorter stall shows in
+the run's longest kind. A run still going after ``--dump-after-s`` (a wait that no timeout
+ends) gets every worker's Python and native stacks (py-spy, when it is installed) written
+beside its log, and is then stopped. One line per run, then a summary::
 
     python -m benchmarks.hierarchical_stress [--runs 20] [--frameworks torch,tensorflow]
         [--no-bytecode] [--out DIR]
 
 ``--no-bytecode`` compiles every module from source in every worker (an empty
-``PYTHONPYCACHEPREFIX``), as a machine without compiled packages does: the condition of the
-first reports (3 of 28 runs) and of the one reproduction on 2026-11-27 (1 run of 26).
+``PYTHONPYCACHEPREFIX``), as a machine without compiled packages does: the workers start
+more slowly and unevenly.
 """
 from __future__ import annotations
 
